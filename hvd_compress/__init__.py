@@ -1,0 +1,15 @@
+"""hvd_compress: gradient compression for Horovod.
+
+This package is the framework-neutral core (numpy only): the codecs' hyperparameters,
+validation, wire formats and numpy reference math, the registry of names, the byte-count cost
+model and the N-worker reference simulation. The framework ports are ``hvd_compress.pt``
+(PyTorch) and ``hvd_compress.tf`` (TensorFlow).
+"""
+from .codec import FP16, Codec, NoneCodec
+from .codes import FloatCodes, IntCodes
+from .registry import CODECS, resolve
+from .terngrad import TernGrad
+
+__all__ = ["CODECS", "Codec", "FP16", "FloatCodes", "IntCodes", "NoneCodec", "TernGrad",
+           "resolve"]
+__version__ = "0.1.0"

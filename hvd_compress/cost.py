@@ -1,0 +1,82 @@
+"""Byte-count cost model of the exchanges, and the choice of exchange by ``"auto"``.
+
+For a tensor of n elements on N workers, counted per worker and per step:
+
+``handed``: bytes of the tensors this worker passes into Horovod collectives.
+``sent``: bytes this worker puts on the network, for Horovod's ring algorithms:
+    allreduce 2 (N - 1) / N x input, allgather (N - 1) x input, alltoall (N - 1) / N x input.
+
+Exchanges (see ``hvd_compress.pt.exchange``):
+
+``allreduce``: the codes in the narrowest allreduce carrier that cannot overflow for N
+    workers (summable codecs only).
+``allgather``: every worker's packed codes reach every worker, which sums them.
+``sharded``: an alltoall sends shard k of every worker's packed codes to rank k, which sums
+    them, packs the sum in the narrowest width that holds it, and an allgather returns every
+    rank's summed shard to everyone.
+
+A codec with a shared scale adds one float32 per tensor to a Max-allreduce.
+"""
+from dataclasses import dataclass
+
+from .codes import ITEMSIZE, shard_length
+
+EXCHANGES = ("allreduce", "allgather", "sharded")
+
+# Collectives the PyTorch allreduce can sum (horovod.torch rejects int8 and uint8).
+TORCH_ALLREDUCE_DTYPES = ("float16", "int32", "int64")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    handed: int
+    sent: float
+    collectives: int
+
+    def __add__(self, other):
+        return Traffic(self.handed + other.handed, self.sent + other.sent,
+                       self.collectives + other.collectives)
+
+
+NO_TRAFFIC = Traffic(0, 0.0, 0)
+
+
+def allreduce_traffic(nbytes, world_size):
+    return Traffic(nbytes, 2 * (world_size - 1) / world_size * nbytes, 1)
+
+
+def uncompressed_traffic(numel, world_size, itemsize=4):
+    """A tensor sent whole by a plain allreduce."""
+    return allreduce_traffic(numel * itemsize, world_size)
+
+
+def compressed_traffic(codec, numel, world_size, exchange,
+                       allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
+    """Traffic of one tensor through ``codec`` and ``exchange``."""
+    space = codec.code_space
+    n_workers = world_size
+    scale = allreduce_traffic(4, n_workers) if codec.shares_scale else NO_TRAFFIC
+    if exchange == "allreduce":
+        if not codec.summable:
+            raise ValueError(f"{codec.name} codes cannot be summed by allreduce")
+        carrier = space.allreduce_carrier(n_workers, allreduce_dtypes)
+        return scale + allreduce_traffic(numel * ITEMSIZE[carrier], n_workers)
+    if exchange == "allgather":
+        nbytes = space.packed_nbytes(numel)
+        return scale + Traffic(nbytes, (n_workers - 1) * nbytes, 1)
+    if exchange == "sharded":
+        total = space.summed(n_workers)
+        length = shard_length(numel, n_workers, space, total)
+        phase1 = n_workers * space.packed_nbytes(length)
+        phase2 = total.packed_nbytes(length)
+        sent = (n_workers - 1) / n_workers * phase1 + (n_workers - 1) * phase2
+        return scale + Traffic(phase1 + phase2, sent, 2)
+    raise ValueError(f"exchange must be one of {EXCHANGES} or 'auto', got {exchange!r}")
+
+
+def choose_exchange(codec, numel, world_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
+    """The exchange that sends the fewest bytes; on a tie, the one with fewer collectives."""
+    candidates = [e for e in EXCHANGES if e != "allreduce" or codec.summable]
+    return min(candidates, key=lambda e: (
+        compressed_traffic(codec, numel, world_size, e, allreduce_dtypes).sent,
+        compressed_traffic(codec, numel, world_size, e, allreduce_dtypes).collectives))

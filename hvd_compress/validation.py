@@ -1,0 +1,39 @@
+"""Checks of user-supplied hyperparameters that name the parameter and what is allowed."""
+import math
+import numbers
+
+
+def check_int(owner, name, value, *, low=None, high=None):
+    """Returns ``value`` if it is an integer in [low, high]; raises otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}: {name} must be an integer, got {value!r}")
+    _check_range(owner, name, value, low, high)
+    return int(value)
+
+
+def check_float(owner, name, value, *, low=None, high=None):
+    """Returns ``value`` as a float if it is a finite real number in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: {name} must be a real number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be finite, got {value!r}")
+    _check_range(owner, name, value, low, high)
+    return float(value)
+
+
+def check_choice(owner, name, value, choices):
+    if value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{owner}: {name} must be one of {allowed}; got {value!r}")
+    return value
+
+
+def _check_range(owner, name, value, low, high):
+    if (low is not None and value < low) or (high is not None and value > high):
+        if high is None:
+            allowed = f">= {low}"
+        elif low is None:
+            allowed = f"<= {high}"
+        else:
+            allowed = f"in [{low}, {high}]"
+        raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}")

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Idempotent set-up of the development environment on Debian/Ubuntu:
+#   OpenMPI (system packages) -> .venv with torch, TensorFlow, mnist1d ->
+#   Horovod 0.28.1 built from its PyPI sdist (cached as a wheel outside the repo) ->
+#   hvd_compress installed editable.
+# A second run on the same machine takes seconds: the Horovod wheel is reused.
+#
+# Environment:
+#   HVD_COMPRESS_VENV   where the venv goes            (default: <repo>/.venv)
+#   HVD_COMPRESS_CACHE  where built wheels are cached  (default: ~/.cache/hvd_compress)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HVD_COMPRESS_VENV:-$REPO/.venv}"
+CACHE="${HVD_COMPRESS_CACHE:-$HOME/.cache/hvd_compress}"
+HOROVOD_VERSION=0.28.1
+TORCH_VERSION=2.13.0
+TF_VERSION=2.21.0
+
+log() { printf '[setup] %s\n' "$*"; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+install_system_packages() {
+    local missing=()
+    for pkg in libopenmpi-dev openmpi-bin cmake g++ iproute2; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    if [ "${#missing[@]}" -gt 0 ]; then
+        log "installing system packages: ${missing[*]}"
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+}
+
+create_venv() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating $VENV"
+        python3 -m venv "$VENV"
+    fi
+    log "installing Python packages (launch/requirements.txt)"
+    "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REPO/launch/requirements.txt"
+}
+
+# Builds Horovod from its sdist with the three CMake edits that torch >= 2.1 and
+# TensorFlow >= 2.19 need (see README, "Building Horovod"):
+#   - everything compiled as C++17 (torch's headers demand it; gloo must match or the link
+#     fails on a duplicate gloo::rendezvous::Store::kDefaultTimeout),
+#   - the optional XLA ops source dropped (it no longer compiles against TF 2.21's headers).
+build_horovod_wheel() {
+    local wheel_dir="$1" work
+    work="$(mktemp -d)"
+    log "building Horovod $HOROVOD_VERSION (about 5 minutes on 2 cores)"
+    "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --no-binary :all: \
+        -d "$work" "horovod==$HOROVOD_VERSION"
+    tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
+    local src="$work/horovod-$HOROVOD_VERSION"
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+        "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    mkdir -p "$wheel_dir"
+    # pip's cmake 4.x rejects the bundled gloo: the system cmake is used (PATH has /usr/bin).
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+    HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+    CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j"$(nproc)" \
+        "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-build-isolation --no-deps \
+        -w "$work/wheel" "$src"
+    mv "$work"/wheel/horovod-*.whl "$wheel_dir/"
+    rm -rf "$work"
+}
+
+install_horovod() {
+    local py key wheel_dir
+    py="$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+    key="horovod-${HOROVOD_VERSION}_torch-${TORCH_VERSION}_tf-${TF_VERSION}_${py}_$(uname -m)"
+    wheel_dir="$CACHE/$key"
+    if "$VENV/bin/python" - "$HOROVOD_VERSION" <<'PY' 2>/dev/null; then
+import sys, importlib.metadata as md
+assert md.version("horovod") == sys.argv[1]
+import horovod.torch, horovod.common.util as u
+assert u.gloo_built() and u.mpi_built()
+PY
+        log "Horovod $HOROVOD_VERSION already installed"
+        return
+    fi
+    if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+        build_horovod_wheel "$wheel_dir"
+    else
+        log "using cached wheel in $wheel_dir"
+    fi
+    "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
+    "$VENV/bin/pip" install -q --disable-pip-version-check cloudpickle psutil pyyaml packaging cffi
+}
+
+install_project() {
+    log "installing hvd_compress (editable)"
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$REPO"
+}
+
+install_system_packages
+create_venv
+install_horovod
+install_project
+log "done: $("$VENV/bin/python" -c 'import horovod, torch, tensorflow as tf; print(f"horovod {horovod.__version__}, torch {torch.__version__}, tensorflow {tf.__version__}")' 2>/dev/null)"

@@ -1,0 +1,10 @@
+"""PyTorch port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
+``DistributedOptimizer`` that exchanges their codes through Horovod collectives."""
+from .codec import FP16, Codec, NoneCodec
+from .terngrad import TernGrad
+
+CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad)}
+
+from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
+
+__all__ = ["CODECS", "Codec", "DistributedOptimizer", "FP16", "NoneCodec", "TernGrad"]

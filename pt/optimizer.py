@@ -1,0 +1,234 @@
+"""``DistributedOptimizer``: a drop-in for ``horovod.torch.DistributedOptimizer`` that
+compresses gradients with any codec of ``hvd_compress``."""
+import contextlib
+import warnings
+
+import horovod.torch as hvd
+import horovod.torch.optimizer as horovod_optimizer
+import torch
+
+from hvd_compress.cost import EXCHANGES
+from hvd_compress.registry import resolve
+from hvd_compress.validation import check_choice, check_float, check_int
+
+from . import CODECS
+from .pipeline import CompressionPipeline
+
+STATE_KEY = "hvd_compress"
+
+
+class _DistributedOptimizer:
+    """Methods grafted onto a subclass of the user's optimizer class (see
+    ``DistributedOptimizer``); the base class is called explicitly, never through ``super``,
+    because these functions are copied into a class built at run time."""
+
+    def _hvdc_setup(self, base, pipeline, backward_passes_per_step):
+        self._hvdc_base = base
+        self._hvdc_pipeline = pipeline
+        self._hvdc_passes = backward_passes_per_step
+        self._hvdc_delay = {p: backward_passes_per_step for p in pipeline.plans}
+        self._hvdc_launched = set()
+        self._hvdc_synchronized = False
+        self._hvdc_should_synchronize = True
+        self._hvdc_hooks = [p.register_post_accumulate_grad_hook(self._hvdc_on_grad)
+                            for p in pipeline.plans if p.requires_grad]
+
+    def _hvdc_on_grad(self, param):
+        if param in self._hvdc_launched:
+            raise RuntimeError(
+                f"gradients were computed more than backward_passes_per_step="
+                f"{self._hvdc_passes} times before step() or synchronize(); raise "
+                f"backward_passes_per_step to accumulate more passes")
+        self._hvdc_delay[param] -= 1
+        if self._hvdc_delay[param] == 0:
+            self._hvdc_launched.add(param)
+            self._hvdc_pipeline.launch(param)
+
+    def synchronize(self):
+        """Waits for every gradient exchange of this step and writes the averaged
+        gradients into ``.grad``. Call it before gradient clipping, then ``step()`` inside
+        ``skip_synchronize()``."""
+        missing = [p for p in self._hvdc_pipeline.plans
+                   if p.requires_grad and p not in self._hvdc_launched]
+        self._hvdc_pipeline.synchronize(missing)
+        self._hvdc_launched.clear()
+        self._hvdc_delay = dict.fromkeys(self._hvdc_delay, self._hvdc_passes)
+        self._hvdc_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block does not synchronize (it already happened)."""
+        self._hvdc_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvdc_should_synchronize = True
+
+    def step(self, closure=None):
+        if self._hvdc_should_synchronize:
+            if self._hvdc_synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): this synchronizes twice and "
+                              "exchanges already averaged gradients again.")
+            self.synchronize()
+        self._hvdc_synchronized = False
+        return self._hvdc_base.step(self, closure)
+
+    def zero_grad(self, set_to_none=True):
+        if self._hvdc_pipeline.in_flight:
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): the gradients being exchanged "
+                "would be overwritten. Call zero_grad() before backward() or after step().")
+        return self._hvdc_base.zero_grad(self, set_to_none)
+
+    def state_dict(self):
+        state = self._hvdc_base.state_dict(self)
+        state[STATE_KEY] = {"step": self._hvdc_pipeline.step}
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(STATE_KEY, None)
+        self._hvdc_base.load_state_dict(self, state_dict)
+        if ours is not None:
+            self._hvdc_pipeline.step = int(ours["step"])
+
+    def compression_stats(self):
+        """What the last step handed to Horovod, and how each tensor travels."""
+        pipeline = self._hvdc_pipeline
+        uncompressed = pipeline.uncompressed_bytes()
+        sent = pipeline.last_step_bytes
+        return {
+            "codec": repr(pipeline.codec),
+            "step": pipeline.step,
+            "bytes_handed": sent,
+            "bytes_uncompressed": uncompressed,
+            "compression_ratio": uncompressed / sent if sent else float("nan"),
+            "tensors": [(plan.name, plan.numel, plan.exchange, plan.reason)
+                        for plan in pipeline.plans.values()],
+        }
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
+                         backward_passes_per_step=1, op=hvd.Average,
+                         gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=hvd.global_process_set, *,
+                         exchange="auto", seed=0, uncompressed=()):
+    """Wraps a ``torch.optim.Optimizer`` so that gradients are compressed, exchanged across
+    all Horovod ranks and averaged before every ``step()``.
+
+    The signature and behaviour follow ``horovod.torch.DistributedOptimizer``: gradient hooks
+    start the exchange during the backward pass, ``step()`` waits for it; ``synchronize()``
+    and ``skip_synchronize()`` allow gradient clipping; ``hvd.broadcast_parameters`` and
+    ``hvd.broadcast_optimizer_state`` work unchanged. The result is an instance of a subclass
+    of the optimizer's class that shares its state and parameter groups, so learning-rate
+    schedulers built on the original keep working. Unlike Horovod's, the exchange also runs
+    with a single process, so a one-process run trains with the same compression.
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` to wrap.
+        named_parameters: ``model.named_parameters()``; names key the exchanges and the
+            compression state. Without it parameters are named ``noname.<group>.<index>``.
+        compression: a codec instance (``hvd_compress.pt.TernGrad(clip=2.5)``) or a registry
+            name (``"none"``, ``"fp16"``, ``"terngrad"``).
+        backward_passes_per_step: backward passes accumulated locally before an exchange.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: as in Horovod, for the uncompressed allreduces (sums of
+            integer codes are exact, so compressed tensors do not need it).
+        num_groups, groups: must be left unset; tensors are fused by Horovod's fusion buffer.
+        sparse_as_dense: densify sparse gradients so they can be compressed.
+        process_set: only the global process set is supported.
+        exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
+            ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
+        seed: base seed of the random streams of stochastic codecs; each (rank, step,
+            tensor) draws from its own stream.
+        uncompressed: parameter names always sent whole, in addition to those the codec
+            leaves out (smaller than ``min_size``; the classifier unless
+            ``compress_classifier``).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    codec = resolve(compression, CODECS)
+    passes = check_int("DistributedOptimizer", "backward_passes_per_step",
+                       backward_passes_per_step, low=1)
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError("DistributedOptimizer: op must be hvd.Average or hvd.Sum (Adasum "
+                         "does not compose with compressed codes)")
+    predivide = check_float("DistributedOptimizer", "gradient_predivide_factor",
+                            gradient_predivide_factor, low=0.0)
+    if predivide == 0:
+        raise ValueError("DistributedOptimizer: gradient_predivide_factor must be > 0")
+    if predivide != 1.0 and op != hvd.Average:
+        raise ValueError("DistributedOptimizer: gradient_predivide_factor needs op=hvd.Average")
+    if num_groups or groups is not None:
+        raise ValueError("DistributedOptimizer: num_groups and groups are not supported; "
+                         "Horovod's fusion buffer already batches the collectives")
+    if process_set is not hvd.global_process_set:
+        raise ValueError("DistributedOptimizer: only hvd.global_process_set is supported")
+    check_choice("DistributedOptimizer", "exchange", exchange, ("auto",) + EXCHANGES)
+    if exchange == "allreduce" and not codec.summable and codec.code_space is not None:
+        raise ValueError(f"DistributedOptimizer: exchange='allreduce' needs summable codes; "
+                         f"{codec.name} is not")
+    seed = check_int("DistributedOptimizer", "seed", seed, low=0)
+
+    named = _named_parameters(optimizer, named_parameters)
+    if sparse_as_dense:
+        for _, p in named:
+            p.register_hook(lambda grad: grad.to_dense() if grad.is_sparse else grad)
+    whole = set(uncompressed)
+    unknown = whole - {name for name, _ in named}
+    if unknown:
+        raise ValueError(f"DistributedOptimizer: uncompressed names unknown parameters: "
+                         f"{sorted(unknown)}")
+    if not codec.compress_classifier:
+        whole |= _classifier_names(named)
+    pipeline = CompressionPipeline(
+        named, codec, exchange=exchange, average=op == hvd.Average, seed=seed,
+        uncompressed=whole, prescale_factor=1.0 / predivide, postscale_factor=predivide)
+
+    base = optimizer.__class__
+    methods = {k: v for k, v in vars(_DistributedOptimizer).items()
+               if not k.startswith("__")}
+    # horovod.torch.broadcast_optimizer_state recognises a distributed optimizer by this
+    # module name and then initialises its state with a *local* step of the base class
+    # (super(type(opt), opt).step()); any other module gets a full step(), which would
+    # start collectives on only the ranks whose state is empty and hang.
+    methods["__module__"] = horovod_optimizer.DistributedOptimizer.__module__
+    cls = type(base.__name__, (base,), methods)
+    wrapped = cls.__new__(cls)
+    # Share the state, parameter groups and hooks of the given optimizer, but not
+    # instance-level overrides of our methods (LR schedulers wrap ``opt.step`` that way).
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in methods})
+    wrapped._hvdc_setup(base, pipeline, passes)
+    return wrapped
+
+
+def _named_parameters(optimizer, named_parameters):
+    """(name, parameter) pairs for every parameter of the optimizer, checked like Horovod."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"noname.{i}.{j}", p) for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])]
+    named = list(named_parameters)
+    if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                         "pairs, usually model.named_parameters()")
+    names = [name for name, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+    by_id = {id(p): name for name, p in named}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(f"named_parameters lacks {len(unnamed)} of the optimizer's "
+                         f"parameters (positions {unnamed[:10]} in its param_groups)")
+    return [(by_id[id(p)], p) for p in params]
+
+
+def _classifier_names(named):
+    """The final classifier: the last parameter with two or more dimensions, and every
+    parameter after it (its bias)."""
+    last = max((i for i, (_, p) in enumerate(named) if p.dim() >= 2), default=None)
+    return set() if last is None else {name for name, _ in named[last:]}

@@ -1,0 +1,191 @@
+"""The per-step wiring of compressed gradient exchange: hook -> codec -> exchange -> decode.
+
+``CompressionPipeline`` owns what happens to each gradient between the moment autograd has
+produced it and the moment the wrapped optimizer reads it back. It is kept apart from the
+optimizer class so that every wrapper (the optimizer, a local-SGD averager, tests) drives the
+same code.
+"""
+import dataclasses
+
+import horovod.torch as hvd
+import torch
+
+from hvd_compress import cost
+from hvd_compress.seeding import stream_seed
+
+from .exchange import EXCHANGES, Meter
+
+
+@dataclasses.dataclass
+class TensorPlan:
+    """How one parameter's gradient travels; fixed at construction."""
+    name: str
+    index: int
+    numel: int
+    exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
+    reason: str    # why it is, or is not, compressed
+
+
+@dataclasses.dataclass
+class _InFlight:
+    plan: TensorPlan
+    param: torch.Tensor
+    stage: str                 # "scale", "codes", "advanced" or "plain"
+    handle: object = None
+    scale: torch.Tensor = None
+    exchange: object = None
+
+
+UNCOMPRESSED = "allreduce (uncompressed)"
+
+
+class CompressionPipeline:
+    """Compressed averaging (or summing) of gradients across all Horovod ranks.
+
+    Args:
+        named_parameters: (name, parameter) pairs, in a fixed order shared by all ranks.
+        codec: a PyTorch codec (``hvd_compress.pt.TernGrad`` ...).
+        exchange: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
+        average: divide the sum by the world size (``op=Average``) or not (``op=Sum``).
+        seed: base of the counter-based random streams (``hvd_compress.seeding``).
+        uncompressed: names of parameters to send whole whatever their size.
+        prescale_factor, postscale_factor: Horovod's scaling of uncompressed allreduces.
+    """
+
+    def __init__(self, named_parameters, codec, *, exchange="auto", average=True, seed=0,
+                 uncompressed=(), prescale_factor=1.0, postscale_factor=1.0):
+        self.codec = codec
+        self.average = average
+        self.seed = seed
+        self.world_size = hvd.size()
+        self.rank = hvd.rank()
+        self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
+        self.step = 0
+        self.meter = Meter()
+        self.last_step_bytes = 0
+        self._in_flight = {}
+        uncompressed = set(uncompressed)
+        self.plans = {}
+        for index, (name, p) in enumerate(named_parameters):
+            self.plans[p] = self._plan(name, index, p, exchange, name in uncompressed)
+
+    def _plan(self, name, index, param, exchange, whole):
+        numel = param.numel()
+        if whole:
+            return TensorPlan(name, index, numel, UNCOMPRESSED, "excluded")
+        if not param.is_floating_point():
+            return TensorPlan(name, index, numel, UNCOMPRESSED, "not floating point")
+        if self.codec.code_space is None:
+            return TensorPlan(name, index, numel, UNCOMPRESSED, f"codec {self.codec.name}")
+        if not self.codec.compresses(numel):
+            return TensorPlan(name, index, numel, UNCOMPRESSED,
+                              f"{numel} < min_size {self.codec.min_size}")
+        if exchange == "auto":
+            exchange = cost.choose_exchange(self.codec, numel, self.world_size)
+        return TensorPlan(name, index, numel, exchange, "compressed")
+
+    # ----- one step -----
+
+    @property
+    def in_flight(self):
+        return bool(self._in_flight)
+
+    def launch(self, param):
+        """Starts the exchange of ``param.grad``; called once per parameter per step."""
+        plan = self.plans[param]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
+        if plan.exchange == UNCOMPRESSED:
+            self._in_flight[param] = _InFlight(plan, param, "plain", self._launch_plain(plan, grad))
+        elif grad.is_sparse:
+            raise RuntimeError(f"parameter {plan.name!r} has a sparse gradient; pass "
+                               f"sparse_as_dense=True or exclude it from compression")
+        else:
+            flight = _InFlight(plan, param, "scale")
+            flight.exchange = EXCHANGES[plan.exchange](
+                self.codec.code_space, plan.numel, self.world_size, self.meter)
+            if self.codec.shares_scale:
+                scale = self.meter.hand(self.codec.local_scale(grad))
+                flight.handle = hvd.allreduce_async(scale, op=hvd.Max,
+                                                    name=f"hvdc.{plan.name}.scale")
+            self._in_flight[param] = flight
+        self._start_ready_codes()
+
+    def _launch_plain(self, plan, grad):
+        name = f"hvdc.{plan.name}"
+        op = hvd.Average if self.average else hvd.Sum
+        if grad.is_sparse:
+            return hvd.sparse_allreduce_async(grad, name=name, op=op)
+        self.meter.hand(grad)
+        return hvd.allreduce_async_(grad, name=name, op=op,
+                                    prescale_factor=self.prescale_factor,
+                                    postscale_factor=self.postscale_factor)
+
+    def _start_ready_codes(self, wait=False):
+        """Encodes and hands over the codes of every tensor whose shared scale has arrived."""
+        for flight in self._in_flight.values():
+            if flight.stage != "scale":
+                continue
+            if flight.handle is not None:
+                if not wait and not hvd.poll(flight.handle):
+                    continue
+                flight.scale = hvd.synchronize(flight.handle)
+            self._start_codes(flight)
+
+    def _start_codes(self, flight):
+        grad = flight.param.grad
+        uniforms = None
+        if self.codec.stochastic:
+            generator = torch.Generator(device=grad.device)
+            generator.manual_seed(stream_seed(self.seed, self.rank, self.step, flight.plan.index))
+            uniforms = torch.rand(grad.shape, generator=generator, device=grad.device)
+        codes = self.codec.encode(grad, flight.scale, uniforms)
+        flight.handle = flight.exchange.start(codes, f"hvdc.{flight.plan.name}.codes")
+        flight.stage = "codes"
+
+    def synchronize(self, missing):
+        """Finishes every exchange of this step and writes the results into ``.grad``.
+
+        ``missing`` are parameters whose hook did not fire this step (unused in the forward
+        pass): their zero gradients are exchanged too, because every rank must take part in
+        the same collectives.
+        """
+        for param in missing:
+            self.launch(param)
+        self._start_ready_codes(wait=True)
+        for flight in self._in_flight.values():
+            if flight.stage == "codes":
+                flight.handle = flight.exchange.advance(flight.handle)
+        for param, flight in self._in_flight.items():
+            if flight.stage == "plain":
+                output = hvd.synchronize(flight.handle) if isinstance(flight.handle, int) \
+                    else flight.handle()
+                if output.is_sparse:
+                    param.grad = output
+                continue
+            total = flight.exchange.finish(flight.handle)
+            count = self.world_size if self.average else 1
+            decoded = self.codec.decode(total, flight.scale, count)
+            param.grad.copy_(decoded.reshape(param.grad.shape))
+        self._in_flight.clear()
+        self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
+        self.step += 1
+
+    # ----- accounting -----
+
+    def expected_bytes(self):
+        """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
+        total = 0
+        for param, plan in self.plans.items():
+            if plan.exchange == UNCOMPRESSED:
+                total += cost.uncompressed_traffic(plan.numel, self.world_size,
+                                                   param.element_size()).handed
+            else:
+                total += cost.compressed_traffic(self.codec, plan.numel, self.world_size,
+                                                 plan.exchange).handed
+        return total
+
+    def uncompressed_bytes(self):
+        """Bytes per step that a plain allreduce of every gradient would hand over."""
+        return sum(p.numel() * p.element_size() for p in self.plans)
