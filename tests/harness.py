@@ -1,0 +1,90 @@
+"""Runs a test body in N real Horovod processes and returns every rank's result.
+
+    results = run_parallel(body, 2, arg, key=value)   # -> [rank 0's result, rank 1's, ...]
+
+``body`` is a module-level function of an importable module (``tests.<file>``); it calls
+``hvd.init()`` itself, so one harness serves PyTorch, TensorFlow and mpi4py bodies. Each job
+runs under a hard timeout in its own process group, so a hang fails the test instead of the
+whole CI run. Every rank's process gets one thread (``OMP_NUM_THREADS=1``).
+"""
+import importlib
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def run_parallel(body, np, *args, launcher="horovodrun", timeout=300, **kwargs):
+    """Runs ``body(*args, **kwargs)`` on ``np`` ranks; returns the results in rank order."""
+    workdir = tempfile.mkdtemp(prefix="hvdc-job-")
+    try:
+        job = os.path.join(workdir, "job.pkl")
+        with open(job, "wb") as f:
+            pickle.dump((body.__module__, body.__qualname__, args, kwargs), f)
+        worker = [sys.executable, "-m", "tests.harness", job]
+        if launcher == "horovodrun":
+            command = [os.path.join(BIN, "horovodrun"), "-np", str(np), "-H", f"localhost:{np}",
+                       "--gloo", "--gloo-timeout-seconds", str(timeout)] + worker
+        elif launcher == "mpirun":
+            command = mpirun_command(np) + worker
+        else:
+            raise ValueError(f"launcher must be 'horovodrun' or 'mpirun', got {launcher!r}")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
+                   PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            raise AssertionError(f"{body.__qualname__} on {np} ranks timed out after "
+                                 f"{timeout}s (a hang?):\n{output[-6000:]}") from None
+        if process.returncode != 0:
+            raise AssertionError(f"{body.__qualname__} on {np} ranks failed "
+                                 f"(exit {process.returncode}):\n{output[-6000:]}")
+        results = []
+        for rank in range(np):
+            with open(os.path.join(workdir, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def mpirun_command(np):
+    """OpenMPI's mpirun for ``np`` local ranks; see launch/mpirun.sh for each flag."""
+    command = [shutil.which("mpirun") or "mpirun", "-np", str(np), "--oversubscribe",
+               "--bind-to", "none", "--map-by", "slot", "-x", "OMP_NUM_THREADS",
+               "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", "--mca", "btl", "self,tcp"]
+    if os.geteuid() == 0:
+        command.insert(1, "--allow-run-as-root")
+    return command
+
+
+def _rank():
+    for variable in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if variable in os.environ:
+            return int(os.environ[variable])
+    raise RuntimeError("cannot tell this process's rank from the environment")
+
+
+def _main(job):
+    with open(job, "rb") as f:
+        module, qualname, args, kwargs = pickle.load(f)
+    body = importlib.import_module(module)
+    for part in qualname.split("."):
+        body = getattr(body, part)
+    result = body(*args, **kwargs)
+    with open(os.path.join(os.path.dirname(job), f"rank{_rank()}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

@@ -1,0 +1,60 @@
+"""The wire format of integer codes: numpy reference and PyTorch port, byte for byte."""
+import numpy as np
+import pytest
+import torch
+
+from hvd_compress import packing
+from hvd_compress.codes import FloatCodes, IntCodes, shard_length
+from hvd_compress.pt import packing as pt_packing
+
+LENGTHS = [0, 1, 3, 4, 5, 1_000_003]
+BOUNDS = [1, 2, 7, 100, 2048, 40000]  # widths 2, 4, 4, 8, 16, 32
+
+
+@pytest.mark.parametrize("numel", LENGTHS)
+@pytest.mark.parametrize("bound", BOUNDS)
+def test_round_trip_and_ports_agree(numel, bound):
+    space = IntCodes(bound)
+    codes = np.random.default_rng(numel + bound).integers(-bound, bound + 1, numel)
+    packed = packing.pack(codes, space)
+    assert packed.dtype == np.uint8 and packed.size == space.packed_nbytes(numel)
+    np.testing.assert_array_equal(packing.unpack(packed, space, numel), codes)
+    packed_pt = pt_packing.pack(torch.from_numpy(codes), space)
+    np.testing.assert_array_equal(packed_pt.numpy(), packed)
+    np.testing.assert_array_equal(pt_packing.unpack(packed_pt, space, numel).numpy(), codes)
+
+
+def test_ternary_layout_is_four_codes_per_byte_little_endian():
+    # codes -1, 0, 1, 1 -> unsigned 0, 1, 2, 2 -> 0b10_10_01_00
+    packed = packing.pack(np.array([-1, 0, 1, 1, 1]), IntCodes(1))
+    assert packed.tolist() == [0b10100100, 0b01010110]  # padding codes are 0 -> unsigned 1
+
+
+def test_rows_pack_independently():
+    space = IntCodes(4)
+    rows = np.random.default_rng(0).integers(-4, 5, (3, 7))
+    packed = packing.pack(rows, space)
+    assert packed.shape == (3, 4)
+    for row, out in zip(rows, packed):
+        np.testing.assert_array_equal(packing.pack(row, space), out)
+    np.testing.assert_array_equal(packing.unpack(packed, space, 7), rows)
+
+
+def test_widths_and_sums():
+    assert [IntCodes(b).width for b in (1, 2, 7, 8, 127, 128, 32767, 32768)] == \
+        [2, 4, 4, 8, 8, 16, 16, 32]
+    assert IntCodes(1).summed(4) == IntCodes(4)
+    assert IntCodes(1).allreduce_carrier(2, ("float16", "int32")) == "float16"
+    assert IntCodes(1).allreduce_carrier(2049, ("float16", "int32")) == "int32"
+    assert IntCodes(1).allreduce_carrier(100, ("int8", "float16", "int32")) == "int8"
+    assert FloatCodes().packed_nbytes(10) == 20
+    with pytest.raises(OverflowError):
+        IntCodes(1).allreduce_carrier(3000, ("int8", "float16"))
+
+
+@pytest.mark.parametrize("numel,world", [(1, 2), (10, 4), (1001, 4), (8, 3)])
+def test_shards_are_byte_aligned_and_cover(numel, world):
+    spaces = (IntCodes(1), IntCodes(world))
+    length = shard_length(numel, world, *spaces)
+    assert length * world >= numel
+    assert all(length % s.codes_per_byte == 0 for s in spaces)

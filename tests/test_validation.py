@@ -1,0 +1,50 @@
+"""Bad input gets an error that names the parameter and what is allowed."""
+import pytest
+import torch
+
+import hvd_compress
+import hvd_compress.pt as hc
+from hvd_compress.registry import resolve
+
+
+def test_unknown_codec_name_lists_the_choices():
+    with pytest.raises(ValueError, match=r"compression must be one of \['fp16', 'none', 'terngrad'\]"):
+        resolve("ternary")
+
+
+def test_negative_clip():
+    with pytest.raises(ValueError, match=r"clip \(c\) must be >= 0"):
+        hvd_compress.TernGrad(clip=-1)
+    with pytest.raises(TypeError, match="clip"):
+        hc.TernGrad(clip="2.5")
+    with pytest.raises(ValueError, match="finite"):
+        hc.TernGrad(clip=float("nan"))
+
+
+def test_negative_min_size():
+    with pytest.raises(ValueError, match="min_size must be >= 0"):
+        hc.TernGrad(min_size=-1)
+    with pytest.raises(TypeError, match="min_size must be an integer"):
+        hc.TernGrad(min_size=1.5)
+
+
+def test_wrapping_something_that_is_not_an_optimizer():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        hc.DistributedOptimizer(model, compression="terngrad")
+
+
+def test_codecs_are_rebuilt_across_ports_and_compare_by_value():
+    port = resolve(hvd_compress.TernGrad(clip=1.5), hc.CODECS)
+    assert isinstance(port, hc.TernGrad) and port == hc.TernGrad(clip=1.5)
+    assert hc.TernGrad(clip=1.5) != hc.TernGrad(clip=2.5)
+    assert resolve(None, hc.CODECS) == hc.NoneCodec()
+    with pytest.raises(TypeError, match="codec name"):
+        resolve(3, hc.CODECS)
+
+
+def test_every_hyperparameter_is_documented():
+    for cls in hvd_compress.CODECS.values():
+        for name in hvd_compress.resolve(cls.name).params():
+            assert f"{name} (" in (cls.__doc__ or "") or f"{name} (" in hvd_compress.Codec.__doc__, \
+                f"{cls.__name__} does not document {name}"
