@@ -47,8 +47,8 @@ def main(argv=None):
     parser.add_argument("--exchange", default="auto")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="sgd")
+    parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results of rank 0 as JSON here")
@@ -56,10 +56,14 @@ def main(argv=None):
 
     hvd.init()
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_mnist1d())
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+        device = torch.device("cuda", hvd.local_rank())
+    x_train, y_train, x_test, y_test = (torch.from_numpy(a).to(device) for a in load_mnist1d())
     # Each worker trains on its own shard of the training set.
     x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
-    model = CNN()
+    model = CNN().to(device)
     if args.optimizer == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     else:
@@ -78,7 +82,7 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     step_times, handed = [], []
     for step in range(args.steps):
-        index = torch.randint(len(x_train), (local_batch,), generator=generator)
+        index = torch.randint(len(x_train), (local_batch,), generator=generator).to(device)
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x_train[index]), y_train[index])
@@ -90,10 +94,11 @@ def main(argv=None):
 
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        train_loss = nn.functional.cross_entropy(model(x_train), y_train).item()
     stats = optimizer.compression_stats()
     result = {
         "compression": args.compression, "codec": stats["codec"], "workers": hvd.size(),
-        "steps": args.steps, "test_accuracy": accuracy,
+        "steps": args.steps, "test_accuracy": accuracy, "train_loss": train_loss,
         "bytes_per_step": int(np.median(handed)),
         "bytes_uncompressed_per_step": stats["bytes_uncompressed"],
         "compression_ratio": stats["bytes_uncompressed"] / np.median(handed),
@@ -102,6 +107,7 @@ def main(argv=None):
     }
     if hvd.rank() == 0:
         print(f"{args.compression}: test accuracy {100 * accuracy:.2f}%, "
+              f"train loss {train_loss:.4f}, "
               f"{result['bytes_per_step']} bytes/step/worker "
               f"(ratio {result['compression_ratio']:.2f}x), "
               f"median step {result['median_step_ms']:.2f} ms", flush=True)

@@ -40,8 +40,14 @@ create_venv() {
         log "creating $VENV"
         python3 -m venv "$VENV"
     fi
-    log "installing Python packages (launch/requirements.txt)"
-    "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REPO/launch/requirements.txt"
+    # A stamp of the requirements file skips pip's slow no-op resolution on re-runs.
+    local stamp="$VENV/.hvd_compress-requirements" want
+    want="$(sha256sum "$REPO/launch/requirements.txt" | cut -d' ' -f1)"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        log "installing Python packages (launch/requirements.txt)"
+        "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REPO/launch/requirements.txt"
+        echo "$want" > "$stamp"
+    fi
 }
 
 # Builds Horovod from its sdist with the three CMake edits that torch >= 2.1 and
@@ -96,6 +102,10 @@ PY
 }
 
 install_project() {
+    if "$VENV/bin/python" -c 'import hvd_compress, sys; sys.exit(hvd_compress.__file__ != sys.argv[1])' \
+            "$REPO/hvd_compress/__init__.py" 2>/dev/null; then
+        return
+    fi
     log "installing hvd_compress (editable)"
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$REPO"
 }

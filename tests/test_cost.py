@@ -1,0 +1,31 @@
+"""The byte-count cost model and the choice of exchange."""
+import pytest
+
+import hvd_compress
+from hvd_compress import cost
+
+
+def test_terngrad_traffic_formulas():
+    codec = hvd_compress.TernGrad()
+    n = 1_000_000
+    gather = cost.compressed_traffic(codec, n, 4, "allgather")
+    assert gather.handed == n // 4 + 4            # 2-bit codes + the shared scale
+    assert gather.sent == pytest.approx(3 * n / 4 + 2 * 3 / 4 * 4)
+    sharded = cost.compressed_traffic(codec, n, 4, "sharded")
+    # phase 1: 4 shards of n/4 codes at 2 bits; phase 2: one shard of sums in [-4, 4], 4 bits
+    assert sharded.handed == n // 4 + n // 8 + 4
+    reduce = cost.compressed_traffic(codec, n, 4, "allreduce")
+    assert reduce.handed == 2 * n + 4             # float16 carrier: sums up to 2048 are exact
+    assert cost.compressed_traffic(codec, n, 3000, "allreduce").handed == 4 * n + 4  # int32
+
+
+def test_auto_picks_the_fewest_bytes():
+    codec = hvd_compress.TernGrad()
+    assert cost.choose_exchange(codec, 100_000, 2) == "allgather"
+    assert cost.choose_exchange(codec, 100_000, 4) == "sharded"
+    assert cost.choose_exchange(hvd_compress.FP16(), 100_000, 8) == "allreduce"
+
+
+def test_unknown_exchange():
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        cost.compressed_traffic(hvd_compress.TernGrad(), 10, 2, "ring")
