@@ -114,4 +114,4 @@ install_system_packages
 create_venv
 install_horovod
 install_project
-log "done: $("$VENV/bin/python" -c 'import horovod, torch, tensorflow as tf; print(f"horovod {horovod.__version__}, torch {torch.__version__}, tensorflow {tf.__version__}")' 2>/dev/null)"
+log "done: $("$VENV/bin/python" -c 'import importlib.metadata as m; print(", ".join(f"{p} {m.version(p)}" for p in ("horovod", "torch", "tensorflow-cpu")))')"
