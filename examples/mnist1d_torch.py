@@ -21,7 +21,7 @@ from hvd_compress.datasets import load_mnist1d
 
 
 class CNN(nn.Module):
-    """Three convolutions and two linear layers, ~215K parameters: wide enough that the
+    """Three convolutions and two linear layers, 208K parameters: wide enough that the
     convolution and hidden weights exceed TernGrad's min_size (9,217) and really are
     compressed. The MNIST-1D paper's 5K-parameter CNN would be sent whole."""
 
@@ -69,12 +69,12 @@ def main(argv=None):
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                     weight_decay=args.weight_decay)
-    # Cosine decay: the quantization noise of compressed gradients matters less as the
-    # learning rate falls, which is where the final accuracy is decided.
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     optimizer = hc.DistributedOptimizer(optimizer, model.named_parameters(),
                                         compression=args.compression, exchange=args.exchange,
                                         seed=args.seed)
+    # Cosine decay: the quantization noise of compressed gradients matters less as the
+    # learning rate falls, which is where the final accuracy is decided.
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

@@ -122,8 +122,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     start the exchange during the backward pass, ``step()`` waits for it; ``synchronize()``
     and ``skip_synchronize()`` allow gradient clipping; ``hvd.broadcast_parameters`` and
     ``hvd.broadcast_optimizer_state`` work unchanged. The result is an instance of a subclass
-    of the optimizer's class that shares its state and parameter groups, so learning-rate
-    schedulers built on the original keep working. Unlike Horovod's, the exchange also runs
+    of the optimizer's class that shares its state and parameter groups. Build learning-rate
+    schedulers on the returned optimizer (one built on the original still sets the learning
+    rate, through the shared parameter groups, but warns that ``step()`` was never called
+    on it). Unlike Horovod's, the exchange also runs
     with a single process, so a one-process run trains with the same compression.
 
     Args:
