@@ -96,11 +96,10 @@ class CompressionPipeline:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = param.grad
-        if plan.exchange == UNCOMPRESSED:
+        if plan.exchange == UNCOMPRESSED or grad.is_sparse:
+            # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
+            # unless sparse_as_dense densified them.
             self._in_flight[param] = _InFlight(plan, param, "plain", self._launch_plain(plan, grad))
-        elif grad.is_sparse:
-            raise RuntimeError(f"parameter {plan.name!r} has a sparse gradient; pass "
-                               f"sparse_as_dense=True or exclude it from compression")
         else:
             flight = _InFlight(plan, param, "scale")
             flight.exchange = EXCHANGES[plan.exchange](

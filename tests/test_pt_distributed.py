@@ -227,3 +227,48 @@ def test_nan_on_one_rank_reaches_every_rank():
         assert torch.isfinite(r["records"][0]["exchanged"]["hidden.weight"]).all()
     assert torch.equal(results[0]["records"][2]["params"].isnan(),
                        results[1]["records"][2]["params"].isnan())
+
+
+def _misuse_and_sparse():
+    import horovod.torch as hvd
+    import hvd_compress.pt as hc
+    hvd.init()
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50, 8, sparse=True)
+    head = torch.nn.Linear(8, 2)
+    hvd.broadcast_parameters(embedding.state_dict(), 0)
+    hvd.broadcast_parameters(head.state_dict(), 0)
+    params = list(embedding.parameters()) + list(head.parameters())
+    named = [("embedding.weight", params[0]), ("head.weight", params[1]), ("head.bias", params[2])]
+    optimizer = hc.DistributedOptimizer(torch.optim.SGD(params, lr=0.5), named,
+                                        compression=hc.TernGrad(min_size=0))
+    errors = []
+
+    def loss():
+        tokens = torch.tensor([hvd.rank(), 3, 7 + hvd.rank()])
+        return head(embedding(tokens)).sum()
+
+    loss().backward()
+    try:
+        optimizer.zero_grad()
+    except RuntimeError as error:
+        errors.append(str(error))
+    try:
+        loss().backward()
+    except RuntimeError as error:
+        errors.append(str(error))
+    optimizer.step()
+    return errors, embedding.weight.detach().clone(), head.weight.detach().clone()
+
+
+def test_misuse_errors_and_sparse_gradients():
+    results = run_parallel(_misuse_and_sparse, 2, timeout=120)
+    for errors, embedding, head in results:
+        assert "zero_grad() was called after loss.backward()" in errors[0]
+        assert "more than backward_passes_per_step=1 times" in errors[1]
+        assert torch.equal(embedding, results[0][1]) and torch.equal(head, results[0][2])
+    # Rows 0, 1, 3, 7 and 8 were looked up on some rank; row 20 on none.
+    torch.manual_seed(0)
+    before = torch.nn.Embedding(50, 8, sparse=True).weight.detach()
+    changed = (results[0][1] != before).any(1).nonzero().reshape(-1).tolist()
+    assert changed == [0, 1, 3, 7, 8]
