@@ -8,8 +8,9 @@ model and the N-worker reference simulation. The framework ports are ``hvd_compr
 from .codec import FP16, Codec, NoneCodec
 from .codes import FloatCodes, IntCodes
 from .registry import CODECS, resolve
+from .qsgd import NUQSGD, QSGD, QSGDInf
 from .terngrad import TernGrad
 
-__all__ = ["CODECS", "Codec", "FP16", "FloatCodes", "IntCodes", "NoneCodec", "TernGrad",
-           "resolve"]
+__all__ = ["CODECS", "Codec", "FP16", "FloatCodes", "IntCodes", "NUQSGD", "NoneCodec", "QSGD",
+           "QSGDInf", "TernGrad", "resolve"]
 __version__ = "0.1.0"

@@ -5,13 +5,18 @@ are the numpy reference; the framework ports (``hvd_compress.pt``, ``hvd_compres
 subclass each codec and override the same methods with the same signatures in framework
 ops, so the reference and the ports are interchangeable in tests.
 
-One worker's step, for a codec whose codes are summable across workers:
+One worker's step for a scaled quantizer (TernGrad, QSGD, NUQSGD):
 
-    scale = codec.local_scale(g)          # only if codec.shares_scale
-    scale = max over workers of scale     # one Max-allreduce, done by the exchange layer
+    scale = codec.local_scale(g)          # one float32 per bucket of the flattened tensor
+    scale = max over workers of scale     # only if codec.shares_scale(exchange)
     codes = codec.encode(g, scale, u)     # u: uniform draws in [0, 1), if codec.stochastic
-    total = sum over workers of codes     # allreduce, allgather or sharded (see cost.py)
-    g_hat = codec.decode(total, scale, n) # n = world size for an average, 1 for a sum
+
+and then either the codes' additive values are summed over workers and decoded once,
+
+    g_hat = codec.decode(sum of codec.values(codes), scale, n)
+
+(n is the world size for an average, 1 for a sum), or, with per-worker scales, every worker's
+codes are decoded with that worker's scales and the results summed.
 """
 import inspect
 
@@ -28,10 +33,11 @@ class Codec:
         name: the registry name (``hvd_compress.registry``).
         code_space: the wire format of one worker's codes (``codes.IntCodes`` or
             ``codes.FloatCodes``); None for a codec that does not compress.
-        summable: True if the codes of all workers can be summed elementwise (so an
-            allreduce can carry them).
-        shares_scale: True if a per-tensor scale is agreed on (Max over workers) before
-            encoding; that is what makes scaled integer codes summable.
+        value_space: the space of ``values(codes)``, which sum exactly across workers; the
+            code space unless the codes are indices of nonuniform levels.
+        summable: True if the workers' code values can be summed elementwise (so an
+            allreduce or the sharded exchange can carry them).
+        scaled: True if codes are relative to one float32 scale per bucket.
         stochastic: True if ``encode`` consumes one uniform draw per element.
         compress_classifier_default: whether the final classifier layer is compressed unless
             the user says otherwise.
@@ -47,7 +53,7 @@ class Codec:
     name = None
     code_space = None
     summable = False
-    shares_scale = False
+    scaled = False
     stochastic = False
     default_min_size = 0
     compress_classifier_default = True
@@ -63,6 +69,10 @@ class Codec:
             raise TypeError(f"{owner}: compress_classifier must be True, False or None, "
                             f"got {compress_classifier!r}")
         self.compress_classifier = compress_classifier
+
+    @property
+    def value_space(self):
+        return self.code_space
 
     def params(self):
         """The hyperparameters, as keyword arguments that rebuild this codec."""
@@ -86,18 +96,35 @@ class Codec:
         """Whether a tensor of ``numel`` elements goes through this codec at all."""
         return self.code_space is not None and numel >= self.min_size and numel > 0
 
+    def buckets(self, numel):
+        """Number of scales (buckets) of a tensor of ``numel`` elements."""
+        return 0
+
+    def shares_scale(self, exchange):
+        """Whether the workers agree on the scales (Max-allreduce) before encoding, when
+        the codes travel by ``exchange``. Summing codes needs a shared scale; an allgather
+        can carry each worker's own scales instead."""
+        return False
+
     # ----- numpy reference math; ports override these with framework ops -----
 
     def local_scale(self, grad):
-        """This worker's scale for ``grad`` (a float32 scalar), for ``shares_scale`` codecs."""
-        raise NotImplementedError(f"{type(self).__name__} does not share a scale")
+        """This worker's scales for ``grad``: float32, one per bucket."""
+        raise NotImplementedError(f"{type(self).__name__} has no scales")
 
     def encode(self, grad, scale, uniforms):
-        """Codes for ``grad`` in ``code_space``; ``scale`` is the shared scale or None."""
+        """Codes for ``grad`` (flattened) in ``code_space``; ``scale`` is None for an
+        unscaled codec."""
         raise NotImplementedError
 
+    def values(self, codes):
+        """The additive integer values of ``codes``, in ``value_space``."""
+        return codes
+
     def decode(self, total, scale, count):
-        """The float32 gradient from ``total``, a sum of codes, divided by ``count``."""
+        """The float32 gradient from ``total``, a sum of code values (or one worker's), under
+        ``scale``, divided by ``count``. Leading axes of ``total`` and ``scale`` broadcast,
+        so a batch of workers decodes at once."""
         raise NotImplementedError
 
 
@@ -110,8 +137,8 @@ class NoneCodec(Codec):
 class FP16(Codec):
     """Half-precision values (Horovod's ``Compression.fp16``), 16 bits per element.
 
-    Summable as it is: no shared scale, no random draws. Sums are accumulated in float32
-    wherever this package does the summing (allgather and sharded exchanges).
+    Summable as it is: no scale, no random draws. Sums are accumulated in float32 wherever
+    this package does the summing (allgather and sharded exchanges).
     """
 
     name = "fp16"

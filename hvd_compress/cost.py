@@ -53,25 +53,25 @@ def uncompressed_traffic(numel, world_size, itemsize=4):
 def compressed_traffic(codec, numel, world_size, exchange,
                        allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """Traffic of one tensor through ``codec`` and ``exchange``."""
-    space = codec.code_space
-    n_workers = world_size
-    scale = allreduce_traffic(4, n_workers) if codec.shares_scale else NO_TRAFFIC
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES} or 'auto', got {exchange!r}")
+    if exchange != "allgather" and not codec.summable:
+        raise ValueError(f"{codec.name} codes cannot be summed, so they cannot use {exchange}")
+    scale_bytes = 4 * codec.buckets(numel) if codec.scaled else 0
+    shared = codec.scaled and codec.shares_scale(exchange)
+    scale = allreduce_traffic(scale_bytes, world_size) if shared else NO_TRAFFIC
     if exchange == "allreduce":
-        if not codec.summable:
-            raise ValueError(f"{codec.name} codes cannot be summed by allreduce")
-        carrier = space.allreduce_carrier(n_workers, allreduce_dtypes)
-        return scale + allreduce_traffic(numel * ITEMSIZE[carrier], n_workers)
+        carrier = codec.value_space.allreduce_carrier(world_size, allreduce_dtypes)
+        return scale + allreduce_traffic(numel * ITEMSIZE[carrier], world_size)
     if exchange == "allgather":
-        nbytes = space.packed_nbytes(numel)
-        return scale + Traffic(nbytes, (n_workers - 1) * nbytes, 1)
-    if exchange == "sharded":
-        total = space.summed(n_workers)
-        length = shard_length(numel, n_workers, space, total)
-        phase1 = n_workers * space.packed_nbytes(length)
-        phase2 = total.packed_nbytes(length)
-        sent = (n_workers - 1) / n_workers * phase1 + (n_workers - 1) * phase2
-        return scale + Traffic(phase1 + phase2, sent, 2)
-    raise ValueError(f"exchange must be one of {EXCHANGES} or 'auto', got {exchange!r}")
+        nbytes = codec.code_space.packed_nbytes(numel) + (0 if shared else scale_bytes)
+        return scale + Traffic(nbytes, (world_size - 1) * nbytes, 1)
+    total = codec.value_space.summed(world_size)
+    length = shard_length(numel, world_size, codec.code_space, total)
+    phase1 = world_size * codec.code_space.packed_nbytes(length)
+    phase2 = total.packed_nbytes(length)
+    sent = (world_size - 1) / world_size * phase1 + (world_size - 1) * phase2
+    return scale + Traffic(phase1 + phase2, sent, 2)
 
 
 def choose_exchange(codec, numel, world_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):

@@ -1,8 +1,9 @@
 """Codecs by name: ``compression="terngrad"`` anywhere a codec is accepted."""
 from .codec import FP16, Codec, NoneCodec
+from .qsgd import NUQSGD, QSGD, QSGDInf
 from .terngrad import TernGrad
 
-CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad)}
+CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD)}
 
 
 def resolve(compression, classes=None):

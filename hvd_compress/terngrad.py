@@ -10,6 +10,7 @@ Per tensor g on worker i:
     q_k = sign(g_k) * b_k             in {-1, 0, 1}, 2 bits on the wire
     g_hat = s * sum_i q_i / N         identical on every worker
 
+This is the uniform quantizer of ``quantizer.py`` with one level and one bucket per tensor.
 E[s * q_k] = clip(g_k, -s, s): unbiased with respect to the clipped gradient. Elements with
 |g_k| >= s are sent as sign(g_k) * s with certainty, which is the paper's gradient clipping;
 the reference code computes s = c * sigma and never clips explicitly. Taking the max norm of
@@ -22,12 +23,11 @@ the step on all ranks alike instead of training on finite codes made from garbag
 """
 import numpy as np
 
-from .codec import Codec
-from .codes import IntCodes
+from .quantizer import UniformQuantizer
 from .validation import check_float
 
 
-class TernGrad(Codec):
+class TernGrad(UniformQuantizer):
     """Stochastic ternary gradients with a shared per-tensor scaler.
 
     Args:
@@ -44,10 +44,7 @@ class TernGrad(Codec):
     """
 
     name = "terngrad"
-    code_space = IntCodes(1)
-    summable = True
-    shares_scale = True
-    stochastic = True
+    levels = 1
     default_min_size = 9217
     compress_classifier_default = False
 
@@ -55,29 +52,19 @@ class TernGrad(Codec):
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         self.clip = check_float("TernGrad", "clip (c)", clip, low=0.0)
 
+    def shares_scale(self, exchange):
+        return True
+
     def local_scale(self, grad):
         g = grad.astype(np.float32).ravel()
         if not np.isfinite(g).all():
-            return np.float32(np.inf)
+            return np.full(1, np.inf, np.float32)
         amax = np.abs(g).max(initial=np.float32(0))
         if self.clip == 0:
-            return np.float32(amax)
+            return np.full(1, amax, np.float32)
         sigma = np.sqrt(np.mean(np.square(g - g.mean(dtype=np.float64)), dtype=np.float64))
-        return np.float32(min(np.float32(self.clip) * np.float32(sigma), amax))
+        return np.full(1, min(np.float32(self.clip) * np.float32(sigma), amax), np.float32)
 
     def probabilities(self, grad, scale):
         """P(b_k = 1) = min(|g_k| / s, 1); zero where s is zero."""
-        s = np.float32(scale)
-        if s == 0:
-            return np.zeros(grad.shape, np.float32)
-        return np.minimum(np.abs(grad.astype(np.float32)) / s, np.float32(1))
-
-    def encode(self, grad, scale, uniforms):
-        fire = uniforms < self.probabilities(grad, scale)
-        return (np.sign(grad) * fire).astype(np.int8)
-
-    def decode(self, total, scale, count):
-        s = np.float32(scale)
-        if not np.isfinite(s):
-            return np.full(total.shape, np.nan, np.float32)
-        return s * total.astype(np.float32) / np.float32(count)
+        return self.rounding(grad, scale)[2]

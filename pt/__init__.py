@@ -1,10 +1,12 @@
 """PyTorch port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
 ``DistributedOptimizer`` that exchanges their codes through Horovod collectives."""
 from .codec import FP16, Codec, NoneCodec
+from .qsgd import NUQSGD, QSGD, QSGDInf
 from .terngrad import TernGrad
 
-CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad)}
+CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD)}
 
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 
-__all__ = ["CODECS", "Codec", "DistributedOptimizer", "FP16", "NoneCodec", "TernGrad"]
+__all__ = ["CODECS", "Codec", "DistributedOptimizer", "FP16", "NUQSGD", "NoneCodec", "QSGD",
+           "QSGDInf", "TernGrad"]

@@ -15,7 +15,7 @@ class Codec(Compressor):
     """
 
     def compress(self, tensor):
-        if not self.summable or self.shares_scale:
+        if not self.summable or self.scaled:
             raise TypeError(
                 f"{type(self).__name__} cannot run inside Horovod's own DistributedOptimizer: "
                 f"its codes are only summable after the workers agree on a scale, which "

@@ -1,16 +1,18 @@
 """How one tensor's codes cross the network, built only from Horovod collectives.
 
-Every exchange delivers the same thing to every rank: the sum over workers of the codes (an
-``int32`` tensor for integer codes, float32 for float codes). The codec decodes that sum.
-Each exchange runs in up to three calls so that many tensors are in flight at once:
-``start`` hands the first collective to Horovod, ``advance`` waits for it and hands over the
-second one (sharded only), ``finish`` waits and returns the sum. The byte-count model of each
-is in ``hvd_compress.cost``.
+Every exchange delivers the same decoded gradient to every rank. Each runs in up to three
+calls so that many tensors are in flight at once: ``start`` hands the first collective to
+Horovod, ``advance`` waits for it and hands over the second one (sharded only), ``finish``
+waits and decodes. The byte-count model of each is in ``hvd_compress.cost``.
+
+Summing exchanges (``Allreduce``, ``Sharded``) need summable codes under one scale for all
+workers; ``Allgather`` also carries each worker's own scales (prefixed to its packed codes as
+raw float32 bytes, so one collective moves both).
 """
 import horovod.torch as hvd
 import torch
 
-from hvd_compress.codes import IntCodes, shard_length
+from hvd_compress.codes import shard_length
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
 from .packing import pack, unpack
@@ -28,85 +30,99 @@ class Meter:
 
 
 def _sum_rows(rows):
-    accumulate = torch.int32 if rows.dtype == torch.int32 else torch.float32
+    accumulate = torch.float32 if rows.is_floating_point() else torch.int32
     return rows.sum(dim=0, dtype=accumulate)
 
 
-class Allreduce:
-    """Codes summed by one allreduce, in the narrowest carrier that cannot overflow."""
+class _Exchange:
+    def __init__(self, codec, numel, world_size, meter, count):
+        self.codec, self.numel, self.world_size = codec, numel, world_size
+        self.meter, self.count = meter, count
+
+    def advance(self, pending):
+        return pending
+
+
+class Allreduce(_Exchange):
+    """Code values summed by one allreduce, in the narrowest carrier that cannot overflow."""
 
     name = "allreduce"
 
-    def __init__(self, space, numel, world_size, meter):
-        self.space, self.numel, self.meter = space, numel, meter
-        self.carrier = getattr(torch, space.allreduce_carrier(world_size, TORCH_ALLREDUCE_DTYPES))
+    def start(self, codes, scale, name):
+        carrier = self.codec.value_space.allreduce_carrier(self.world_size,
+                                                           TORCH_ALLREDUCE_DTYPES)
+        payload = self.meter.hand(self.codec.values(codes).to(getattr(torch, carrier)))
+        return hvd.allreduce_async(payload, op=hvd.Sum, name=name), scale
 
-    def start(self, codes, name):
-        payload = self.meter.hand(codes.to(self.carrier))
-        return hvd.allreduce_async(payload, op=hvd.Sum, name=name)
-
-    def advance(self, handle):
-        return handle
-
-    def finish(self, handle):
+    def finish(self, pending):
+        handle, scale = pending
         total = hvd.synchronize(handle)
-        return total.to(torch.int32 if isinstance(self.space, IntCodes) else torch.float32)
+        if not total.is_floating_point():
+            total = total.to(torch.int32)
+        return self.codec.decode(total, scale, self.count)
 
 
-class Allgather:
-    """Every worker's packed codes reach every worker, which unpacks and sums them."""
+class Allgather(_Exchange):
+    """Every worker's packed codes (and own scales, if it has them) reach every worker."""
 
     name = "allgather"
 
-    def __init__(self, space, numel, world_size, meter):
-        self.space, self.numel, self.meter = space, numel, meter
+    def start(self, codes, scale, name):
+        packed = pack(codes.reshape(1, -1), self.codec.code_space)
+        own_scale = self.codec.scaled and not self.codec.shares_scale(self.name)
+        if own_scale:
+            packed = torch.cat([scale.to(torch.float32).reshape(1, -1).view(torch.uint8), packed],
+                               dim=1)
+        return hvd.allgather_async(self.meter.hand(packed), name=name), scale, own_scale
 
-    def start(self, codes, name):
-        payload = self.meter.hand(pack(codes.reshape(1, -1), self.space))
-        return hvd.allgather_async(payload, name=name)
-
-    def advance(self, handle):
-        return handle
-
-    def finish(self, handle):
+    def finish(self, pending):
+        handle, scale, own_scale = pending
         rows = hvd.synchronize(handle)
-        return _sum_rows(unpack(rows, self.space, self.numel))
+        if own_scale:
+            split = 4 * self.codec.buckets(self.numel)
+            scale = rows[:, :split].contiguous().view(torch.float32)
+            rows = rows[:, split:]
+        values = self.codec.values(unpack(rows, self.codec.code_space, self.numel))
+        if own_scale:
+            return self.codec.decode(values, scale, self.count).sum(dim=0)
+        return self.codec.decode(_sum_rows(values), scale, self.count)
 
 
-class Sharded:
+class Sharded(_Exchange):
     """Reduce-scatter by alltoall, then allgather of the packed partial sums.
 
-    Rank k receives shard k of every worker's codes, sums them and packs the sum in the
-    narrowest width that holds it (``space.summed(world_size)``); an allgather returns all
-    summed shards to everyone. Bytes per worker stay nearly flat as the world grows.
+    Rank k receives shard k of every worker's codes, sums their values and packs the sum in
+    the narrowest width that holds it (``value_space.summed(world_size)``); an allgather
+    returns all summed shards to everyone. Bytes per worker stay nearly flat as the world
+    grows.
     """
 
     name = "sharded"
 
-    def __init__(self, space, numel, world_size, meter):
-        self.space, self.numel, self.meter = space, numel, meter
-        self.world_size = world_size
-        self.total_space = space.summed(world_size)
-        self.length = shard_length(numel, world_size, space, self.total_space)
+    def __init__(self, codec, numel, world_size, meter, count):
+        super().__init__(codec, numel, world_size, meter, count)
+        self.total_space = codec.value_space.summed(world_size)
+        self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
-    def start(self, codes, name):
-        flat = codes.reshape(-1)
-        padded = flat.new_zeros(self.world_size * self.length)
-        padded[: self.numel] = flat
-        shards = pack(padded.reshape(self.world_size, self.length), self.space)
-        return hvd.alltoall_async(self.meter.hand(shards), name=name), name
+    def start(self, codes, scale, name):
+        padded = codes.new_zeros(self.world_size * self.length)
+        padded[: self.numel] = codes.reshape(-1)
+        shards = pack(padded.reshape(self.world_size, self.length), self.codec.code_space)
+        return hvd.alltoall_async(self.meter.hand(shards), name=name), scale, name
 
     def advance(self, pending):
-        handle, name = pending
+        handle, scale, name = pending
         received, _ = hvd.synchronize(handle)
-        partial = _sum_rows(unpack(received, self.space, self.length))
-        payload = self.meter.hand(pack(partial.reshape(1, -1), self.total_space))
-        return hvd.allgather_async(payload, name=f"{name}.sum")
+        values = self.codec.values(unpack(received, self.codec.code_space, self.length))
+        payload = self.meter.hand(pack(_sum_rows(values).reshape(1, -1), self.total_space))
+        return hvd.allgather_async(payload, name=f"{name}.sum"), scale
 
-    def finish(self, handle):
+    def finish(self, pending):
+        handle, scale = pending
         rows = hvd.synchronize(handle)
         total = unpack(rows, self.total_space, self.length).reshape(-1)[: self.numel]
-        return total.to(torch.int32 if isinstance(self.space, IntCodes) else torch.float32)
+        return self.codec.decode(total.to(torch.float32 if total.is_floating_point()
+                                          else torch.int32), scale, self.count)
 
 
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}

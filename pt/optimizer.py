@@ -170,9 +170,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     if process_set is not hvd.global_process_set:
         raise ValueError("DistributedOptimizer: only hvd.global_process_set is supported")
     check_choice("DistributedOptimizer", "exchange", exchange, ("auto",) + EXCHANGES)
-    if exchange == "allreduce" and not codec.summable and codec.code_space is not None:
-        raise ValueError(f"DistributedOptimizer: exchange='allreduce' needs summable codes; "
-                         f"{codec.name} is not")
+    if exchange in ("allreduce", "sharded") and not codec.summable and \
+            codec.code_space is not None:
+        raise ValueError(f"DistributedOptimizer: exchange={exchange!r} sums codes, and "
+                         f"{codec.name} codes are not summable; use 'allgather' or 'auto'")
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
 
     named = _named_parameters(optimizer, named_parameters)

@@ -103,11 +103,13 @@ class CompressionPipeline:
         else:
             flight = _InFlight(plan, param, "scale")
             flight.exchange = EXCHANGES[plan.exchange](
-                self.codec.code_space, plan.numel, self.world_size, self.meter)
-            if self.codec.shares_scale:
-                scale = self.meter.hand(self.codec.local_scale(grad))
-                flight.handle = hvd.allreduce_async(scale, op=hvd.Max,
-                                                    name=f"hvdc.{plan.name}.scale")
+                self.codec, plan.numel, self.world_size, self.meter,
+                self.world_size if self.average else 1)
+            if self.codec.scaled:
+                flight.scale = self.codec.local_scale(grad)
+                if self.codec.shares_scale(plan.exchange):
+                    flight.handle = hvd.allreduce_async(self.meter.hand(flight.scale), op=hvd.Max,
+                                                        name=f"hvdc.{plan.name}.scale")
             self._in_flight[param] = flight
         self._start_ready_codes()
 
@@ -139,8 +141,10 @@ class CompressionPipeline:
             generator = torch.Generator(device=grad.device)
             generator.manual_seed(stream_seed(self.seed, self.rank, self.step, flight.plan.index))
             uniforms = torch.rand(grad.shape, generator=generator, device=grad.device)
-        codes = self.codec.encode(grad, flight.scale, uniforms)
-        flight.handle = flight.exchange.start(codes, f"hvdc.{flight.plan.name}.codes")
+        codes = self.codec.encode(grad.reshape(-1), flight.scale, uniforms.reshape(-1)
+                                  if uniforms is not None else None)
+        flight.handle = flight.exchange.start(codes, flight.scale,
+                                              f"hvdc.{flight.plan.name}.codes")
         flight.stage = "codes"
 
     def synchronize(self, missing):
@@ -163,9 +167,7 @@ class CompressionPipeline:
                 if output.is_sparse:
                     param.grad = output
                 continue
-            total = flight.exchange.finish(flight.handle)
-            count = self.world_size if self.average else 1
-            decoded = self.codec.decode(total, flight.scale, count)
+            decoded = flight.exchange.finish(flight.handle)
             param.grad.copy_(decoded.reshape(param.grad.shape))
         self._in_flight.clear()
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0

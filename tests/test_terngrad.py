@@ -30,11 +30,11 @@ def test_torch_port_matches_reference(clip):
     scale = ref.local_scale(g)
     assert port.local_scale(torch.from_numpy(g)).item() == pytest.approx(scale, rel=1e-6)
     codes = ref.encode(g, scale, u)
-    codes_pt = port.encode(torch.from_numpy(g), torch.tensor([scale]), torch.from_numpy(u))
+    codes_pt = port.encode(torch.from_numpy(g), torch.from_numpy(scale), torch.from_numpy(u))
     np.testing.assert_array_equal(codes_pt.numpy(), codes)
     total = np.stack([codes, -codes, codes]).sum(0)
     np.testing.assert_array_equal(
-        port.decode(torch.from_numpy(total), torch.tensor([scale]), 3).numpy(),
+        port.decode(torch.from_numpy(total), torch.from_numpy(scale), 3).numpy(),
         ref.decode(total, scale, 3))
 
 
@@ -44,7 +44,7 @@ def test_decoded_values_are_ternary():
     s = ref.local_scale(g)
     codes = ref.encode(g, s, np.random.default_rng(0).random(g.size))
     assert set(np.unique(codes)) <= {-1, 0, 1}
-    assert set(np.unique(ref.decode(codes, s, 1))) <= {-s, 0, s}
+    assert set(np.unique(ref.decode(codes, s, 1))) <= {-s[0], 0, s[0]}
 
 
 def test_unbiasedness_identity_is_exact():
@@ -55,7 +55,7 @@ def test_unbiasedness_identity_is_exact():
     np.testing.assert_allclose(s * ref.probabilities(g, s), np.minimum(np.abs(g), s),
                                rtol=1e-6, atol=0)
     port = hc.TernGrad()
-    p = port.probabilities(torch.from_numpy(g), torch.tensor([s])).numpy()
+    p = port.probabilities(torch.from_numpy(g), torch.from_numpy(s)).numpy()
     np.testing.assert_array_equal(p, ref.probabilities(g, s))
 
 
@@ -87,11 +87,11 @@ def test_empirical_mean_and_variance_over_seeds():
 def test_zero_and_non_finite_gradients():
     ref, port = hvd_compress.TernGrad(), hc.TernGrad()
     zero = np.zeros(100, np.float32)
-    assert ref.local_scale(zero) == 0
-    assert not ref.encode(zero, 0.0, np.random.default_rng(0).random(100)).any()
+    assert ref.local_scale(zero)[0] == 0
+    assert not ref.encode(zero, ref.local_scale(zero), np.random.default_rng(0).random(100)).any()
     bad = gaussian(100)
     bad[7] = np.nan
-    assert ref.local_scale(bad) == np.inf
+    assert ref.local_scale(bad)[0] == np.inf
     assert port.local_scale(torch.from_numpy(bad)).item() == np.inf
     bad[7] = np.inf
     assert port.local_scale(torch.from_numpy(bad)).item() == np.inf

@@ -8,7 +8,7 @@ from hvd_compress.registry import resolve
 
 
 def test_unknown_codec_name_lists_the_choices():
-    with pytest.raises(ValueError, match=r"compression must be one of \['fp16', 'none', 'terngrad'\]"):
+    with pytest.raises(ValueError, match=r"compression must be one of \['fp16', 'none', 'nuqsgd', 'qsgd', 'qsgd-inf', 'terngrad'\]"):
         resolve("ternary")
 
 

@@ -1,0 +1,62 @@
+"""Unbiased stochastic rounding to uniform levels: the quantizer shared by TernGrad, QSGD
+and QSGD-inf.
+
+Per bucket with scale S and s levels, r = |g| / S in [0, 1] (S >= max|g| of the bucket):
+
+    x = r * s,  l = min(floor(x), s - 1),  p = x - l
+    level = l + 1 with probability p, else l        (E[level / s] = r)
+    code = sign(g) * level                           in [-s, s]
+    g_hat = S * sum of codes / (s * count)
+
+With a shared S (the Max over workers) the codes of all workers are summable integers.
+"""
+import numpy as np
+
+from . import buckets
+from .codec import Codec
+from .codes import IntCodes
+
+
+class UniformQuantizer(Codec):
+    """Base class: subclasses set ``levels`` (s) and ``bucket_size`` (None: one bucket per
+    tensor) and define ``local_scale``."""
+
+    summable = True
+    scaled = True
+    stochastic = True
+    levels = 1
+    bucket_size = None
+
+    @property
+    def code_space(self):
+        return IntCodes(self.levels)
+
+    def bucket_length(self, numel):
+        return max(numel, 1) if self.bucket_size is None else self.bucket_size
+
+    def buckets(self, numel):
+        return buckets.count(numel, self.bucket_length(numel))
+
+    def rounding(self, grad, scale):
+        """``(lo, hi, p)``: the two levels around r = |g| / S and the probability of hi."""
+        numel = grad.shape[-1]
+        s = np.float32(scale)
+        full = buckets.expand(s, numel, self.bucket_length(numel))
+        # A zero scale (all-zero bucket) or an infinite one (non-finite gradient) gives code 0.
+        usable = (full > 0) & np.isfinite(full)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = np.where(usable, np.abs(grad.astype(np.float32)) / full, np.float32(0))
+        x = np.minimum(r, np.float32(1)) * np.float32(self.levels)
+        low = np.minimum(np.floor(x), np.float32(self.levels - 1))
+        return low, low + 1, x - low
+
+    def encode(self, grad, scale, uniforms):
+        low, _, p = self.rounding(grad, scale)
+        level = low + (uniforms < p)
+        return (np.sign(grad) * level).astype(np.int8)
+
+    def decode(self, total, scale, count):
+        numel = total.shape[-1]
+        full = buckets.expand(np.asarray(scale, np.float32), numel, self.bucket_length(numel))
+        value = full * total.astype(np.float32) / np.float32(self.levels * count)
+        return np.where(np.isfinite(full), value, np.float32(np.nan))

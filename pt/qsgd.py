@@ -1,0 +1,71 @@
+"""QSGD, QSGD-inf and NUQSGD in PyTorch ops; see ``hvd_compress.qsgd``."""
+import torch
+
+from hvd_compress import qsgd as reference
+
+from .buckets import expand, reduce
+from .codec import Codec
+from .quantizer import UniformQuantizer
+
+
+def _local_norms(quantizer, grad, norm):
+    g = grad.detach().reshape(-1).to(torch.float32)
+    d = quantizer.bucket_length(g.numel())
+    if norm == "l2":
+        scale = reduce(g.to(torch.float64).square(), d, "sum").sqrt().to(torch.float32)
+    else:
+        scale = reduce(g.abs(), d, "amax")
+    finite = torch.isfinite(g).all()
+    return torch.where(finite, scale, torch.full_like(scale, float("inf")))
+
+
+class QSGD(reference.QSGD, UniformQuantizer):
+    __doc__ = reference.QSGD.__doc__
+
+    def local_scale(self, grad):
+        return _local_norms(self, grad, self.norm)
+
+
+class QSGDInf(reference.QSGDInf, QSGD):
+    __doc__ = reference.QSGDInf.__doc__
+
+
+class NUQSGD(reference.NUQSGD, Codec):
+    __doc__ = reference.NUQSGD.__doc__
+
+    def local_scale(self, grad):
+        return _local_norms(self, grad, "l2")
+
+    def rounding(self, grad, scale):
+        numel = grad.shape[-1]
+        full = expand(torch.as_tensor(scale, dtype=torch.float32, device=grad.device).reshape(-1),
+                      numel, self.bucket_length(numel))
+        usable = (full > 0) & torch.isfinite(full)
+        r = torch.where(usable, grad.abs().to(torch.float32) / full, torch.zeros_like(full))
+        r = torch.clamp(r, max=1.0)
+        _, exponent = torch.frexp(r)
+        s = self.exponent
+        index = torch.clamp(exponent + s, 0, s)
+        index = torch.where(r > 0, index, torch.zeros_like(index))
+        one = torch.ones_like(r)
+        lo = torch.where(index > 0, torch.ldexp(one, index - s - 1), torch.zeros_like(r))
+        hi = torch.ldexp(one, index - s)
+        return lo, hi, (r - lo) / (hi - lo), index.to(torch.float32)
+
+    def encode(self, grad, scale, uniforms):
+        lo, hi, p, index = self.rounding(grad, scale)
+        index = index + (uniforms < p)
+        return (torch.sign(grad) * index).to(torch.int8)
+
+    def values(self, codes):
+        index = codes.to(torch.int32).abs()
+        magnitude = torch.where(index > 0, torch.bitwise_left_shift(
+            torch.ones_like(index), (index - 1).clamp(min=0)), torch.zeros_like(index))
+        return torch.sign(codes).to(torch.int32) * magnitude
+
+    def decode(self, total, scale, count):
+        numel = total.shape[-1]
+        full = expand(torch.as_tensor(scale, dtype=torch.float32, device=total.device),
+                      numel, self.bucket_length(numel))
+        value = full * total.to(torch.float32) / float(2 ** self.exponent * count)
+        return torch.where(torch.isfinite(full), value, torch.full_like(value, float("nan")))
