@@ -38,6 +38,8 @@ class Codec:
         summable: True if the workers' code values can be summed elementwise (so an
             allreduce or the sharded exchange can carry them).
         scaled: True if codes are relative to one float32 scale per bucket.
+        wire: ``"fixed"`` (codes packed at a fixed width, ``codes.py``) or ``"elias"``
+            (nonzero codes Elias-omega coded, ``elias.py``; variable length).
         stochastic: True if ``encode`` consumes one uniform draw per element.
         compress_classifier_default: whether the final classifier layer is compressed unless
             the user says otherwise.
@@ -54,6 +56,7 @@ class Codec:
     code_space = None
     summable = False
     scaled = False
+    wire = "fixed"
     stochastic = False
     default_min_size = 0
     compress_classifier_default = True

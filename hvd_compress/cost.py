@@ -76,7 +76,7 @@ def compressed_traffic(codec, numel, world_size, exchange,
 
 def choose_exchange(codec, numel, world_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """The exchange that sends the fewest bytes; on a tie, the one with fewer collectives."""
-    candidates = [e for e in EXCHANGES if e != "allreduce" or codec.summable]
+    candidates = EXCHANGES if codec.summable else ("allgather",)
     return min(candidates, key=lambda e: (
         compressed_traffic(codec, numel, world_size, e, allreduce_dtypes).sent,
         compressed_traffic(codec, numel, world_size, e, allreduce_dtypes).collectives))

@@ -30,7 +30,7 @@ from . import buckets
 from .codec import Codec
 from .codes import IntCodes
 from .quantizer import UniformQuantizer
-from .validation import check_int
+from .validation import check_choice, check_int
 
 
 def _local_norms(quantizer, grad, norm):
@@ -52,10 +52,16 @@ class _BucketedQuantizer:
 
     max_bits = 8
 
-    def _init_bits(self, bits, bucket_size):
+    def _init_bits(self, bits, bucket_size, wire):
         owner = type(self).__name__
         self.bits = check_int(owner, "bits", bits, low=2, high=self.max_bits)
         self.bucket_size = check_int(owner, "bucket_size", bucket_size, low=1)
+        self.wire = check_choice(owner, "wire", wire, ("fixed", "elias"))
+
+    @property
+    def summable(self):
+        # Variable-length codes cannot be summed in place; they travel by allgather.
+        return self.wire == "fixed"
 
     def shares_scale(self, exchange):
         return exchange != "allgather"
@@ -74,14 +80,18 @@ class QSGD(_BucketedQuantizer, UniformQuantizer):
         min_size (int): tensors with fewer elements are sent as float32; the paper leaves
             tensors under 10,000 elements unquantized. Default 10000.
         compress_classifier (bool): quantize the classifier layer too. Default True.
+        wire (str): ``"fixed"``, b bits per element packed (any exchange), or ``"elias"``,
+            only the nonzero codes as Elias-omega coded gaps, signs and levels (QSGD's
+            Section 3.2; allgather only). Default ``"fixed"``.
     """
 
     name = "qsgd"
     norm = "l2"
 
-    def __init__(self, bits=4, bucket_size=512, *, min_size=None, compress_classifier=None):
+    def __init__(self, bits=4, bucket_size=512, *, min_size=None, compress_classifier=None,
+                 wire="fixed"):
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
-        self._init_bits(bits, bucket_size)
+        self._init_bits(bits, bucket_size, wire)
 
     @property
     def levels(self):
@@ -100,6 +110,9 @@ class QSGDInf(QSGD):
         bucket_size (int): d, elements per bucket. Default 512 (QSGD paper, 4 bits).
         min_size (int): default 10000 (QSGD paper).
         compress_classifier (bool): default True.
+        wire (str): ``"fixed"``, b bits per element packed (any exchange), or ``"elias"``,
+            only the nonzero codes as Elias-omega coded gaps, signs and levels (QSGD's
+            Section 3.2; allgather only). Default ``"fixed"``.
     """
 
     name = "qsgd-inf"
@@ -117,19 +130,22 @@ class NUQSGD(_BucketedQuantizer, Codec):
         bucket_size (int): d, elements per bucket. Default 8192, the authors' grid.
         min_size (int): default 10000, as for QSGD.
         compress_classifier (bool): default True.
+        wire (str): ``"fixed"``, b bits per element packed (any exchange), or ``"elias"``,
+            only the nonzero codes as Elias-omega coded gaps, signs and levels (QSGD's
+            Section 3.2; allgather only). Default ``"fixed"``.
     """
 
     name = "nuqsgd"
     max_bits = 5
-    summable = True
     scaled = True
     stochastic = True
     bucket_length = UniformQuantizer.bucket_length
     buckets = UniformQuantizer.buckets
 
-    def __init__(self, bits=4, bucket_size=8192, *, min_size=None, compress_classifier=None):
+    def __init__(self, bits=4, bucket_size=8192, *, min_size=None, compress_classifier=None,
+                 wire="fixed"):
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
-        self._init_bits(bits, bucket_size)
+        self._init_bits(bits, bucket_size, wire)
 
     @property
     def exponent(self):

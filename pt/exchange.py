@@ -15,6 +15,7 @@ import torch
 from hvd_compress.codes import shard_length
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
+from . import elias
 from .packing import pack, unpack
 
 
@@ -63,28 +64,54 @@ class Allreduce(_Exchange):
 
 
 class Allgather(_Exchange):
-    """Every worker's packed codes (and own scales, if it has them) reach every worker."""
+    """Every worker's packed codes (and own scales, if it has them) reach every worker.
+
+    Variable-length payloads (``wire="elias"``) travel as one flat byte tensor per worker,
+    with a second, concurrent allgather of their lengths to split them apart.
+    """
 
     name = "allgather"
 
+    def __init__(self, codec, numel, world_size, meter, count):
+        super().__init__(codec, numel, world_size, meter, count)
+        self.own_scale = codec.scaled and not codec.shares_scale(self.name)
+        self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
+        self.elias = codec.wire == "elias"
+
     def start(self, codes, scale, name):
-        packed = pack(codes.reshape(1, -1), self.codec.code_space)
-        own_scale = self.codec.scaled and not self.codec.shares_scale(self.name)
-        if own_scale:
-            packed = torch.cat([scale.to(torch.float32).reshape(1, -1).view(torch.uint8), packed],
-                               dim=1)
-        return hvd.allgather_async(self.meter.hand(packed), name=name), scale, own_scale
+        if self.elias:
+            payload = elias.encode(codes)
+        else:
+            payload = pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
+        if self.own_scale:
+            payload = torch.cat([scale.to(torch.float32).reshape(-1).view(torch.uint8), payload])
+        if not self.elias:
+            payload = payload.reshape(1, -1)  # equal lengths: gathered as rows
+        handles = [hvd.allgather_async(self.meter.hand(payload), name=name)]
+        if self.elias:
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+            handles.append(hvd.allgather_async(self.meter.hand(size), name=f"{name}.size"))
+        return handles, scale
+
+    def _codes(self, handles):
+        """Each worker's codes (rows) and own scales, from the gathered payloads."""
+        data = hvd.synchronize(handles[0])
+        if self.elias:
+            sizes = hvd.synchronize(handles[1]).tolist()
+            chunks = torch.split(data, sizes)
+            codes = torch.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in chunks])
+            heads = torch.stack([c[:self.scale_bytes] for c in chunks])
+        else:
+            codes = unpack(data[:, self.scale_bytes:], self.codec.code_space, self.numel)
+            heads = data[:, :self.scale_bytes]
+        return codes, heads.contiguous().view(torch.float32)
 
     def finish(self, pending):
-        handle, scale, own_scale = pending
-        rows = hvd.synchronize(handle)
-        if own_scale:
-            split = 4 * self.codec.buckets(self.numel)
-            scale = rows[:, :split].contiguous().view(torch.float32)
-            rows = rows[:, split:]
-        values = self.codec.values(unpack(rows, self.codec.code_space, self.numel))
-        if own_scale:
-            return self.codec.decode(values, scale, self.count).sum(dim=0)
+        handles, scale = pending
+        codes, own_scales = self._codes(handles)
+        values = self.codec.values(codes)
+        if self.own_scale:
+            return self.codec.decode(values, own_scales, self.count).sum(dim=0)
         return self.codec.decode(_sum_rows(values), scale, self.count)
 
 

@@ -47,8 +47,10 @@ def run_parallel(body, np, *args, launcher="horovodrun", timeout=300, **kwargs):
             raise AssertionError(f"{body.__qualname__} on {np} ranks timed out after "
                                  f"{timeout}s (a hang?):\n{output[-6000:]}") from None
         if process.returncode != 0:
-            raise AssertionError(f"{body.__qualname__} on {np} ranks failed "
-                                 f"(exit {process.returncode}):\n{output[-6000:]}")
+            errors = [line for line in output.splitlines() if "Error" in line][:10]
+            raise AssertionError(f"{body.__qualname__} on {np} ranks failed (exit "
+                                 f"{process.returncode}):\n" + "\n".join(errors) +
+                                 f"\n...\n{output[-6000:]}")
         results = []
         for rank in range(np):
             with open(os.path.join(workdir, f"rank{rank}.pkl"), "rb") as f:

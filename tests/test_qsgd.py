@@ -134,3 +134,36 @@ def test_bad_hyperparameters(name):
         cls(bits=4.0)
     with pytest.raises(TypeError, match="DistributedOptimizer"):
         cls().compress(torch.zeros(3))
+
+
+def test_elias_round_trip_of_every_integer_up_to_a_million():
+    from hvd_compress import elias
+    values = np.arange(1, 1_000_001)
+    code, length = elias.omega_codes(values)
+    # Spot-check the bit patterns against the textbook definition ...
+    for k, want in {1: "0", 2: "100", 3: "110", 4: "101000", 16: "10100100000",
+                    1_000_000: "1010010011" + format(1_000_000, "b") + "0"}.items():
+        assert format(int(code[k - 1]), "b").zfill(int(length[k - 1])) == want
+    # ... and decode all of them as one stream of levels (gap 1 each, positive).
+    decoded = elias.decode(elias.encode(values), values.size)
+    np.testing.assert_array_equal(decoded, values)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
+def test_elias_round_trip_of_code_vectors_in_both_ports(density):
+    from hvd_compress import elias
+    from hvd_compress.pt import elias as pt_elias
+    rng = np.random.default_rng(int(density * 100))
+    codes = (rng.integers(-7, 8, 30_001) * (rng.random(30_001) < density)).astype(np.int8)
+    data = elias.encode(codes)
+    np.testing.assert_array_equal(elias.decode(data, codes.size), codes)
+    data_pt = pt_elias.encode(torch.from_numpy(codes))
+    np.testing.assert_array_equal(data_pt.numpy(), data)
+    np.testing.assert_array_equal(pt_elias.decode(data_pt, codes.size).numpy(), codes)
+
+
+def test_elias_wire_is_allgather_only():
+    codec = hc.QSGDInf(wire="elias")
+    assert not codec.summable
+    with pytest.raises(ValueError, match="wire must be one of 'fixed', 'elias'"):
+        hc.QSGDInf(wire="huffman")
