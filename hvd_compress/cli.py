@@ -1,6 +1,6 @@
 """The ``hvd-compress`` command.
 
-    hvd-compress demo [--workers 2] [--codecs none,terngrad] [--steps 3000]
+    hvd-compress demo [--workers 2] [--codecs none,terngrad,qsgd-inf,nuqsgd] [--steps 3000]
 
 ``demo`` is the main job: it trains the MNIST-1D CNN of ``examples/mnist1d_torch.py`` under
 ``horovodrun`` (Gloo, localhost) once per codec with the same seed and data, and prints a
@@ -73,7 +73,8 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("demo", help="train MNIST-1D with and without compression")
     run.add_argument("--workers", type=int, default=2)
-    run.add_argument("--codecs", type=lambda s: s.split(","), default=["none", "terngrad"])
+    run.add_argument("--codecs", type=lambda s: s.split(","),
+                     default=["none", "terngrad", "qsgd-inf", "nuqsgd"])
     run.add_argument("--steps", type=int, default=3000)
     run.add_argument("--optimizer", default="sgd")
     run.add_argument("--lr", type=float, default=0.1)

@@ -1,5 +1,6 @@
-"""The main job's claim: on MNIST-1D with 2 workers TernGrad is within 1 point of uncompressed
-training with the same seed and steps, and the uncompressed CNN reaches 90%."""
+"""The main job's claim: on MNIST-1D with 2 workers no codec of the demo ends more than 1 point
+below uncompressed training with the same seed and steps, and the uncompressed CNN reaches
+90%."""
 import json
 
 import pytest
@@ -9,10 +10,12 @@ from hvd_compress import cli
 pytestmark = [pytest.mark.multiprocess, pytest.mark.convergence]
 
 
-def test_terngrad_within_one_point_on_mnist1d(tmp_path):
+def test_codecs_within_one_point_on_mnist1d(tmp_path):
     out = tmp_path / "demo.json"
-    cli.main(["demo", "--codecs", "none,terngrad", "--out", str(out), "--timeout", "900"])
-    none, terngrad = json.load(open(out))
-    assert none["test_accuracy"] >= 0.90
-    assert abs(terngrad["test_accuracy"] - none["test_accuracy"]) <= 0.010
-    assert terngrad["compression_ratio"] > 10
+    cli.main(["demo", "--out", str(out), "--timeout", "900"])
+    none, *compressed = json.load(open(out))
+    assert none["compression"] == "none" and none["test_accuracy"] >= 0.90
+    assert [r["compression"] for r in compressed] == ["terngrad", "qsgd-inf", "nuqsgd"]
+    for result in compressed:
+        assert result["test_accuracy"] >= none["test_accuracy"] - 0.010, result
+        assert result["compression_ratio"] > 5
