@@ -165,12 +165,7 @@ class NUQSGD(_BucketedQuantizer, Codec):
 
     def rounding(self, grad, scale):
         """``(lo, hi, p)`` around r = |g| / scale, and the index of lo, as float32."""
-        numel = grad.shape[-1]
-        full = buckets.expand(np.float32(scale), numel, self.bucket_length(numel))
-        usable = (full > 0) & np.isfinite(full)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = np.where(usable, np.abs(grad.astype(np.float32)) / full, np.float32(0))
-        r = np.minimum(r, np.float32(1))
+        r = buckets.normalized(grad, scale, self.bucket_length(grad.shape[-1]))
         # Index j of the level below r: l_j = 2^(j - s - 1) <= r, from the binary exponent
         # (exact, unlike a floating-point log2); j = 0 below 2^-s.
         _, exponent = np.frexp(r)
@@ -193,10 +188,8 @@ class NUQSGD(_BucketedQuantizer, Codec):
         return np.sign(codes).astype(np.int32) * magnitude
 
     def decode(self, total, scale, count):
-        numel = total.shape[-1]
-        full = buckets.expand(np.asarray(scale, np.float32), numel, self.bucket_length(numel))
-        value = full * total.astype(np.float32) / np.float32(2 ** self.exponent * count)
-        return np.where(np.isfinite(full), value, np.float32(np.nan))
+        return buckets.rescale(total, scale, self.bucket_length(total.shape[-1]),
+                               2 ** self.exponent * count)
 
 
 def qsgd_variance_bound(d, s):

@@ -39,14 +39,8 @@ class UniformQuantizer(Codec):
 
     def rounding(self, grad, scale):
         """``(lo, hi, p)``: the two levels around r = |g| / S and the probability of hi."""
-        numel = grad.shape[-1]
-        s = np.float32(scale)
-        full = buckets.expand(s, numel, self.bucket_length(numel))
-        # A zero scale (all-zero bucket) or an infinite one (non-finite gradient) gives code 0.
-        usable = (full > 0) & np.isfinite(full)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = np.where(usable, np.abs(grad.astype(np.float32)) / full, np.float32(0))
-        x = np.minimum(r, np.float32(1)) * np.float32(self.levels)
+        r = buckets.normalized(grad, scale, self.bucket_length(grad.shape[-1]))
+        x = r * np.float32(self.levels)
         low = np.minimum(np.floor(x), np.float32(self.levels - 1))
         return low, low + 1, x - low
 
@@ -56,7 +50,5 @@ class UniformQuantizer(Codec):
         return (np.sign(grad) * level).astype(np.int8)
 
     def decode(self, total, scale, count):
-        numel = total.shape[-1]
-        full = buckets.expand(np.asarray(scale, np.float32), numel, self.bucket_length(numel))
-        value = full * total.astype(np.float32) / np.float32(self.levels * count)
-        return np.where(np.isfinite(full), value, np.float32(np.nan))
+        return buckets.rescale(total, scale, self.bucket_length(total.shape[-1]),
+                               self.levels * count)

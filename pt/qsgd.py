@@ -3,7 +3,7 @@ import torch
 
 from hvd_compress import qsgd as reference
 
-from .buckets import expand, reduce
+from .buckets import normalized, reduce, rescale
 from .codec import Codec
 from .quantizer import UniformQuantizer
 
@@ -37,12 +37,7 @@ class NUQSGD(reference.NUQSGD, Codec):
         return _local_norms(self, grad, "l2")
 
     def rounding(self, grad, scale):
-        numel = grad.shape[-1]
-        full = expand(torch.as_tensor(scale, dtype=torch.float32, device=grad.device).reshape(-1),
-                      numel, self.bucket_length(numel))
-        usable = (full > 0) & torch.isfinite(full)
-        r = torch.where(usable, grad.abs().to(torch.float32) / full, torch.zeros_like(full))
-        r = torch.clamp(r, max=1.0)
+        r = normalized(grad, scale, self.bucket_length(grad.shape[-1]))
         _, exponent = torch.frexp(r)
         s = self.exponent
         index = torch.clamp(exponent + s, 0, s)
@@ -64,8 +59,5 @@ class NUQSGD(reference.NUQSGD, Codec):
         return torch.sign(codes).to(torch.int32) * magnitude
 
     def decode(self, total, scale, count):
-        numel = total.shape[-1]
-        full = expand(torch.as_tensor(scale, dtype=torch.float32, device=total.device),
-                      numel, self.bucket_length(numel))
-        value = full * total.to(torch.float32) / float(2 ** self.exponent * count)
-        return torch.where(torch.isfinite(full), value, torch.full_like(value, float("nan")))
+        return rescale(total, scale, self.bucket_length(total.shape[-1]),
+                       2 ** self.exponent * count)

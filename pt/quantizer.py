@@ -3,7 +3,7 @@ import torch
 
 from hvd_compress import quantizer as reference
 
-from .buckets import expand
+from .buckets import normalized, rescale
 from .codec import Codec
 
 
@@ -11,12 +11,8 @@ class UniformQuantizer(reference.UniformQuantizer, Codec):
     __doc__ = reference.UniformQuantizer.__doc__
 
     def rounding(self, grad, scale):
-        numel = grad.shape[-1]
-        full = expand(torch.as_tensor(scale, dtype=torch.float32, device=grad.device).reshape(-1),
-                      numel, self.bucket_length(numel))
-        usable = (full > 0) & torch.isfinite(full)
-        r = torch.where(usable, grad.abs().to(torch.float32) / full, torch.zeros_like(full))
-        x = torch.clamp(r, max=1.0) * float(self.levels)
+        r = normalized(grad, scale, self.bucket_length(grad.shape[-1]))
+        x = r * float(self.levels)
         low = torch.clamp(torch.floor(x), max=float(self.levels - 1))
         return low, low + 1, x - low
 
@@ -26,8 +22,4 @@ class UniformQuantizer(reference.UniformQuantizer, Codec):
         return (torch.sign(grad) * level).to(torch.int8)
 
     def decode(self, total, scale, count):
-        numel = total.shape[-1]
-        full = expand(torch.as_tensor(scale, dtype=torch.float32, device=total.device),
-                      numel, self.bucket_length(numel))
-        value = full * total.to(torch.float32) / float(self.levels * count)
-        return torch.where(torch.isfinite(full), value, torch.full_like(value, float("nan")))
+        return rescale(total, scale, self.bucket_length(total.shape[-1]), self.levels * count)
