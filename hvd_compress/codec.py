@@ -38,6 +38,8 @@ class Codec:
         summable: True if the workers' code values can be summed elementwise (so an
             allreduce or the sharded exchange can carry them).
         scaled: True if codes are relative to one float32 scale per bucket.
+        bucket_size: elements per bucket of the flattened tensor, None for one bucket per
+            tensor (a hyperparameter of the codecs that have buckets).
         wire: ``"fixed"`` (codes packed at a fixed width, ``codes.py``) or ``"elias"``
             (nonzero codes Elias-omega coded, ``elias.py``; variable length).
         stochastic: True if ``encode`` consumes one uniform draw per element.
@@ -56,6 +58,7 @@ class Codec:
     code_space = None
     summable = False
     scaled = False
+    bucket_size = None
     wire = "fixed"
     stochastic = False
     default_min_size = 0
@@ -99,9 +102,13 @@ class Codec:
         """Whether a tensor of ``numel`` elements goes through this codec at all."""
         return self.code_space is not None and numel >= self.min_size and numel > 0
 
+    def bucket_length(self, numel):
+        """Elements per bucket of a tensor of ``numel`` elements."""
+        return max(numel, 1) if self.bucket_size is None else self.bucket_size
+
     def buckets(self, numel):
         """Number of scales (buckets) of a tensor of ``numel`` elements."""
-        return 0
+        return -(-numel // self.bucket_length(numel)) if self.scaled else 0
 
     def shares_scale(self, exchange):
         """Whether the workers agree on the scales (Max-allreduce) before encoding, when

@@ -139,8 +139,6 @@ class NUQSGD(_BucketedQuantizer, Codec):
     max_bits = 5
     scaled = True
     stochastic = True
-    bucket_length = UniformQuantizer.bucket_length
-    buckets = UniformQuantizer.buckets
 
     def __init__(self, bits=4, bucket_size=8192, *, min_size=None, compress_classifier=None,
                  wire="fixed"):

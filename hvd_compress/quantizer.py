@@ -25,17 +25,10 @@ class UniformQuantizer(Codec):
     scaled = True
     stochastic = True
     levels = 1
-    bucket_size = None
 
     @property
     def code_space(self):
         return IntCodes(self.levels)
-
-    def bucket_length(self, numel):
-        return max(numel, 1) if self.bucket_size is None else self.bucket_size
-
-    def buckets(self, numel):
-        return buckets.count(numel, self.bucket_length(numel))
 
     def rounding(self, grad, scale):
         """``(lo, hi, p)``: the two levels around r = |g| / S and the probability of hi."""
