@@ -15,7 +15,8 @@ def _local_norms(quantizer, grad, norm):
         scale = reduce(g.to(torch.float64).square(), d, "sum").sqrt().to(torch.float32)
     else:
         scale = reduce(g.abs(), d, "amax")
-    finite = torch.isfinite(g).all()
+    # Sums and maxima propagate NaN and Inf: a non-finite scale marks the whole tensor.
+    finite = torch.isfinite(scale).all()
     return torch.where(finite, scale, torch.full_like(scale, float("inf")))
 
 

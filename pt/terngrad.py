@@ -19,6 +19,7 @@ class TernGrad(reference.TernGrad, UniformQuantizer):
         else:
             var, _ = torch.var_mean(g, correction=0)
             scale = torch.minimum(self.clip * var.sqrt(), amax)
-        # Kept on the device (no .item()): +inf flags a non-finite gradient to the Max.
-        finite = torch.isfinite(g).all()
+        # Kept on the device (no .item()): +inf flags a non-finite gradient to the Max. The
+        # max propagates NaN and Inf, so it tells without another pass over the gradient.
+        finite = torch.isfinite(amax)
         return torch.where(finite, scale, torch.full_like(scale, float("inf"))).reshape(1)
