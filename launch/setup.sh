@@ -102,8 +102,10 @@ PY
 }
 
 install_project() {
-    if "$VENV/bin/python" -c 'import hvd_compress, sys; sys.exit(hvd_compress.__file__ != sys.argv[1])' \
-            "$REPO/hvd_compress/__init__.py" 2>/dev/null; then
+    # Checked from / so that the checkout's own hvd_compress/ directory cannot stand in for
+    # the installed package (whose hvd_compress.pt and .tf map to pt/ and tf/).
+    if (cd / && "$VENV/bin/python" -c 'import sys, hvd_compress.pt as p; sys.exit(p.__file__ != sys.argv[1])' \
+            "$REPO/pt/__init__.py") 2>/dev/null; then
         return
     fi
     log "installing hvd_compress (editable)"
