@@ -40,6 +40,10 @@ class Codec:
         scaled: True if codes are relative to one float32 scale per bucket.
         bucket_size: elements per bucket of the flattened tensor, None for one bucket per
             tensor (a hyperparameter of the codecs that have buckets).
+        two_way: True if the exchange compresses the aggregate again, with a server-side
+            error feedback, before sending it back (dist-EF-blockSGD).
+        error_feedback_default: whether workers keep an error-feedback residual unless the
+            user says otherwise (biased codecs need one).
         wire: ``"fixed"`` (codes packed at a fixed width, ``codes.py``) or ``"elias"``
             (nonzero codes Elias-omega coded, ``elias.py``; variable length).
         stochastic: True if ``encode`` consumes one uniform draw per element.
@@ -59,6 +63,8 @@ class Codec:
     summable = False
     scaled = False
     bucket_size = None
+    two_way = False
+    error_feedback_default = False
     wire = "fixed"
     stochastic = False
     default_min_size = 0

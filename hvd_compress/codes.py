@@ -13,6 +13,9 @@ framework ports (``packing.py`` in each of them implements it):
     The sum of ``count`` workers' codes is ``IntCodes(bound * count)``: summing is exact, and
     the wider space says how many bits the sum needs.
 
+``SignCodes()``
+    Signs -1 and +1, one bit each (1 for -1), packed like ``IntCodes`` of width 1.
+
 ``FloatCodes(dtype)``
     Floating-point values of ``dtype`` (float16), sent as they are; a sum of several workers'
     values is rounded back to ``dtype`` before it is sent again.
@@ -74,6 +77,15 @@ class IntCodes:
                 f"the sum of {count} workers' codes in [-{self.bound}, {self.bound}] does not "
                 f"fit any allreduce carrier of {dtypes}")
         return min(exact, key=lambda d: ITEMSIZE[d])
+
+
+@dataclass(frozen=True)
+class SignCodes:
+    width = 1
+    codes_per_byte = 8
+
+    def packed_nbytes(self, numel):
+        return -(-numel // 8)
 
 
 @dataclass(frozen=True)

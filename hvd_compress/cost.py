@@ -13,7 +13,9 @@ Exchanges (see ``hvd_compress.pt.exchange``):
 ``allgather``: every worker's packed codes reach every worker, which sums them.
 ``sharded``: an alltoall sends shard k of every worker's packed codes to rank k, which sums
     them, packs the sum in the narrowest width that holds it, and an allgather returns every
-    rank's summed shard to everyone.
+    rank's summed shard to everyone. For a two-way codec (BlockSign) each shard also carries
+    the worker's block scales, and rank k compresses its averaged shard again (its server
+    scales travel with the allgather).
 
 A codec with a shared scale adds one float32 per tensor to a Max-allreduce.
 """
@@ -55,7 +57,7 @@ def compressed_traffic(codec, numel, world_size, exchange,
     """Traffic of one tensor through ``codec`` and ``exchange``."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES} or 'auto', got {exchange!r}")
-    if exchange != "allgather" and not codec.summable:
+    if exchange not in exchanges_for(codec):
         raise ValueError(f"{codec.name} codes cannot be summed, so they cannot use {exchange}")
     scale_bytes = 4 * codec.buckets(numel) if codec.scaled else 0
     shared = codec.scaled and codec.shares_scale(exchange)
@@ -66,17 +68,30 @@ def compressed_traffic(codec, numel, world_size, exchange,
     if exchange == "allgather":
         nbytes = codec.code_space.packed_nbytes(numel) + (0 if shared else scale_bytes)
         return scale + Traffic(nbytes, (world_size - 1) * nbytes, 1)
-    total = codec.value_space.summed(world_size)
-    length = shard_length(numel, world_size, codec.code_space, total)
-    phase1 = world_size * codec.code_space.packed_nbytes(length)
-    phase2 = total.packed_nbytes(length)
+    if codec.two_way:
+        # Each shard carries the worker's block scales; the server sends its own back.
+        length = shard_length(numel, world_size, codec.code_space)
+        phase1 = world_size * (scale_bytes + codec.code_space.packed_nbytes(length))
+        phase2 = 4 * codec.buckets(length) + codec.code_space.packed_nbytes(length)
+    else:
+        total = codec.value_space.summed(world_size)
+        length = shard_length(numel, world_size, codec.code_space, total)
+        phase1 = world_size * codec.code_space.packed_nbytes(length)
+        phase2 = total.packed_nbytes(length)
     sent = (world_size - 1) / world_size * phase1 + (world_size - 1) * phase2
     return scale + Traffic(phase1 + phase2, sent, 2)
 
 
+def exchanges_for(codec):
+    """The exchanges that can carry ``codec``'s codes."""
+    if codec.summable:
+        return EXCHANGES
+    return ("allgather", "sharded") if codec.two_way else ("allgather",)
+
+
 def choose_exchange(codec, numel, world_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """The exchange that sends the fewest bytes; on a tie, the one with fewer collectives."""
-    candidates = EXCHANGES if codec.summable else ("allgather",)
+    candidates = exchanges_for(codec)
     return min(candidates, key=lambda e: (
         compressed_traffic(codec, numel, world_size, e, allreduce_dtypes).sent,
         compressed_traffic(codec, numel, world_size, e, allreduce_dtypes).collectives))

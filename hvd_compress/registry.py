@@ -1,9 +1,11 @@
 """Codecs by name: ``compression="terngrad"`` anywhere a codec is accepted."""
+from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .terngrad import TernGrad
 
-CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD)}
+CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
+                                             BlockSign)}
 
 
 def resolve(compression, classes=None):

@@ -1,12 +1,14 @@
 """PyTorch port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
 ``DistributedOptimizer`` that exchanges their codes through Horovod collectives."""
+from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .terngrad import TernGrad
 
-CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD)}
+CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
+                                             BlockSign)}
 
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 
-__all__ = ["CODECS", "Codec", "DistributedOptimizer", "FP16", "NUQSGD", "NoneCodec", "QSGD",
+__all__ = ["BlockSign", "CODECS", "Codec", "DistributedOptimizer", "FP16", "NUQSGD", "NoneCodec", "QSGD",
            "QSGDInf", "TernGrad"]

@@ -16,6 +16,7 @@ from hvd_compress.codes import shard_length
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
 from . import elias
+from .buckets import expand
 from .packing import pack, unpack
 
 
@@ -35,10 +36,33 @@ def _sum_rows(rows):
     return rows.sum(dim=0, dtype=accumulate)
 
 
+class ServerStep:
+    """The server's half of two-way compression (dist-EF-blockSGD): the averaged messages
+    plus the server residual are compressed again, and what that leaves out is kept.
+
+    Args:
+        memory: the server's ``ErrorFeedback``.
+        key: the residual's name (the tensor's, or its shard's in the sharded exchange).
+        ratio: eta_{t-1} / eta_t for residuals kept in gradient units.
+    """
+
+    def __init__(self, memory, key, ratio=1.0):
+        self.memory, self.key, self.ratio = memory, key, ratio
+
+    def __call__(self, codec, average):
+        """Returns the server message's codes, scales and decoded value."""
+        compensated = self.memory.compensate(self.key, average, self.ratio)
+        scale = codec.local_scale(compensated)
+        codes = codec.encode(compensated, scale, None)
+        sent = codec.decode(codec.values(codes), scale, 1)
+        self.memory.update(self.key, compensated, sent)
+        return codes, scale, sent
+
+
 class _Exchange:
-    def __init__(self, codec, numel, world_size, meter, count):
+    def __init__(self, codec, numel, world_size, meter, count, server=None):
         self.codec, self.numel, self.world_size = codec, numel, world_size
-        self.meter, self.count = meter, count
+        self.meter, self.count, self.server = meter, count, server
 
     def advance(self, pending):
         return pending
@@ -72,8 +96,8 @@ class Allgather(_Exchange):
 
     name = "allgather"
 
-    def __init__(self, codec, numel, world_size, meter, count):
-        super().__init__(codec, numel, world_size, meter, count)
+    def __init__(self, codec, numel, world_size, meter, count, server=None):
+        super().__init__(codec, numel, world_size, meter, count, server)
         self.own_scale = codec.scaled and not codec.shares_scale(self.name)
         self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
         self.elias = codec.wire == "elias"
@@ -110,9 +134,13 @@ class Allgather(_Exchange):
         handles, scale = pending
         codes, own_scales = self._codes(handles)
         values = self.codec.values(codes)
-        if self.own_scale:
-            return self.codec.decode(values, own_scales, self.count).sum(dim=0)
-        return self.codec.decode(_sum_rows(values), scale, self.count)
+        if not self.own_scale:
+            return self.codec.decode(_sum_rows(values), scale, self.count)
+        average = self.codec.decode(values, own_scales, self.count).sum(dim=0)
+        if self.server is None:
+            return average
+        # Replicated server: every rank runs the same server step on the same inputs.
+        return self.server(self.codec, average)[2]
 
 
 class Sharded(_Exchange):
@@ -126,8 +154,8 @@ class Sharded(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count):
-        super().__init__(codec, numel, world_size, meter, count)
+    def __init__(self, codec, numel, world_size, meter, count, server=None):
+        super().__init__(codec, numel, world_size, meter, count, server)
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
@@ -152,4 +180,71 @@ class Sharded(_Exchange):
                                           else torch.int32), scale, self.count)
 
 
+class ShardedServer(_Exchange):
+    """The sharded exchange of a two-way codec (the shape of DeepSpeed's compressed
+    allreduce): rank k is the server of shard k.
+
+    An alltoall sends rank k every worker's sign bits of shard k, each prefixed with that
+    worker's block scales; rank k decodes and averages them, adds its server residual for the
+    shard and compresses the result again, with blocks cut at the shard's edges (so server
+    blocks differ from the replicated server's); an allgather returns every server's
+    message. Bytes per worker stay nearly flat as the world grows.
+    """
+
+    name = "sharded"
+
+    def __init__(self, codec, numel, world_size, meter, count, server=None):
+        super().__init__(codec, numel, world_size, meter, count, server)
+        self.length = shard_length(numel, world_size, codec.code_space)
+        self.scale_bytes = 4 * codec.buckets(numel)
+        self.server_scale_bytes = 4 * codec.buckets(self.length)
+
+    def start(self, codes, scale, name):
+        padded = codes.new_ones(self.world_size * self.length)
+        padded[: self.numel] = codes.reshape(-1)
+        shards = pack(padded.reshape(self.world_size, self.length), self.codec.code_space)
+        heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
+        payload = torch.cat([heads.expand(self.world_size, -1), shards], dim=1)
+        return hvd.alltoall_async(self.meter.hand(payload), name=name), name
+
+    def advance(self, pending):
+        handle, name = pending
+        received, _ = hvd.synchronize(handle)
+        rank = hvd.rank()
+        scales = received[:, :self.scale_bytes].contiguous().view(torch.float32)
+        signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
+        # Every worker's block scales over the whole tensor, then this rank's shard of them.
+        full = expand(scales, self.world_size * self.length,
+                      self.codec.bucket_length(self.numel))
+        start = rank * self.length
+        valid = max(0, min(self.length, self.numel - start))
+        average = (signs[:, :valid] * full[:, start:start + valid]).sum(dim=0) / self.count
+        codes, server_scale, _ = self.server(self.codec, average)
+        padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
+        padded_scale[: server_scale.numel()] = server_scale
+        padded_codes = codes.new_ones(self.length)
+        padded_codes[:valid] = codes
+        payload = torch.cat([padded_scale.view(torch.uint8),
+                             pack(padded_codes.reshape(1, -1), self.codec.code_space)
+                             .reshape(-1)])
+        return hvd.allgather_async(self.meter.hand(payload.reshape(1, -1)), name=f"{name}.server")
+
+    def finish(self, handle):
+        rows = hvd.synchronize(handle)
+        scales = rows[:, :self.server_scale_bytes].contiguous().view(torch.float32)
+        signs = unpack(rows[:, self.server_scale_bytes:], self.codec.code_space, self.length)
+        shards = [self.codec.decode(signs[k, :self._valid(k)], scales[k], 1)
+                  for k in range(self.world_size)]
+        return torch.cat(shards)
+
+    def _valid(self, rank):
+        return max(0, min(self.length, self.numel - rank * self.length))
+
+
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
+
+
+def make_exchange(name, codec, numel, world_size, meter, count, server=None):
+    """The exchange called ``name`` for ``codec``."""
+    cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
+    return cls(codec, numel, world_size, meter, count, server)

@@ -7,11 +7,12 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as horovod_optimizer
 import torch
 
-from hvd_compress.cost import EXCHANGES
+from hvd_compress.cost import EXCHANGES, exchanges_for
 from hvd_compress.registry import resolve
 from hvd_compress.validation import check_choice, check_float, check_int
 
 from . import CODECS
+from .momentum import WorkerMomentum
 from .pipeline import CompressionPipeline
 
 STATE_KEY = "hvd_compress"
@@ -22,9 +23,11 @@ class _DistributedOptimizer:
     ``DistributedOptimizer``); the base class is called explicitly, never through ``super``,
     because these functions are copied into a class built at run time."""
 
-    def _hvdc_setup(self, base, pipeline, backward_passes_per_step):
+    def _hvdc_setup(self, base, pipeline, backward_passes_per_step, worker_momentum):
         self._hvdc_base = base
         self._hvdc_pipeline = pipeline
+        self._hvdc_momentum = WorkerMomentum(self.param_groups, pipeline) \
+            if worker_momentum else None
         self._hvdc_passes = backward_passes_per_step
         self._hvdc_delay = {p: backward_passes_per_step for p in pipeline.plans}
         self._hvdc_launched = set()
@@ -42,7 +45,10 @@ class _DistributedOptimizer:
         self._hvdc_delay[param] -= 1
         if self._hvdc_delay[param] == 0:
             self._hvdc_launched.add(param)
-            self._hvdc_pipeline.launch(param)
+            ratio = 1.0
+            if self._hvdc_momentum is not None:
+                ratio = self._hvdc_momentum.before_exchange(param)
+            self._hvdc_pipeline.launch(param, ratio)
 
     def synchronize(self):
         """Waits for every gradient exchange of this step and writes the averaged
@@ -72,7 +78,10 @@ class _DistributedOptimizer:
                               "exchanges already averaged gradients again.")
             self.synchronize()
         self._hvdc_synchronized = False
-        return self._hvdc_base.step(self, closure)
+        if self._hvdc_momentum is None:
+            return self._hvdc_base.step(self, closure)
+        with self._hvdc_momentum.applied_by_worker():
+            return self._hvdc_base.step(self, closure)
 
     def zero_grad(self, set_to_none=True):
         if self._hvdc_pipeline.in_flight:
@@ -84,7 +93,9 @@ class _DistributedOptimizer:
 
     def state_dict(self):
         state = self._hvdc_base.state_dict(self)
-        state[STATE_KEY] = {"step": self._hvdc_pipeline.step}
+        state[STATE_KEY] = self._hvdc_pipeline.state_dict()
+        if self._hvdc_momentum is not None:
+            state[STATE_KEY]["momentum"] = self._hvdc_momentum.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
@@ -92,7 +103,9 @@ class _DistributedOptimizer:
         ours = state_dict.pop(STATE_KEY, None)
         self._hvdc_base.load_state_dict(self, state_dict)
         if ours is not None:
-            self._hvdc_pipeline.step = int(ours["step"])
+            self._hvdc_pipeline.load_state_dict(ours)
+            if self._hvdc_momentum is not None and "momentum" in ours:
+                self._hvdc_momentum.load_state_dict(ours["momentum"])
 
     def compression_stats(self):
         """What the last step handed to Horovod, and how each tensor travels."""
@@ -114,7 +127,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=hvd.global_process_set, *,
-                         exchange="auto", seed=0, uncompressed=()):
+                         exchange="auto", seed=0, uncompressed=(), error_feedback=None,
+                         worker_momentum=None):
     """Wraps a ``torch.optim.Optimizer`` so that gradients are compressed, exchanged across
     all Horovod ranks and averaged before every ``step()``.
 
@@ -148,6 +162,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         uncompressed: parameter names always sent whole, in addition to those the codec
             leaves out (smaller than ``min_size``; the classifier unless
             ``compress_classifier``).
+        error_feedback: keep, per compressed tensor, what its messages did not carry and add
+            it to the next gradient. None: the codec's default (on for ``ef-sign``).
+        worker_momentum: dist-EF-blockSGDM's optimizer mode, for ``torch.optim.SGD``: the
+            (Nesterov) momentum is applied on each worker *before* compression, residuals are
+            rescaled by eta_{t-1} / eta_t when the learning rate changes, and after the
+            exchange the step adds weight decay with its own momentum buffer, so no momentum
+            is applied twice (``WorkerMomentum``). None: on for ``ef-sign`` with an SGD that
+            has momentum.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
@@ -170,11 +192,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     if process_set is not hvd.global_process_set:
         raise ValueError("DistributedOptimizer: only hvd.global_process_set is supported")
     check_choice("DistributedOptimizer", "exchange", exchange, ("auto",) + EXCHANGES)
-    if exchange in ("allreduce", "sharded") and not codec.summable and \
-            codec.code_space is not None:
-        raise ValueError(f"DistributedOptimizer: exchange={exchange!r} sums codes, and "
-                         f"{codec.name} codes are not summable; use 'allgather' or 'auto'")
+    if exchange != "auto" and codec.code_space is not None and \
+            exchange not in exchanges_for(codec):
+        raise ValueError(f"DistributedOptimizer: {codec.name} codes cannot travel by "
+                         f"exchange={exchange!r}; they can by {exchanges_for(codec)} or 'auto'")
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
+    if error_feedback is None:
+        error_feedback = codec.error_feedback_default
+    if worker_momentum is None:
+        worker_momentum = codec.two_way and isinstance(optimizer, torch.optim.SGD) and \
+            any(group["momentum"] > 0 for group in optimizer.param_groups)
+    if worker_momentum:
+        WorkerMomentum.check(optimizer)
 
     named = _named_parameters(optimizer, named_parameters)
     if sparse_as_dense:
@@ -189,7 +218,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         whole |= _classifier_names(named)
     pipeline = CompressionPipeline(
         named, codec, exchange=exchange, average=op == hvd.Average, seed=seed,
-        uncompressed=whole, prescale_factor=1.0 / predivide, postscale_factor=predivide)
+        uncompressed=whole, prescale_factor=1.0 / predivide, postscale_factor=predivide,
+        error_feedback=bool(error_feedback))
 
     base = optimizer.__class__
     methods = {k: v for k, v in vars(_DistributedOptimizer).items()
@@ -204,7 +234,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     # Share the state, parameter groups and hooks of the given optimizer, but not
     # instance-level overrides of our methods (LR schedulers wrap ``opt.step`` that way).
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in methods})
-    wrapped._hvdc_setup(base, pipeline, passes)
+    wrapped._hvdc_setup(base, pipeline, passes, bool(worker_momentum))
     return wrapped
 
 

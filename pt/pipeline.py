@@ -13,7 +13,8 @@ import torch
 from hvd_compress import cost
 from hvd_compress.seeding import stream_seed
 
-from .exchange import EXCHANGES, Meter
+from .exchange import Meter, ServerStep, make_exchange
+from .memory import ErrorFeedback
 
 
 @dataclasses.dataclass
@@ -30,8 +31,9 @@ class TensorPlan:
 class _InFlight:
     plan: TensorPlan
     param: torch.Tensor
-    stage: str                 # "scale", "codes", "advanced" or "plain"
+    stage: str                 # "scale", "codes" or "plain"
     handle: object = None
+    vector: torch.Tensor = None  # the flattened gradient, plus the worker residual
     scale: torch.Tensor = None
     exchange: object = None
 
@@ -50,11 +52,16 @@ class CompressionPipeline:
         seed: base of the counter-based random streams (``hvd_compress.seeding``).
         uncompressed: names of parameters to send whole whatever their size.
         prescale_factor, postscale_factor: Horovod's scaling of uncompressed allreduces.
+        error_feedback: keep a worker residual per compressed tensor (``ErrorFeedback``).
+            Two-way codecs also keep a server residual per tensor (or shard).
     """
 
     def __init__(self, named_parameters, codec, *, exchange="auto", average=True, seed=0,
-                 uncompressed=(), prescale_factor=1.0, postscale_factor=1.0):
+                 uncompressed=(), prescale_factor=1.0, postscale_factor=1.0,
+                 error_feedback=False):
         self.codec = codec
+        self.worker_memory = ErrorFeedback() if error_feedback else None
+        self.server_memory = ErrorFeedback() if codec.two_way else None
         self.average = average
         self.seed = seed
         self.world_size = hvd.size()
@@ -90,8 +97,9 @@ class CompressionPipeline:
     def in_flight(self):
         return bool(self._in_flight)
 
-    def launch(self, param):
-        """Starts the exchange of ``param.grad``; called once per parameter per step."""
+    def launch(self, param, ratio=1.0):
+        """Starts the exchange of ``param.grad``; called once per parameter per step.
+        ``ratio`` (eta_{t-1} / eta_t) rescales residuals kept in gradient units."""
         plan = self.plans[param]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
@@ -101,12 +109,17 @@ class CompressionPipeline:
             # unless sparse_as_dense densified them.
             self._in_flight[param] = _InFlight(plan, param, "plain", self._launch_plain(plan, grad))
         else:
-            flight = _InFlight(plan, param, "scale")
-            flight.exchange = EXCHANGES[plan.exchange](
-                self.codec, plan.numel, self.world_size, self.meter,
-                self.world_size if self.average else 1)
+            flight = _InFlight(plan, param, "scale", vector=grad.reshape(-1))
+            if self.worker_memory is not None:
+                flight.vector = self.worker_memory.compensate(plan.name, flight.vector, ratio)
+            server = None
+            if self.codec.two_way:
+                server = ServerStep(self.server_memory, plan.name, ratio)
+            flight.exchange = make_exchange(
+                plan.exchange, self.codec, plan.numel, self.world_size, self.meter,
+                self.world_size if self.average else 1, server)
             if self.codec.scaled:
-                flight.scale = self.codec.local_scale(grad)
+                flight.scale = self.codec.local_scale(flight.vector)
                 if self.codec.shares_scale(plan.exchange):
                     flight.handle = hvd.allreduce_async(self.meter.hand(flight.scale), op=hvd.Max,
                                                         name=f"hvdc.{plan.name}.scale")
@@ -135,14 +148,16 @@ class CompressionPipeline:
             self._start_codes(flight)
 
     def _start_codes(self, flight):
-        grad = flight.param.grad
+        vector = flight.vector
         uniforms = None
         if self.codec.stochastic:
-            generator = torch.Generator(device=grad.device)
+            generator = torch.Generator(device=vector.device)
             generator.manual_seed(stream_seed(self.seed, self.rank, self.step, flight.plan.index))
-            uniforms = torch.rand(grad.shape, generator=generator, device=grad.device)
-        codes = self.codec.encode(grad.reshape(-1), flight.scale, uniforms.reshape(-1)
-                                  if uniforms is not None else None)
+            uniforms = torch.rand(vector.shape, generator=generator, device=vector.device)
+        codes = self.codec.encode(vector, flight.scale, uniforms)
+        if self.worker_memory is not None:
+            sent = self.codec.decode(self.codec.values(codes), flight.scale, 1)
+            self.worker_memory.update(flight.plan.name, vector, sent)
         flight.handle = flight.exchange.start(codes, flight.scale,
                                               f"hvdc.{flight.plan.name}.codes")
         flight.stage = "codes"
@@ -172,6 +187,21 @@ class CompressionPipeline:
         self._in_flight.clear()
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.step += 1
+
+    # ----- state -----
+
+    def state_dict(self):
+        state = {"step": self.step}
+        for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
+            if memory is not None:
+                state[role] = memory.state_dict()
+        return state
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
+            if memory is not None and role in state:
+                memory.load_state_dict(state[role])
 
     # ----- accounting -----
 

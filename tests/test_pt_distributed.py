@@ -178,15 +178,20 @@ def _compare_with_horovod(steps=4):
                                        ours.named_parameters(), compression="none")
     opt_theirs = hvd.DistributedOptimizer(
         torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9), theirs.named_parameters())
-    data = torch.Generator().manual_seed(hvd.rank())
+    return train_side_by_side([(ours, opt_ours), (theirs, opt_theirs)], steps, hvd.rank())
+
+
+def train_side_by_side(pairs, steps, seed):
+    """Trains every (model, optimizer) pair on the same batches; returns their parameters."""
+    data = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         x = torch.randn(8, 64, generator=data)
         y = torch.randint(0, 10, (8,), generator=data)
-        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
-            opt.zero_grad()
+        for model, optimizer in pairs:
+            optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-    return _flat(ours), _flat(theirs)
+            optimizer.step()
+    return [_flat(model) for model, _ in pairs]
 
 
 def test_none_matches_horovods_own_optimizer():

@@ -1,0 +1,28 @@
+"""BlockSign in PyTorch ops; the algorithm and its reference are in ``hvd_compress.blocksign``."""
+import torch
+
+from hvd_compress import blocksign as reference
+
+from .buckets import reduce, rescale
+from .codec import Codec
+
+
+class BlockSign(reference.BlockSign, Codec):
+    __doc__ = reference.BlockSign.__doc__
+
+    def local_scale(self, grad):
+        p = grad.detach().reshape(-1).to(torch.float64)
+        n = self.buckets(p.numel())
+        d = self.bucket_length(p.numel())
+        sums = reduce(p.abs(), d, "sum")
+        sizes = torch.clamp(p.numel() - d * torch.arange(n, device=p.device), max=d)
+        scale = (sums / sizes).to(torch.float32)
+        # Sums propagate NaN and Inf: a non-finite scale marks the whole tensor.
+        finite = torch.isfinite(scale).all()
+        return torch.where(finite, scale, torch.full_like(scale, float("inf")))
+
+    def encode(self, grad, scale, uniforms):
+        return torch.where(grad >= 0, 1, -1).to(torch.int8)
+
+    def decode(self, total, scale, count):
+        return rescale(total, scale, self.bucket_length(total.shape[-1]), count)

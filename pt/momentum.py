@@ -1,0 +1,89 @@
+"""dist-EF-blockSGDM's worker-side momentum (Zheng et al., NeurIPS 2019, Algorithm 2 and the
+authors' code), as an optimizer mode of ``DistributedOptimizer`` over ``torch.optim.SGD``.
+
+Per parameter, with mu = the group's momentum and eta_t its learning rate:
+
+    before the exchange:  m = mu m + g;  u = g + mu m  (Nesterov; u = m without it)
+                          the residuals enter as u + (eta_{t-1} / eta_t) e
+    after the exchange:   Delta~ = the decoded server message (gradient units)
+                          w = mu w + wd x;  x -= eta_t (Delta~ + wd x + mu w)
+
+Weight decay stays out of compression, with its own momentum buffer w, and the base SGD step
+runs with momentum and weight decay switched off, so nothing is applied twice. Learning-rate
+changes from any scheduler are seen through the parameter groups.
+"""
+import contextlib
+
+import torch
+
+
+class WorkerMomentum:
+    def __init__(self, param_groups, pipeline):
+        self.pipeline = pipeline
+        self.group_of = {p: group for group in param_groups for p in group["params"]}
+        self.momentum = {}      # name -> m
+        self.decay = {}         # name -> w, the weight-decay momentum
+        self.learning_rate = {}  # name -> eta of the last exchange
+
+    @staticmethod
+    def check(optimizer):
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise TypeError(f"worker_momentum needs a torch.optim.SGD, got "
+                            f"{type(optimizer).__name__}")
+        for group in optimizer.param_groups:
+            if group.get("dampening", 0) != 0:
+                raise ValueError("worker_momentum needs SGD with dampening=0")
+
+    def _name(self, param):
+        return self.pipeline.plans[param].name
+
+    def before_exchange(self, param):
+        """Turns ``param.grad`` into the momentum direction u; returns eta_{t-1} / eta_t."""
+        group = self.group_of[param]
+        name, mu, lr = self._name(param), group["momentum"], group["lr"]
+        grad = param.grad
+        if mu > 0:
+            buffer = self.momentum.get(name)
+            buffer = grad.clone() if buffer is None else buffer.mul_(mu).add_(grad)
+            self.momentum[name] = buffer
+            if group["nesterov"]:
+                grad.add_(buffer, alpha=mu)
+            else:
+                grad.copy_(buffer)
+        ratio = self.learning_rate.get(name, lr) / lr
+        self.learning_rate[name] = lr
+        return ratio
+
+    @contextlib.contextmanager
+    def applied_by_worker(self):
+        """Adds weight decay (with its own momentum) to the exchanged direction, then lets
+        the base SGD step run as plain SGD."""
+        saved = []
+        for group in {id(g): g for g in self.group_of.values()}.values():
+            mu, decay = group["momentum"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None or decay == 0:
+                    continue
+                name = self._name(param)
+                step = param.detach() * decay
+                buffer = self.decay.get(name)
+                buffer = step.clone() if buffer is None else buffer.mul_(mu).add_(step)
+                self.decay[name] = buffer
+                param.grad.add_(step).add_(buffer, alpha=mu)
+            saved.append((group, mu, decay, group["nesterov"]))
+            group.update(momentum=0, weight_decay=0, nesterov=False)
+        try:
+            yield
+        finally:
+            for group, mu, decay, nesterov in saved:
+                group.update(momentum=mu, weight_decay=decay, nesterov=nesterov)
+
+    def state_dict(self):
+        return {"momentum": {k: v.clone() for k, v in self.momentum.items()},
+                "decay": {k: v.clone() for k, v in self.decay.items()},
+                "learning_rate": dict(self.learning_rate)}
+
+    def load_state_dict(self, state):
+        self.momentum = {k: v.clone() for k, v in state["momentum"].items()}
+        self.decay = {k: v.clone() for k, v in state["decay"].items()}
+        self.learning_rate = dict(state["learning_rate"])
