@@ -217,7 +217,7 @@ class ShardedServer(_Exchange):
         full = expand(scales, self.world_size * self.length,
                       self.codec.bucket_length(self.numel))
         start = rank * self.length
-        valid = max(0, min(self.length, self.numel - start))
+        valid = self._valid(rank)
         average = (signs[:, :valid] * full[:, start:start + valid]).sum(dim=0) / self.count
         codes, server_scale, _ = self.server(self.codec, average)
         padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)

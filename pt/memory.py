@@ -25,7 +25,7 @@ class ErrorFeedback:
         residual = self.residuals.get(name)
         if residual is None:
             return vector
-        return vector + residual * ratio if ratio != 1.0 else vector + residual
+        return vector + residual * ratio
 
     def update(self, name, compensated, sent):
         residual = compensated - sent
