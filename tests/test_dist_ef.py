@@ -32,12 +32,15 @@ def test_compressor_identity(block):
     assert decoded[3] > 0 and decoded[500] > 0  # sign(0) = +1
 
 
-def _train_ef(exchange, steps=50, drop_at=25, codec="ef-sign", momentum=0.9, nesterov=True,
+def _train_ef(exchange, steps=50, drop_at=25, codec=None, momentum=0.9, nesterov=True,
               weight_decay=0.0):
-    """Momentum SGD with dist-EF on random data; records what the invariant needs."""
+    """Momentum SGD with error feedback on random data (by default dist-EF-blockSGDM with
+    every tensor compressed); records what the invariant needs."""
     import horovod.torch as hvd
     import hvd_compress.pt as hc
     hvd.init()
+    if codec is None:
+        codec = hc.BlockSign(min_size=0)
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -48,7 +51,8 @@ def _train_ef(exchange, steps=50, drop_at=25, codec="ef-sign", momentum=0.9, nes
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum, nesterov=nesterov,
                            weight_decay=weight_decay)
     optimizer = hc.DistributedOptimizer(base, model.named_parameters(), compression=codec,
-                                        exchange=exchange)
+                                        exchange=exchange, error_feedback=True,
+                                        worker_momentum=True)
     schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, [drop_at], gamma=0.1)
     data = torch.Generator().manual_seed(100 + hvd.rank())
     x0, params, grads, rates, handed = _flat(model), [], [], [], []
@@ -93,11 +97,13 @@ def _virtual_iterate_gap(results, exchange, mu=0.9):
         size = numel[n]
         x0 = results[0]["x0"][offset:offset + size].double()
         xT = results[0]["params"][-1][offset:offset + size].double()
-        worker = sum(r["worker"][n].double() for r in results) / world
-        if exchange == "sharded":
+        # Tensors sent whole, and one-way codecs' servers, keep no residual.
+        zero = torch.zeros(size, dtype=torch.float64)
+        worker = sum(r["worker"].get(n, zero).double() for r in results) / world
+        if exchange == "sharded" and results[0]["server"]:
             server = torch.cat([r["server"][n].double() for r in results])[:size]
         else:
-            server = results[0]["server"][n].double()
+            server = results[0]["server"].get(n, zero).double()
         want = x0 - sum(d[n] for d in drift) / world
         # Residuals are kept in gradient units: eta of the last step turns them into
         # parameter units.
@@ -107,7 +113,7 @@ def _virtual_iterate_gap(results, exchange, mu=0.9):
     return max(gaps)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_two_way_error_feedback_invariant_and_rank_consistency(world):
     for exchange in ("allgather", "sharded"):
         results = run_parallel(_train_ef, world, exchange)
@@ -117,6 +123,17 @@ def test_two_way_error_feedback_invariant_and_rank_consistency(world):
         assert _virtual_iterate_gap(results, exchange) < 1e-5
         for r in results:
             assert all(h == r["expected"] for h in r["handed"])
+
+
+@pytest.mark.parametrize("codec", ["terngrad", "qsgd-inf"])
+def test_error_feedback_with_any_codec_keeps_what_was_not_sent(codec):
+    """x_T - mean_i e_T,i = x_0 - sum_t eta_t mean_i g_t,i for one-way codecs with worker
+    error feedback and an LR drop (plain SGD, so u = g)."""
+    results = run_parallel(_train_ef, 2, "auto", 50, 25, codec, 0.0, False)
+    for r in results[1:]:
+        assert torch.equal(r["params"][-1], results[0]["params"][-1])
+    assert results[0]["worker"], "no tensor was compressed"
+    assert _virtual_iterate_gap(results, "auto", mu=0.0) < 1e-5
 
 
 def _identity_against_sgd(steps=10):
