@@ -1,7 +1,4 @@
 """Error-feedback memory: what a compressed message did not carry, kept for the next one."""
-import torch
-
-
 class ErrorFeedback:
     """Residuals keyed by tensor name (parameter names, and shard names on a server).
 
@@ -14,12 +11,16 @@ class ErrorFeedback:
     made at eta_{t-1} must enter step t scaled by eta_{t-1} / eta_t: ``compensate`` takes that
     ratio.
 
-    A residual is never made from a non-finite vector: such a step is skipped by every rank
-    (``GradScaler``), and the residual from before it is kept.
+    ``update`` only proposes the new residual; ``commit`` keeps or drops every proposal of the
+    step at once. The pipeline commits when all exchanged gradients of the step are finite and
+    drops them otherwise: a NaN or Inf on any rank makes every rank's averaged gradient
+    non-finite, a ``GradScaler`` skips that step everywhere, and the residuals from before it
+    stay, identical on every rank.
     """
 
     def __init__(self):
         self.residuals = {}
+        self.proposed = {}
 
     def compensate(self, name, vector, ratio=1.0):
         residual = self.residuals.get(name)
@@ -28,12 +29,12 @@ class ErrorFeedback:
         return vector + residual * ratio
 
     def update(self, name, compensated, sent):
-        residual = compensated - sent
-        finite = torch.isfinite(residual).all()
-        previous = self.residuals.get(name)
-        if previous is None:
-            previous = torch.zeros_like(residual)
-        self.residuals[name] = torch.where(finite, residual, previous)
+        self.proposed[name] = compensated - sent
+
+    def commit(self, keep):
+        if keep:
+            self.residuals.update(self.proposed)
+        self.proposed = {}
 
     def state_dict(self):
         return {name: residual.clone() for name, residual in self.residuals.items()}

@@ -18,12 +18,20 @@ import torch
 
 
 class WorkerMomentum:
-    def __init__(self, param_groups, pipeline):
+    def __init__(self, optimizer, pipeline):
+        self.optimizer = optimizer
         self.pipeline = pipeline
-        self.group_of = {p: group for group in param_groups for p in group["params"]}
+        # Group positions, not the group dicts: load_state_dict replaces the dicts, and the
+        # learning rate must be read from the live ones that schedulers set.
+        self.group_index = {p: i for i, group in enumerate(optimizer.param_groups)
+                            for p in group["params"]}
         self.momentum = {}      # name -> m
         self.decay = {}         # name -> w, the weight-decay momentum
         self.learning_rate = {}  # name -> eta of the last exchange
+        # name -> (m, eta) of the step in flight, kept by ``commit`` only if the step's
+        # gradients are finite everywhere (the pipeline decides, like its residuals).
+        self.proposed = {}
+        pipeline.step_state.append(self)
 
     @staticmethod
     def check(optimizer):
@@ -39,27 +47,34 @@ class WorkerMomentum:
 
     def before_exchange(self, param):
         """Turns ``param.grad`` into the momentum direction u; returns eta_{t-1} / eta_t."""
-        group = self.group_of[param]
+        group = self.optimizer.param_groups[self.group_index[param]]
         name, mu, lr = self._name(param), group["momentum"], group["lr"]
         grad = param.grad
+        buffer = None
         if mu > 0:
             buffer = self.momentum.get(name)
-            buffer = grad.clone() if buffer is None else buffer.mul_(mu).add_(grad)
-            self.momentum[name] = buffer
+            buffer = grad.clone() if buffer is None else buffer * mu + grad
             if group["nesterov"]:
                 grad.add_(buffer, alpha=mu)
             else:
                 grad.copy_(buffer)
-        ratio = self.learning_rate.get(name, lr) / lr
-        self.learning_rate[name] = lr
-        return ratio
+        self.proposed[name] = (buffer, lr)
+        return self.learning_rate.get(name, lr) / lr
+
+    def commit(self, keep):
+        if keep:
+            for name, (buffer, lr) in self.proposed.items():
+                if buffer is not None:
+                    self.momentum[name] = buffer
+                self.learning_rate[name] = lr
+        self.proposed = {}
 
     @contextlib.contextmanager
     def applied_by_worker(self):
         """Adds weight decay (with its own momentum) to the exchanged direction, then lets
         the base SGD step run as plain SGD."""
         saved = []
-        for group in {id(g): g for g in self.group_of.values()}.values():
+        for group in self.optimizer.param_groups:
             mu, decay = group["momentum"], group["weight_decay"]
             for param in group["params"]:
                 if param.grad is None or decay == 0:

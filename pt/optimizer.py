@@ -26,7 +26,7 @@ class _DistributedOptimizer:
     def _hvdc_setup(self, base, pipeline, backward_passes_per_step, worker_momentum):
         self._hvdc_base = base
         self._hvdc_pipeline = pipeline
-        self._hvdc_momentum = WorkerMomentum(self.param_groups, pipeline) \
+        self._hvdc_momentum = WorkerMomentum(self, pipeline) \
             if worker_momentum else None
         self._hvdc_passes = backward_passes_per_step
         self._hvdc_delay = {p: backward_passes_per_step for p in pipeline.plans}

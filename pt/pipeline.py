@@ -10,7 +10,7 @@ import dataclasses
 import horovod.torch as hvd
 import torch
 
-from hvd_compress import cost
+from hvd_compress import agreement, cost
 from hvd_compress.seeding import stream_seed
 
 from .exchange import Meter, ServerStep, make_exchange
@@ -62,6 +62,9 @@ class CompressionPipeline:
         self.codec = codec
         self.worker_memory = ErrorFeedback() if error_feedback else None
         self.server_memory = ErrorFeedback() if codec.two_way else None
+        # State changed by a step only if its exchanged gradients are all finite: objects
+        # with ``commit(keep)``; wrappers add their own (worker momentum).
+        self.step_state = [m for m in (self.worker_memory, self.server_memory) if m is not None]
         self.average = average
         self.seed = seed
         self.world_size = hvd.size()
@@ -75,6 +78,11 @@ class CompressionPipeline:
         self.plans = {}
         for index, (name, p) in enumerate(named_parameters):
             self.plans[p] = self._plan(name, index, p, exchange, name in uncompressed)
+        problem = agreement.disagreement(hvd.allgather_object(agreement.describe(
+            codec, exchange, average,
+            [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()])))
+        if problem:
+            raise ValueError(problem)
 
     def _plan(self, name, index, param, exchange, whole):
         numel = param.numel()
@@ -184,9 +192,21 @@ class CompressionPipeline:
                 continue
             decoded = flight.exchange.finish(flight.handle)
             param.grad.copy_(decoded.reshape(param.grad.shape))
+        if self.step_state:
+            keep = self.all_finite()
+            for state in self.step_state:
+                state.commit(keep)
         self._in_flight.clear()
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.step += 1
+
+    def all_finite(self):
+        """Whether every exchanged gradient of this step is finite; the same answer on
+        every rank, since they all hold the same averages."""
+        grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+                 for p in self._in_flight]
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) \
+            if grads else True
 
     # ----- state -----
 

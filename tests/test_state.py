@@ -1,0 +1,177 @@
+"""State that survives: checkpoint and resume of every codec's compression state, and steps
+with non-finite gradients that leave no trace."""
+import pytest
+import torch
+
+from .harness import run_parallel
+from .test_pt_distributed import Net, _flat
+
+pytestmark = pytest.mark.multiprocess
+
+# (label, codec name, codec hyperparameters, error_feedback): every codec, and error feedback
+# on a one-way codec.
+CASES = [("none", "none", {}, None), ("fp16", "fp16", {}, None),
+         ("terngrad", "terngrad", {"min_size": 100}, None),
+         ("terngrad+ef", "terngrad", {"min_size": 100}, True),
+         ("qsgd", "qsgd", {"min_size": 100}, None),
+         ("qsgd-inf", "qsgd-inf", {"min_size": 100}, None),
+         ("nuqsgd-elias", "nuqsgd", {"min_size": 100, "wire": "elias"}, None),
+         ("ef-sign", "ef-sign", {"min_size": 0}, None)]
+
+
+def _setup(name, params, error_feedback):
+    import hvd_compress.pt as hc
+    torch.manual_seed(0)
+    model = Net()
+    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    optimizer = hc.DistributedOptimizer(base, model.named_parameters(),
+                                        compression=hc.CODECS[name](**params),
+                                        error_feedback=error_feedback, seed=3)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+    return model, optimizer, schedule
+
+
+def _step(model, optimizer, schedule, step, rank, scaler=None, poison=False):
+    data = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 64, generator=data)
+    loss = torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (8,), generator=data))
+    if poison:
+        loss = loss * float("nan")
+    optimizer.zero_grad()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        optimizer.synchronize()
+        scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+        scaler.update()
+    schedule.step()
+
+
+def _train_and_checkpoint(directory, steps, save_at):
+    """Every case trains ``steps`` steps; each rank saves its own checkpoint at ``save_at``
+    (worker residuals are per rank)."""
+    import horovod.torch as hvd
+    hvd.init()
+    trajectories = {}
+    for label, name, params, error_feedback in CASES:
+        model, optimizer, schedule = _setup(name, params, error_feedback)
+        hvd.broadcast_parameters(model.state_dict(), 0)
+        trajectory = []
+        for step in range(steps):
+            if step == save_at:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "schedule": schedule.state_dict()},
+                           f"{directory}/{label}-rank{hvd.rank()}.pt")
+            _step(model, optimizer, schedule, step, hvd.rank())
+            trajectory.append(_flat(model))
+        trajectories[label] = trajectory
+    return trajectories
+
+
+def _resume(directory, steps, save_at):
+    import horovod.torch as hvd
+    hvd.init()
+    trajectories = {}
+    for label, name, params, error_feedback in CASES:
+        model, optimizer, schedule = _setup(name, params, error_feedback)
+        checkpoint = torch.load(f"{directory}/{label}-rank{hvd.rank()}.pt", weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        schedule.load_state_dict(checkpoint["schedule"])
+        trajectory = []
+        for step in range(save_at, steps):
+            _step(model, optimizer, schedule, step, hvd.rank())
+            trajectory.append(_flat(model))
+        trajectories[label] = trajectory
+    return trajectories
+
+
+def test_resumed_runs_continue_bitwise_identically(tmp_path):
+    steps, save_at = 12, 5  # the learning rate halves at steps 4 and 8
+    uninterrupted = run_parallel(_train_and_checkpoint, 2, str(tmp_path), steps, save_at)
+    resumed = run_parallel(_resume, 2, str(tmp_path), steps, save_at)
+    for rank in range(2):
+        for label, *_ in CASES:
+            for offset, params in enumerate(resumed[rank][label]):
+                assert torch.equal(params, uninterrupted[rank][label][save_at + offset]), \
+                    (label, rank, save_at + offset)
+
+
+def _poisoned_step(name, params, error_feedback, steps, poison_at):
+    """Rank 1's loss is NaN at ``poison_at``; the usual GradScaler loop around our optimizer."""
+    import horovod.torch as hvd
+    hvd.init()
+    model, optimizer, schedule = _setup(name, params, error_feedback)
+    hvd.broadcast_parameters(model.state_dict(), 0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    records = []
+    for step in range(steps):
+        _step(model, optimizer, schedule, step, hvd.rank(), scaler,
+              poison=step == poison_at and hvd.rank() == 1)
+        state = optimizer.state_dict()
+        records.append({"params": _flat(model), "compression": state["hvd_compress"],
+                        "sgd": state["state"]})
+    return records
+
+
+def _flatten(state):
+    """Every tensor of a nested state dict, by path."""
+    if isinstance(state, torch.Tensor):
+        return {"": state}
+    if isinstance(state, dict):
+        return {f"{key}/{path}": tensor for key, value in state.items()
+                for path, tensor in _flatten(value).items()}
+    return {}
+
+
+@pytest.mark.parametrize("label,name,params,error_feedback",
+                         [case for case in CASES if case[0] in ("terngrad+ef", "ef-sign")])
+def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace(label, name, params,
+                                                                        error_feedback):
+    poison_at = 3
+    results = run_parallel(_poisoned_step, 2, name, params, error_feedback, 6, poison_at)
+    for records in results:
+        before, skipped = records[poison_at - 1], records[poison_at]
+        assert torch.equal(skipped["params"], before["params"])
+        # Residuals (worker and server), worker momentum and SGD buffers are untouched.
+        before_state, skipped_state = _flatten(before["compression"]), \
+            _flatten(skipped["compression"])
+        assert before_state.keys() == skipped_state.keys() and before_state
+        for path, tensor in before_state.items():
+            assert torch.equal(tensor, skipped_state[path]), path
+        for path, tensor in _flatten(before["sgd"]).items():
+            assert torch.equal(tensor, _flatten(skipped["sgd"])[path]), path
+        # Training goes on, finite and identical on every rank.
+        for later in records[poison_at + 1:]:
+            assert torch.isfinite(later["params"]).all()
+            assert not torch.equal(later["params"], skipped["params"])
+    for a, b in zip(*results):
+        assert torch.equal(a["params"], b["params"])
+
+
+def _mismatched(kind):
+    import horovod.torch as hvd
+    import hvd_compress.pt as hc
+    hvd.init()
+    model = Net() if kind != "parameters" or hvd.rank() == 0 else torch.nn.Linear(64, 10)
+    codec = "terngrad" if kind != "codec" or hvd.rank() == 0 else "qsgd-inf"
+    try:
+        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                model.named_parameters(), compression=codec)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["codec", "parameters"])
+def test_ranks_with_different_configurations_fail_fast_on_every_rank(kind):
+    messages = run_parallel(_mismatched, 2, kind)
+    for message in messages:
+        assert message is not None and "different compression configurations" in message
+        assert f"{kind}: rank 0: " in message and "rank 1: " in message
+    if kind == "codec":
+        assert "TernGrad(" in messages[0] and "QSGDInf(" in messages[0]
