@@ -1,10 +1,11 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (every test).
-# Both set up the environment first (idempotent; the Horovod build is cached).
+# The two commands of the README: `make demo` (the main job) and `make test` (every test);
+# `make bench` runs the bandwidth-limited benchmark matrix (needs root for the namespaces).
+# Each sets up the environment first (idempotent; the Horovod build is cached).
 PY := .venv/bin/python
 export OMP_NUM_THREADS := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup demo test
+.PHONY: setup demo test bench
 
 setup:
 	bash launch/setup.sh
@@ -14,3 +15,6 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -ra -q tests
+
+bench: setup
+	$(PY) -m hvd_compress.cli bench

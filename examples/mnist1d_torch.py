@@ -3,10 +3,11 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/mnist1d_torch.py --compression terngrad
 
 Rank 0 prints the test accuracy, the bytes handed to Horovod per worker per step, the
-compression ratio, the median step time and which tensors were compressed; ``--out`` also
-writes them as JSON.
+compression ratio (also per layer type, with the density of sparse codecs), the median step
+time and which tensors were compressed; ``--out`` also writes them as JSON.
 """
 import argparse
+import collections
 import json
 import statistics
 import time
@@ -81,6 +82,9 @@ def main(argv=None):
     local_batch = args.batch_size // hvd.size()
     generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     step_times, handed = [], []
+    # Per layer type, over all steps: bytes handed, bytes a plain allreduce would hand, and
+    # the sum of the per-step densities.
+    layer_totals = collections.defaultdict(collections.Counter)
     for step in range(args.steps):
         index = torch.randint(len(x_train), (local_batch,), generator=generator).to(device)
         start = time.perf_counter()
@@ -90,7 +94,12 @@ def main(argv=None):
         optimizer.step()
         schedule.step()
         step_times.append(time.perf_counter() - start)
-        handed.append(optimizer.compression_stats()["bytes_handed"])
+        stats = optimizer.compression_stats()
+        handed.append(stats["bytes_handed"])
+        for kind, layer in stats["layers"].items():
+            layer_totals[kind].update(handed=layer["bytes_handed"],
+                                      uncompressed=layer["bytes_uncompressed"],
+                                      density=layer["density"])
 
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
@@ -104,6 +113,9 @@ def main(argv=None):
         "compression_ratio": stats["bytes_uncompressed"] / np.median(handed),
         "median_step_ms": 1000 * statistics.median(step_times),
         "tensors": stats["tensors"],
+        "layers": {kind: {"compression_ratio": t["uncompressed"] / t["handed"],
+                          "density": t["density"] / args.steps}
+                   for kind, t in layer_totals.items()},
     }
     if hvd.rank() == 0:
         print(f"{args.compression}: test accuracy {100 * accuracy:.2f}%, "
@@ -111,6 +123,9 @@ def main(argv=None):
               f"{result['bytes_per_step']} bytes/step/worker "
               f"(ratio {result['compression_ratio']:.2f}x), "
               f"median step {result['median_step_ms']:.2f} ms", flush=True)
+        print("  per layer type: " + ", ".join(
+            f"{kind} {layer['compression_ratio']:.1f}x (density {100 * layer['density']:.2f}%)"
+            for kind, layer in result["layers"].items()))
         for name, numel, exchange, reason in stats["tensors"]:
             print(f"  {name:12s} {numel:8d}  {exchange:26s} {reason}")
         if args.out:

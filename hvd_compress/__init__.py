@@ -5,13 +5,15 @@ validation, wire formats and numpy reference math, the registry of names, the by
 model and the N-worker reference simulation. The framework ports are ``hvd_compress.pt``
 (PyTorch) and ``hvd_compress.tf`` (TensorFlow).
 """
+from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .codes import FloatCodes, IntCodes
 from .registry import CODECS, resolve
 from .qsgd import NUQSGD, QSGD, QSGDInf
+from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
-__all__ = ["BlockSign", "CODECS", "Codec", "FP16", "FloatCodes", "IntCodes", "NUQSGD", "NoneCodec", "QSGD",
-           "QSGDInf", "TernGrad", "resolve"]
+__all__ = ["AdaComp", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK", "FP16", "FloatCodes",
+           "IntCodes", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad", "resolve"]
 __version__ = "0.1.0"

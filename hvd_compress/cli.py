@@ -1,6 +1,7 @@
 """The ``hvd-compress`` command.
 
     hvd-compress demo [--runs 2:none,2:terngrad,...,4:none,4:ef-sign] [--steps 3000]
+    hvd-compress bench [--workers 2,4] [--rates 10G,1G,100M] ...   (see benchmarks/bench.py)
 
 ``demo`` is the main job: it trains the MNIST-1D CNN of ``examples/mnist1d_torch.py`` under
 ``horovodrun`` (Gloo, localhost) once per run (workers:codec) with the same seed and data,
@@ -17,7 +18,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:nuqsgd", "2:ef-sign"]
+DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:nuqsgd", "2:ef-sign", "2:adacomp"]
 
 
 def _parse_runs(text):
@@ -87,6 +88,16 @@ def demo(args):
             json.dump(results, f, indent=1)
 
 
+def bench(argv):
+    """``bench`` is the harness in the source checkout's ``benchmarks/`` (which is not
+    installed with the package), like the demo's example script."""
+    if not os.path.exists(os.path.join(REPO, "benchmarks", "bench.py")):
+        sys.exit("bench: benchmarks/bench.py not found; run it from a source checkout")
+    sys.path.insert(0, REPO)
+    from benchmarks import bench as harness
+    harness.main(argv)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="hvd-compress", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -100,8 +111,16 @@ def main(argv=None):
     run.add_argument("--timeout", type=int, default=1200, help="seconds per training run")
     run.add_argument("--out", help="also write the results as JSON here")
     run.add_argument("--verbose", action="store_true", help="show the workers' output")
-    args = parser.parse_args(argv)
-    demo(args)
+    # The benchmark parses its own arguments (and --help).
+    commands.add_parser("bench", add_help=False,
+                        help="speed-up on a bandwidth-limited test network (needs root)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        bench(rest)
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    else:
+        demo(args)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,13 @@ and then either the codes' additive values are summed over workers and decoded o
 
 (n is the world size for an average, 1 for a sum), or, with per-worker scales, every worker's
 codes are decoded with that worker's scales and the results summed.
+
+Sparse codecs (``sparse = True``: AdaComp, ScaleCom's CLT-k) decide *which* elements travel,
+from the error-compensated vector (and, for AdaComp, the new gradient too), so they always
+keep a worker memory and their exchanges run the compensate -> select -> update steps
+themselves (``hvd_compress.pt.exchange``): variable-length messages on an allgather with
+sizes (not ``summable``), or values at indices every worker shares on an allreduce
+(``summable``). Their ``code_space`` is the alphabet of the values they send.
 """
 import inspect
 
@@ -49,6 +56,8 @@ class Codec:
         stochastic: True if ``encode`` consumes one uniform draw per element.
         compress_classifier_default: whether the final classifier layer is compressed unless
             the user says otherwise.
+        sparse: True if the codec selects a data-dependent subset of elements from an
+            error-compensated vector (see the module docstring).
 
     Args:
         min_size (int): tensors with fewer elements than this are sent uncompressed by a
@@ -69,6 +78,7 @@ class Codec:
     stochastic = False
     default_min_size = 0
     compress_classifier_default = True
+    sparse = False
 
     def __init__(self, *, min_size=None, compress_classifier=None):
         owner = type(self).__name__
@@ -116,6 +126,12 @@ class Codec:
         """Number of scales (buckets) of a tensor of ``numel`` elements."""
         return -(-numel // self.bucket_length(numel)) if self.scaled else 0
 
+    def layer_kind(self, name, shape):
+        """The kind of layer (one of ``LAYER_KINDS``) that owns the parameter ``name``; the
+        statistics are kept per kind. Guessed from the name and shape (``layer_kind``)
+        unless a codec is told the model's layers."""
+        return layer_kind(name, shape)
+
     def shares_scale(self, exchange):
         """Whether the workers agree on the scales (Max-allreduce) before encoding, when
         the codes travel by ``exchange``. Summing codes needs a shared scale; an allgather
@@ -142,6 +158,25 @@ class Codec:
         ``scale``, divided by ``count``. Leading axes of ``total`` and ``scale`` broadcast,
         so a batch of workers decodes at once."""
         raise NotImplementedError
+
+
+LAYER_KINDS = ("conv", "linear", "recurrent", "embedding", "other")
+
+# The parameter names PyTorch gives the weights and biases of nn.RNN, nn.LSTM, nn.GRU and
+# their cells (``weight_ih_l0``, ``bias_hh_l1_reverse``, ...).
+_RECURRENT_PARAMETERS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
+def layer_kind(name, shape):
+    """The kind of layer of a parameter when the model is not at hand: recurrent by
+    PyTorch's names for recurrent weights, convolution for kernels of three or more
+    dimensions, linear for the other matrices (embedding tables cannot be told from linear
+    weights by shape), other for vectors (biases, norms)."""
+    if name.rsplit(".", 1)[-1].startswith(_RECURRENT_PARAMETERS):
+        return "recurrent"
+    if len(shape) >= 3:
+        return "conv"
+    return "linear" if len(shape) == 2 else "other"
 
 
 class NoneCodec(Codec):

@@ -16,6 +16,14 @@ framework ports (``packing.py`` in each of them implements it):
 ``SignCodes()``
     Signs -1 and +1, one bit each (1 for -1), packed like ``IntCodes`` of width 1.
 
+``FieldCodes(width)``
+    Unsigned integers in [0, 2^width), each in exactly ``width`` bits (1 to 32, any width):
+    a little-endian bit stream, element ``i`` in bits ``i * width`` to ``(i + 1) * width - 1``
+    of the row, bit ``j`` of the row in byte ``j // 8`` at bit ``j % 8``, padded with zero bits
+    to a whole byte. For widths of 1, 2, 4, 8, 16 and 32 bits this is ``IntCodes``' layout of
+    the unsigned values. Sparse messages (AdaComp's within-bin offsets) use it where a power
+    of two would waste bits.
+
 ``FloatCodes(dtype)``
     Floating-point values of ``dtype`` (float16), sent as they are; a sum of several workers'
     values is rounded back to ``dtype`` before it is sent again.
@@ -86,6 +94,23 @@ class SignCodes:
 
     def packed_nbytes(self, numel):
         return -(-numel // 8)
+
+
+@dataclass(frozen=True)
+class FieldCodes:
+    width: int
+
+    def __post_init__(self):
+        if not 1 <= self.width <= 32:
+            raise ValueError(f"FieldCodes: width must be in [1, 32], got {self.width}")
+
+    @classmethod
+    def holding(cls, value):
+        """The narrowest fields that hold every integer in [0, value]."""
+        return cls(max(1, int(value).bit_length()))
+
+    def packed_nbytes(self, numel):
+        return -(-numel * self.width // 8)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,11 @@ Exchanges (see ``hvd_compress.pt.exchange``):
     scales travel with the allgather).
 
 A codec with a shared scale adds one float32 per tensor to a Max-allreduce.
+
+Sparse codecs: AdaComp's messages (``allgather``) differ in length from step to step, so their
+traffic is that of an allgather of the message and of its int64 length
+(``allgather_with_sizes_traffic``, given the message's bytes); CLT-k (``allreduce``) hands k
+int32 indices to a broadcast from the step's leader and k float32 values to an allreduce.
 """
 from dataclasses import dataclass
 
@@ -47,6 +52,19 @@ def allreduce_traffic(nbytes, world_size):
     return Traffic(nbytes, 2 * (world_size - 1) / world_size * nbytes, 1)
 
 
+def allgather_with_sizes_traffic(nbytes, world_size):
+    """A payload of ``nbytes`` whose length differs between workers, and its int64 length,
+    each allgathered."""
+    return Traffic(nbytes + 8, (world_size - 1) * (nbytes + 8), 2)
+
+
+def leader_allreduce_traffic(k, world_size):
+    """k int32 indices broadcast by a leader that rotates over the workers (each sends them
+    to the N - 1 others once every N steps), and k float32 values allreduced."""
+    broadcast = Traffic(4 * k, 4 * k * (world_size - 1) / world_size, 1)
+    return broadcast + allreduce_traffic(4 * k, world_size)
+
+
 def uncompressed_traffic(numel, world_size, itemsize=4):
     """A tensor sent whole by a plain allreduce."""
     return allreduce_traffic(numel * itemsize, world_size)
@@ -59,6 +77,11 @@ def compressed_traffic(codec, numel, world_size, exchange,
         raise ValueError(f"exchange must be one of {EXCHANGES} or 'auto', got {exchange!r}")
     if exchange not in exchanges_for(codec):
         raise ValueError(f"{codec.name} codes cannot be summed, so they cannot use {exchange}")
+    if codec.sparse:
+        if not codec.summable:
+            raise ValueError(f"{codec.name} messages differ in length from step to step; "
+                             f"use allgather_with_sizes_traffic with a message's bytes")
+        return leader_allreduce_traffic(codec.k(numel), world_size)
     scale_bytes = 4 * codec.buckets(numel) if codec.scaled else 0
     shared = codec.scaled and codec.shares_scale(exchange)
     scale = allreduce_traffic(scale_bytes, world_size) if shared else NO_TRAFFIC
@@ -84,6 +107,8 @@ def compressed_traffic(codec, numel, world_size, exchange,
 
 def exchanges_for(codec):
     """The exchanges that can carry ``codec``'s codes."""
+    if codec.sparse:
+        return ("allreduce",) if codec.summable else ("allgather",)
     if codec.summable:
         return EXCHANGES
     return ("allgather", "sharded") if codec.two_way else ("allgather",)
@@ -92,6 +117,8 @@ def exchanges_for(codec):
 def choose_exchange(codec, numel, world_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """The exchange that sends the fewest bytes; on a tie, the one with fewer collectives."""
     candidates = exchanges_for(codec)
+    if len(candidates) == 1:
+        return candidates[0]
     return min(candidates, key=lambda e: (
         compressed_traffic(codec, numel, world_size, e, allreduce_dtypes).sent,
         compressed_traffic(codec, numel, world_size, e, allreduce_dtypes).collectives))

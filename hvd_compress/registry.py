@@ -1,11 +1,13 @@
 """Codecs by name: ``compression="terngrad"`` anywhere a codec is accepted."""
+from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .qsgd import NUQSGD, QSGD, QSGDInf
+from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
 CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
-                                             BlockSign)}
+                                             BlockSign, AdaComp, CyclicLocalTopK)}
 
 
 def resolve(compression, classes=None):

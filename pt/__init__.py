@@ -1,14 +1,16 @@
 """PyTorch port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
 ``DistributedOptimizer`` that exchanges their codes through Horovod collectives."""
+from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .qsgd import NUQSGD, QSGD, QSGDInf
+from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
 CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
-                                             BlockSign)}
+                                             BlockSign, AdaComp, CyclicLocalTopK)}
 
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 
-__all__ = ["BlockSign", "CODECS", "Codec", "DistributedOptimizer", "FP16", "NUQSGD", "NoneCodec", "QSGD",
-           "QSGDInf", "TernGrad"]
+__all__ = ["AdaComp", "BlockSign", "CODECS", "CyclicLocalTopK", "Codec", "DistributedOptimizer",
+           "FP16", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]

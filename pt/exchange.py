@@ -8,7 +8,15 @@ waits and decodes. The byte-count model of each is in ``hvd_compress.cost``.
 Summing exchanges (``Allreduce``, ``Sharded``) need summable codes under one scale for all
 workers; ``Allgather`` also carries each worker's own scales (prefixed to its packed codes as
 raw float32 bytes, so one collective moves both).
+
+Sparse codecs (AdaComp, CLT-k) have exchanges of their own, ``SparseAllgather`` and
+``LeaderAllreduce``: what a worker selects decides what its memory keeps, so they run
+compensate -> select -> update on the worker's memory (passed in, not kept) around their
+collectives.
 """
+import collections
+import contextlib
+
 import horovod.torch as hvd
 import torch
 
@@ -21,14 +29,28 @@ from .packing import pack, unpack
 
 
 class Meter:
-    """Counts the bytes of every tensor handed to a Horovod collective."""
+    """Counts the bytes of every tensor handed to a Horovod collective: in all, and per
+    gradient tensor (the one named by ``charging``)."""
 
     def __init__(self):
         self.bytes = 0
+        self.by_tensor = collections.Counter()
+        self.tensor = None
 
     def hand(self, tensor):
-        self.bytes += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes += nbytes
+        self.by_tensor[self.tensor] += nbytes
         return tensor
+
+    @contextlib.contextmanager
+    def charging(self, name):
+        """Counts the bytes handed inside this block for the gradient tensor ``name``."""
+        self.tensor = name
+        try:
+            yield
+        finally:
+            self.tensor = None
 
 
 def _floats(rows):
@@ -37,6 +59,20 @@ def _floats(rows):
     so the bytes are copied out flat before they are reinterpreted."""
     flat = rows.reshape(-1).clone()
     return flat.view(torch.float32).reshape(rows.shape[0], rows.shape[1] // 4)
+
+
+def _allgather_with_sizes(payload, name, meter):
+    """Starts allgathers of a flat byte payload whose length differs between workers, and
+    of its length (so the gathered bytes can be split apart)."""
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    return [hvd.allgather_async(meter.hand(payload), name=name),
+            hvd.allgather_async(meter.hand(size), name=f"{name}.size")]
+
+
+def _gathered_payloads(handles):
+    """Every worker's payload, in rank order, from ``_allgather_with_sizes``."""
+    data = hvd.synchronize(handles[0])
+    return torch.split(data, hvd.synchronize(handles[1]).tolist())
 
 
 def _sum_rows(rows):
@@ -71,6 +107,8 @@ class _Exchange:
     def __init__(self, codec, numel, world_size, meter, count, server=None):
         self.codec, self.numel, self.world_size = codec, numel, world_size
         self.meter, self.count, self.server = meter, count, server
+        # Elements this worker sends (a tensor, for sparse codecs: known once it selected).
+        self.sent_elements = numel
 
     def advance(self, pending):
         return pending
@@ -117,23 +155,19 @@ class Allgather(_Exchange):
             payload = pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
         if self.own_scale:
             payload = torch.cat([scale.to(torch.float32).reshape(-1).view(torch.uint8), payload])
-        if not self.elias:
-            payload = payload.reshape(1, -1)  # equal lengths: gathered as rows
-        handles = [hvd.allgather_async(self.meter.hand(payload), name=name)]
         if self.elias:
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
-            handles.append(hvd.allgather_async(self.meter.hand(size), name=f"{name}.size"))
-        return handles, scale
+            return _allgather_with_sizes(payload, name, self.meter), scale
+        # Equal lengths: gathered as rows.
+        return [hvd.allgather_async(self.meter.hand(payload.reshape(1, -1)), name=name)], scale
 
     def _codes(self, handles):
         """Each worker's codes (rows) and own scales, from the gathered payloads."""
-        data = hvd.synchronize(handles[0])
         if self.elias:
-            sizes = hvd.synchronize(handles[1]).tolist()
-            chunks = torch.split(data, sizes)
+            chunks = _gathered_payloads(handles)
             codes = torch.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in chunks])
             heads = torch.stack([c[:self.scale_bytes] for c in chunks])
         else:
+            data = hvd.synchronize(handles[0])
             codes = unpack(data[:, self.scale_bytes:], self.codec.code_space, self.numel)
             heads = data[:, :self.scale_bytes]
         return codes, _floats(heads)
@@ -224,9 +258,9 @@ class ShardedServer(_Exchange):
         # Every worker's block scales over the whole tensor, then this rank's shard of them.
         full = expand(scales, self.world_size * self.length,
                       self.codec.bucket_length(self.numel))
-        start = rank * self.length
-        valid = self._valid(rank)
-        average = (signs[:, :valid] * full[:, start:start + valid]).sum(dim=0) / self.count
+        shard = self.shard(rank)
+        valid = shard.stop - shard.start
+        average = (signs[:, :valid] * full[:, shard]).sum(dim=0) / self.count
         codes, server_scale, _ = self.server(self.codec, average)
         padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
         padded_scale[: server_scale.numel()] = server_scale
@@ -248,11 +282,101 @@ class ShardedServer(_Exchange):
     def _valid(self, rank):
         return max(0, min(self.length, self.numel - rank * self.length))
 
+    def shard(self, rank):
+        """The elements of the tensor whose server is ``rank``."""
+        return slice(rank * self.length, rank * self.length + self._valid(rank))
+
+
+class SparseAllgather(_Exchange):
+    """AdaComp: every worker's variable-length message (``_allgather_with_sizes``) reaches
+    every worker, which decodes them all and sums them in rank order.
+
+    Args (after those of every exchange):
+        memory: the worker's ``ErrorFeedback``, holding the residues.
+        plan: the tensor's ``TensorPlan`` (its name keys the residue; with its layer kind it
+            chooses the bin length).
+        step: the step counter (unused: every step is alike).
+    """
+
+    name = "allgather"
+
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step):
+        super().__init__(codec, numel, world_size, meter, count)
+        self.memory, self.key = memory, plan.name
+        self.bin_length = codec.bin_length(plan.name, plan.layer)
+
+    def start(self, grad, ratio, name):
+        compensated = self.memory.compensate(self.key, grad, ratio)
+        selected = self.codec.select(compensated, grad, self.bin_length)
+        message = self.codec.encode_message(compensated, selected, self.bin_length)
+        sent = self.codec.decode_message(message, self.numel, self.bin_length)
+        self.memory.update(self.key, compensated, sent)
+        self.sent_elements = selected.sum()
+        return _allgather_with_sizes(message, name, self.meter)
+
+    def finish(self, handles):
+        values = [self.codec.decode_message(message, self.numel, self.bin_length)
+                  for message in _gathered_payloads(handles)]
+        return torch.stack(values).sum(dim=0) / self.count
+
+
+class LeaderAllreduce(_Exchange):
+    """CLT-k: the leader of this step broadcasts its top-k indices, and one allreduce sums
+    every worker's values at them. The memory's update needs the leader's indices, so it
+    happens between the two collectives.
+
+    Args (after those of every exchange):
+        memory: the worker's ``ErrorFeedback`` (low-pass filtered by the codec's beta).
+        plan: the tensor's ``TensorPlan`` (its name keys the memory).
+        step: the step counter, which chooses the leader.
+    """
+
+    name = "allreduce"
+
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step):
+        super().__init__(codec, numel, world_size, meter, count)
+        self.memory, self.key = memory, plan.name
+        self.leader = codec.leader(step, world_size)
+        self.sent_elements = codec.k(numel)
+
+    def start(self, grad, ratio, name):
+        compensated = self.memory.compensate(self.key, grad, ratio)
+        if hvd.rank() == self.leader:
+            indices = self.codec.top_k(compensated, self.sent_elements)
+        else:
+            indices = torch.zeros(self.sent_elements, dtype=torch.int32, device=grad.device)
+        handle = hvd.broadcast_async(self.meter.hand(indices), root_rank=self.leader,
+                                     name=f"{name}.indices")
+        return handle, compensated, name
+
+    def advance(self, pending):
+        handle, compensated, name = pending
+        indices = hvd.synchronize(handle).to(torch.int64)
+        values = compensated[indices]
+        sent = torch.zeros_like(compensated)
+        sent[indices] = values
+        self.memory.update(self.key, compensated, sent, self.codec.beta)
+        return hvd.allreduce_async(self.meter.hand(values), op=hvd.Sum, name=name), indices
+
+    def finish(self, pending):
+        handle, indices = pending
+        total = hvd.synchronize(handle)
+        average = torch.zeros(self.numel, dtype=torch.float32, device=total.device)
+        average[indices] = total.to(torch.float32) / self.count
+        return average
+
 
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
+SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
 
 
 def make_exchange(name, codec, numel, world_size, meter, count, server=None):
     """The exchange called ``name`` for ``codec``."""
     cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
     return cls(codec, numel, world_size, meter, count, server)
+
+
+def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step):
+    """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``."""
+    return SPARSE_EXCHANGES[name](codec, plan.numel, world_size, meter, count, memory, plan,
+                                  step)

@@ -1,4 +1,6 @@
 """Error-feedback memory: what a compressed message did not carry, kept for the next one."""
+
+
 class ErrorFeedback:
     """Residuals keyed by tensor name (parameter names, and shard names on a server).
 
@@ -28,8 +30,15 @@ class ErrorFeedback:
             return vector
         return vector + residual * ratio
 
-    def update(self, name, compensated, sent):
-        self.proposed[name] = compensated - sent
+    def update(self, name, compensated, sent, beta=1.0):
+        """Proposes ``compensated - sent`` as the new residual; with ``beta`` < 1 a low-pass
+        filtered one, (1 - beta) residual + beta (compensated - sent) (ScaleCom)."""
+        residual = compensated - sent
+        if beta != 1.0:
+            previous = self.residuals.get(name)
+            residual = residual * beta if previous is None else \
+                previous * (1.0 - beta) + residual * beta
+        self.proposed[name] = residual
 
     def commit(self, keep):
         if keep:

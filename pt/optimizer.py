@@ -108,7 +108,10 @@ class _DistributedOptimizer:
                 self._hvdc_momentum.load_state_dict(ours["momentum"])
 
     def compression_stats(self):
-        """What the last step handed to Horovod, and how each tensor travels."""
+        """What the last step handed to Horovod, and how each tensor travels. ``"layers"``
+        breaks the bytes down by layer kind (conv, linear, recurrent, embedding, other),
+        with the density: the fraction of elements this worker sent (below 1 only for
+        sparse codecs)."""
         pipeline = self._hvdc_pipeline
         uncompressed = pipeline.uncompressed_bytes()
         sent = pipeline.last_step_bytes
@@ -120,6 +123,7 @@ class _DistributedOptimizer:
             "compression_ratio": uncompressed / sent if sent else float("nan"),
             "tensors": [(plan.name, plan.numel, plan.exchange, plan.reason)
                         for plan in pipeline.plans.values()],
+            "layers": pipeline.layer_stats(),
         }
 
 
@@ -146,8 +150,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         optimizer: the ``torch.optim.Optimizer`` to wrap.
         named_parameters: ``model.named_parameters()``; names key the exchanges and the
             compression state. Without it parameters are named ``noname.<group>.<index>``.
-        compression: a codec instance (``hvd_compress.pt.TernGrad(clip=2.5)``) or a registry
-            name (``"none"``, ``"fp16"``, ``"terngrad"``).
+        compression: a codec instance (``hvd_compress.pt.TernGrad(clip=2.5)``,
+            ``hvd_compress.pt.AdaComp.for_model(model)``) or a registry name (``"none"``,
+            ``"fp16"``, ``"terngrad"``, ``"adacomp"``, ``"clt-k"``, ...).
         backward_passes_per_step: backward passes accumulated locally before an exchange.
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         gradient_predivide_factor: as in Horovod, for the uncompressed allreduces (sums of
@@ -163,7 +168,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
             leaves out (smaller than ``min_size``; the classifier unless
             ``compress_classifier``).
         error_feedback: keep, per compressed tensor, what its messages did not carry and add
-            it to the next gradient. None: the codec's default (on for ``ef-sign``).
+            it to the next gradient. None: the codec's default (on for ``ef-sign``, and
+            always on for the sparse codecs ``adacomp`` and ``clt-k``).
         worker_momentum: dist-EF-blockSGDM's optimizer mode, for ``torch.optim.SGD``: the
             (Nesterov) momentum is applied on each worker *before* compression, residuals are
             rescaled by eta_{t-1} / eta_t when the learning rate changes, and after the
@@ -199,6 +205,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
     if error_feedback is None:
         error_feedback = codec.error_feedback_default
+    if codec.two_way and not error_feedback:
+        raise ValueError(f"DistributedOptimizer: {codec.name} compresses on the workers and "
+                         f"again on the server, which is only sound with error feedback on "
+                         f"both; it cannot run with error_feedback=False")
+    if codec.sparse and not error_feedback:
+        raise ValueError(f"DistributedOptimizer: {codec.name} selects what to send from its "
+                         f"error-feedback memory; it cannot run with error_feedback=False")
     if worker_momentum is None:
         worker_momentum = codec.two_way and isinstance(optimizer, torch.optim.SGD) and \
             any(group["momentum"] > 0 for group in optimizer.param_groups)
@@ -221,9 +234,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         uncompressed=whole, prescale_factor=1.0 / predivide, postscale_factor=predivide,
         error_feedback=bool(error_feedback))
 
+    wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer)
+    wrapped._hvdc_setup(optimizer.__class__, pipeline, passes, bool(worker_momentum))
+    return wrapped
+
+
+def wrap_in_subclass(optimizer, methods):
+    """An instance of a subclass of ``optimizer``'s class, built at run time with the
+    methods of the class ``methods`` added, that shares ``optimizer``'s state, parameter
+    groups and hooks."""
     base = optimizer.__class__
-    methods = {k: v for k, v in vars(_DistributedOptimizer).items()
-               if not k.startswith("__")}
+    methods = {k: v for k, v in vars(methods).items() if not k.startswith("__")}
     # horovod.torch.broadcast_optimizer_state recognises a distributed optimizer by this
     # module name and then initialises its state with a *local* step of the base class
     # (super(type(opt), opt).step()); any other module gets a full step(), which would
@@ -234,7 +255,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     # Share the state, parameter groups and hooks of the given optimizer, but not
     # instance-level overrides of our methods (LR schedulers wrap ``opt.step`` that way).
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in methods})
-    wrapped._hvdc_setup(base, pipeline, passes, bool(worker_momentum))
     return wrapped
 
 

@@ -5,6 +5,7 @@ produced it and the moment the wrapped optimizer reads it back. It is kept apart
 optimizer class so that every wrapper (the optimizer, a local-SGD averager, tests) drives the
 same code.
 """
+import collections
 import dataclasses
 
 import horovod.torch as hvd
@@ -13,7 +14,7 @@ import torch
 from hvd_compress import agreement, cost
 from hvd_compress.seeding import stream_seed
 
-from .exchange import Meter, ServerStep, make_exchange
+from .exchange import Meter, ServerStep, make_exchange, make_sparse_exchange
 from .memory import ErrorFeedback
 
 
@@ -25,6 +26,7 @@ class TensorPlan:
     numel: int
     exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
     reason: str    # why it is, or is not, compressed
+    layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
 
 
 @dataclasses.dataclass
@@ -70,6 +72,7 @@ class CompressionPipeline:
         self.world_size = hvd.size()
         self.rank = hvd.rank()
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
+        self.exchange = exchange
         self.step = 0
         self.meter = Meter()
         self.last_step_bytes = 0
@@ -77,7 +80,11 @@ class CompressionPipeline:
         uncompressed = set(uncompressed)
         self.plans = {}
         for index, (name, p) in enumerate(named_parameters):
-            self.plans[p] = self._plan(name, index, p, exchange, name in uncompressed)
+            self.plans[p] = dataclasses.replace(
+                self._plan(name, index, p, exchange, name in uncompressed),
+                layer=codec.layer_kind(name, tuple(p.shape)))
+        self.last_tensor_bytes = collections.Counter()
+        self.last_sent_elements = {}
         problem = agreement.disagreement(hvd.allgather_object(agreement.describe(
             codec, exchange, average,
             [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()])))
@@ -108,14 +115,31 @@ class CompressionPipeline:
     def launch(self, param, ratio=1.0):
         """Starts the exchange of ``param.grad``; called once per parameter per step.
         ``ratio`` (eta_{t-1} / eta_t) rescales residuals kept in gradient units."""
+        if not self._in_flight:
+            self._follow_world()
         plan = self.plans[param]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = param.grad
+        with self.meter.charging(plan.name):
+            self._launch(plan, param, grad, ratio)
+        self._start_ready_codes()
+
+    def _launch(self, plan, param, grad, ratio):
+        count = self.world_size if self.average else 1
         if plan.exchange == UNCOMPRESSED or grad.is_sparse:
             # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
             # unless sparse_as_dense densified them.
             self._in_flight[param] = _InFlight(plan, param, "plain", self._launch_plain(plan, grad))
+        elif self.codec.sparse:
+            # The exchange selects from the worker's memory, and updates it, itself.
+            flight = _InFlight(plan, param, "codes")
+            flight.exchange = make_sparse_exchange(
+                plan.exchange, self.codec, plan, self.world_size, self.meter, count,
+                self.worker_memory, self.step)
+            flight.handle = flight.exchange.start(grad.reshape(-1), ratio,
+                                                  f"hvdc.{plan.name}.codes")
+            self._in_flight[param] = flight
         else:
             flight = _InFlight(plan, param, "scale", vector=grad.reshape(-1))
             if self.worker_memory is not None:
@@ -124,15 +148,14 @@ class CompressionPipeline:
             if self.codec.two_way:
                 server = ServerStep(self.server_memory, plan.name, ratio)
             flight.exchange = make_exchange(
-                plan.exchange, self.codec, plan.numel, self.world_size, self.meter,
-                self.world_size if self.average else 1, server)
+                plan.exchange, self.codec, plan.numel, self.world_size, self.meter, count,
+                server)
             if self.codec.scaled:
                 flight.scale = self.codec.local_scale(flight.vector)
                 if self.codec.shares_scale(plan.exchange):
                     flight.handle = hvd.allreduce_async(self.meter.hand(flight.scale), op=hvd.Max,
                                                         name=f"hvdc.{plan.name}.scale")
             self._in_flight[param] = flight
-        self._start_ready_codes()
 
     def _launch_plain(self, plan, grad):
         name = f"hvdc.{plan.name}"
@@ -166,8 +189,9 @@ class CompressionPipeline:
         if self.worker_memory is not None:
             sent = self.codec.decode(self.codec.values(codes), flight.scale, 1)
             self.worker_memory.update(flight.plan.name, vector, sent)
-        flight.handle = flight.exchange.start(codes, flight.scale,
-                                              f"hvdc.{flight.plan.name}.codes")
+        with self.meter.charging(flight.plan.name):
+            flight.handle = flight.exchange.start(codes, flight.scale,
+                                                  f"hvdc.{flight.plan.name}.codes")
         flight.stage = "codes"
 
     def synchronize(self, missing):
@@ -182,7 +206,8 @@ class CompressionPipeline:
         self._start_ready_codes(wait=True)
         for flight in self._in_flight.values():
             if flight.stage == "codes":
-                flight.handle = flight.exchange.advance(flight.handle)
+                with self.meter.charging(flight.plan.name):
+                    flight.handle = flight.exchange.advance(flight.handle)
         for param, flight in self._in_flight.items():
             if flight.stage == "plain":
                 output = hvd.synchronize(flight.handle) if isinstance(flight.handle, int) \
@@ -196,8 +221,11 @@ class CompressionPipeline:
             keep = self.all_finite()
             for state in self.step_state:
                 state.commit(keep)
+        self.last_sent_elements = {flight.plan.name: flight.exchange.sent_elements
+                                   for flight in self._in_flight.values() if flight.exchange}
         self._in_flight.clear()
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
+        self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
         self.step += 1
 
     def all_finite(self):
@@ -208,10 +236,47 @@ class CompressionPipeline:
         return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) \
             if grads else True
 
+    def _follow_world(self):
+        """Adapts to a world that elastic Horovod changed between steps (``hvd.elastic``).
+
+        Residuals made in the old world of N ranks move into this rank's worker residual,
+        rescaled so that the average over the new world of N' ranks carries the same mass:
+        worker residuals times N'/N; the replicated server's residual as it is (every rank
+        holds it); a sharded server's residual, which covers this rank's old shard only, times
+        N' at that shard's positions. A rank that left takes its own residuals with it.
+        ``exchange="auto"`` is decided again for N'.
+        """
+        size, rank = hvd.size(), hvd.rank()
+        if (size, rank) == (self.world_size, self.rank):
+            return
+        if self.worker_memory is not None:
+            for name, residual in self.worker_memory.residuals.items():
+                self.worker_memory.residuals[name] = residual * (size / self.world_size)
+        if self.server_memory is not None:
+            by_name = {plan.name: plan for plan in self.plans.values()}
+            for name, residual in self.server_memory.residuals.items():
+                plan = by_name[name]
+                if plan.exchange == "sharded":
+                    shard = make_exchange("sharded", self.codec, plan.numel, self.world_size,
+                                          self.meter, 1).shard(self.rank)
+                    full = residual.new_zeros(plan.numel)
+                    full[shard] = residual * size
+                    residual = full
+                self.worker_memory.residuals[name] = \
+                    self.worker_memory.compensate(name, residual)
+            self.server_memory.residuals = {}
+        self.world_size, self.rank = size, rank
+        if self.exchange == "auto":
+            for plan in self.plans.values():
+                if plan.reason == "compressed":
+                    plan.exchange = cost.choose_exchange(self.codec, plan.numel, size)
+
     # ----- state -----
 
     def state_dict(self):
-        state = {"step": self.step}
+        # The world the residuals were made in: a state restored into another world is
+        # adapted to it at the next step (``_follow_world``).
+        state = {"step": self.step, "world_size": self.world_size, "rank": self.rank}
         for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
             if memory is not None:
                 state[role] = memory.state_dict()
@@ -219,6 +284,8 @@ class CompressionPipeline:
 
     def load_state_dict(self, state):
         self.step = int(state["step"])
+        self.world_size = int(state.get("world_size", self.world_size))
+        self.rank = int(state.get("rank", self.rank))
         for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
             if memory is not None and role in state:
                 memory.load_state_dict(state[role])
@@ -232,6 +299,12 @@ class CompressionPipeline:
             if plan.exchange == UNCOMPRESSED:
                 total += cost.uncompressed_traffic(plan.numel, self.world_size,
                                                    param.element_size()).handed
+            elif self.codec.sparse and not self.codec.summable:
+                # Variable-length messages: the formula of the last step's message sizes.
+                nbytes = self.codec.message_nbytes(
+                    plan.numel, self.codec.bin_length(plan.name, plan.layer),
+                    int(self.last_sent_elements[plan.name]))
+                total += cost.allgather_with_sizes_traffic(nbytes, self.world_size).handed
             else:
                 total += cost.compressed_traffic(self.codec, plan.numel, self.world_size,
                                                  plan.exchange).handed
@@ -240,3 +313,21 @@ class CompressionPipeline:
     def uncompressed_bytes(self):
         """Bytes per step that a plain allreduce of every gradient would hand over."""
         return sum(p.numel() * p.element_size() for p in self.plans)
+
+    def layer_stats(self):
+        """Per layer kind (``TensorPlan.layer``), the last step's bytes handed to Horovod
+        against a plain allreduce's, and the density: the fraction of the elements that
+        this worker sent (quantized or whole)."""
+        totals = collections.defaultdict(collections.Counter)
+        for param, plan in self.plans.items():
+            kind = totals[plan.layer]
+            kind["bytes_handed"] += self.last_tensor_bytes[plan.name]
+            kind["bytes_uncompressed"] += plan.numel * param.element_size()
+            kind["elements"] += plan.numel
+            kind["sent"] += int(self.last_sent_elements.get(plan.name, plan.numel))
+        return {layer: {"bytes_handed": t["bytes_handed"],
+                        "bytes_uncompressed": t["bytes_uncompressed"],
+                        "compression_ratio": t["bytes_uncompressed"] / t["bytes_handed"]
+                        if t["bytes_handed"] else float("nan"),
+                        "density": t["sent"] / t["elements"] if t["elements"] else float("nan")}
+                for layer, t in totals.items()}

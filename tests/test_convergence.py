@@ -10,7 +10,7 @@ from hvd_compress import cli
 pytestmark = [pytest.mark.multiprocess, pytest.mark.convergence]
 
 
-@pytest.mark.timeout(3600)  # five training runs of about two minutes, one at a time
+@pytest.mark.timeout(3600)  # six training runs of about two minutes, one at a time
 def test_codecs_within_one_point_on_mnist1d(tmp_path):
     out = tmp_path / "demo.json"
     cli.main(["demo", "--out", str(out), "--timeout", "900"])

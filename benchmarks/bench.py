@@ -1,0 +1,245 @@
+"""``hvd-compress bench``: gradient exchange on a bandwidth-limited network, one Horovod worker
+per network namespace, every link shaped with ``tc tbf`` (``benchmarks.network``).
+
+    hvd-compress bench                 # the whole matrix (make bench), under 20 minutes
+    hvd-compress bench --workers 2 --rates 100M --models cnn --steps 3 --no-accuracy
+
+For each number of workers N the driver builds the test network, starts one Horovod job
+(``benchmarks.worker`` on every rank) and changes the link rate whenever rank 0 asks for it.
+Per model, N, rate and method it records the median step time, the local compute time, the
+time blocked waiting for Horovod, bytes handed to the collectives, the cost model's bytes on
+the network, the bytes the interfaces counted, and the same collectives replayed bare. It
+writes ``bench.json``, ``bench.md`` (the tables) and PNG plots to ``--out``.
+
+Without root (or without network namespaces) it falls back to localhost, unshaped, and says
+so: the harness still runs, but the times are not those of a limited link.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import threading
+
+from tqdm import tqdm
+
+from . import network, plots, report
+from .job import HorovodJob, LocalHosts, NamespacedHosts
+from .methods import METHODS
+from .models import MODELS
+from .worker import EVENT
+
+DEFAULT_WORKERS = (2, 4)
+DEFAULT_RATES = ("10G", "1G", "100M")
+DEFAULT_METHODS = tuple(METHODS)
+ACCURACY_METHODS = ("hvd-none", "hvd-fp16", "terngrad", "qsgd-inf", "ef-sign", "ddp-powersgd")
+LOCALHOST = "localhost"
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def timed_steps(model, rate):
+    """Timed steps per configuration, sized so that the default matrix fits in 20 minutes
+    on 2 cores: the 25M-parameter model's uncompressed step takes ~12 s at 100 Mbit/s."""
+    if model == "cnn":
+        return 20
+    return 3 if rate == LOCALHOST or network.parse_rate(rate) < 1e9 else 5
+
+
+def _list(kind, choices=None, convert=str):
+    def parse(text):
+        items = [convert(item) for item in text.split(",") if item]
+        unknown = [item for item in items if choices is not None and item not in choices]
+        if not items or unknown:
+            raise argparse.ArgumentTypeError(
+                f"{kind} must be a comma-separated list of {', '.join(map(str, choices))}"
+                if choices else f"{kind} must be a comma-separated list")
+        return items
+    return parse
+
+
+def _rates(text):
+    rates = _list("rates")(text)
+    for rate in rates:
+        try:
+            network.parse_rate(rate)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    # Fastest first: models are built and warmed up at the first rate of each method.
+    return sorted(rates, key=network.parse_rate, reverse=True)
+
+
+def _workers(text):
+    try:
+        workers = [int(item) for item in text.split(",")]
+    except ValueError:
+        workers = []
+    if not workers or min(workers) < 2:
+        raise argparse.ArgumentTypeError(f"--workers takes numbers >= 2 such as 2,4; got {text!r}")
+    return workers
+
+
+def add_arguments(parser):
+    parser.add_argument("--workers", type=_workers, default=list(DEFAULT_WORKERS),
+                        help="numbers of workers N (default 2,4)")
+    parser.add_argument("--rates", type=_rates, default=list(DEFAULT_RATES),
+                        help="link rates, both directions (default 10G,1G,100M)")
+    parser.add_argument("--models", type=_list("--models", MODELS), default=list(MODELS),
+                        help=f"models (default {','.join(MODELS)})")
+    parser.add_argument("--methods", type=_list("--methods", METHODS),
+                        default=list(DEFAULT_METHODS),
+                        help=f"methods (default {','.join(DEFAULT_METHODS)})")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per configuration (default: 20 for cnn; 3 below "
+                             "1 Gbit/s and 5 from 1 Gbit/s for resnet50)")
+    parser.add_argument("--bare-repeats", type=int, default=2,
+                        help="replays of the bare collectives per configuration (default 2)")
+    parser.add_argument("--accuracy-methods", type=_list("--accuracy-methods", METHODS),
+                        default=list(ACCURACY_METHODS), help="methods of the MNIST-1D "
+                        f"accuracy-against-time run (default {','.join(ACCURACY_METHODS)})")
+    parser.add_argument("--accuracy-workers", type=int, default=4)
+    parser.add_argument("--accuracy-rate", default="100M")
+    parser.add_argument("--accuracy-steps", type=int, default=400,
+                        help="training steps of each accuracy run (default 400; the demo's "
+                             "lr 0.1, momentum 0.9, cosine, global batch 100)")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy runs")
+    parser.add_argument("--localhost", action="store_true",
+                        help="run on localhost without namespaces or shaping")
+    parser.add_argument("--timeout", type=float, default=1500,
+                        help="seconds per Horovod job, after which it is killed (default 1500)")
+    parser.add_argument("--out", default=OUT, help=f"output directory (default {OUT})")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _spec(args, rates):
+    accuracy_rate = args.accuracy_rate if rates != [LOCALHOST] else LOCALHOST
+    accuracy = {"workers": 0 if args.no_accuracy else args.accuracy_workers,
+                "methods": [] if args.no_accuracy else args.accuracy_methods,
+                "rate": accuracy_rate, "steps": args.accuracy_steps,
+                "every": max(1, args.accuracy_steps // 10), "lr": 0.1}
+    return {
+        "models": args.models, "methods": args.methods, "rates": rates, "seed": args.seed,
+        "steps": {m: {r: args.steps or timed_steps(m, r) for r in rates + [accuracy_rate]}
+                  for m in args.models},
+        "compute_steps": {m: args.steps or timed_steps(m, rates[-1]) for m in args.models},
+        "bare_repeats": args.bare_repeats, "accuracy": accuracy,
+    }
+
+
+def _units(spec, workers):
+    """Events that advance the progress bar in one job."""
+    per_model = 1 + len(spec["rates"]) + len(spec["methods"]) * len(spec["rates"])
+    accuracy = len(spec["accuracy"]["methods"]) if workers == spec["accuracy"]["workers"] else 0
+    return 1 + len(spec["models"]) * per_model + accuracy  # 1: the idle traffic
+
+
+def run_job(hosts, spec, timeout, shape, progress, events):
+    """Runs one benchmark job on ``hosts``; ``shape(rate)`` sets the links' rate."""
+    with tempfile.TemporaryDirectory(prefix="hvdc-bench-") as workdir:
+        spec_path = os.path.join(workdir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        log_path = os.path.join(workdir, "workers.log")
+        env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout))}
+        with open(log_path, "w") as log, HorovodJob(
+                hosts, [sys.executable, "-m", "benchmarks.worker", spec_path], env=env,
+                rank0_pipes=True, log=log) as job:
+            outcome = {}
+            monitor = threading.Thread(target=_wait, args=(job, timeout, outcome), daemon=True)
+            monitor.start()
+            done = False
+            for line in job.rank0.stdout:
+                if not line.startswith(EVENT):
+                    log.write(line)
+                    continue
+                event = json.loads(line[len(EVENT):])
+                if event["kind"] == "shape":
+                    shape(event["rate"])
+                    job.rank0.stdin.write("\n")
+                    job.rank0.stdin.flush()
+                    continue
+                done = event["kind"] == "done"
+                events.append(event)
+                progress.set_postfix_str(_describe(event), refresh=False)
+                progress.update(0 if done else 1)
+            monitor.join()
+        if "error" in outcome or outcome.get("code") or not done:
+            with open(log_path) as f:
+                tail = f.read()[-4000:]
+            reason = outcome.get("error") or f"exit code {outcome.get('code')}"
+            raise RuntimeError(f"benchmark job on {hosts.workers} workers failed ({reason}); "
+                               f"worker output:\n{tail}")
+
+
+def _wait(job, timeout, outcome):
+    try:
+        outcome["code"] = job.wait(timeout)
+    except TimeoutError as error:
+        outcome["error"] = str(error)
+
+
+def _describe(event):
+    return " ".join(str(event[key]) for key in ("workers", "model", "method", "exchange", "rate")
+                    if key in event)
+
+
+def _machine():
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    return {"cpus": os.cpu_count(), "load_average_1_5_15": [float(x) for x in load],
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def bench(args):
+    reason = "--localhost given" if args.localhost else network.unavailable_reason()
+    rates = args.rates if reason is None else [LOCALHOST]
+    if reason is not None:
+        print(f"bench: network namespaces unavailable ({reason}); falling back to localhost: "
+              f"links are NOT shaped and interface counters are not recorded", flush=True)
+    spec = _spec(args, rates)
+    events = []
+    result = {"arguments": vars(args),
+              "network": "namespaces, tc tbf" if reason is None else f"localhost ({reason})",
+              "machine": {"before": _machine()}, "spec": spec, "events": events}
+    total = sum(_units(spec, n) for n in args.workers)
+    try:
+        with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
+            for workers in args.workers:
+                if reason is None:
+                    with network.TestNetwork(workers) as net:
+                        run_job(NamespacedHosts(net), spec, args.timeout, net.shape, progress,
+                                events)
+                else:
+                    run_job(LocalHosts(workers), spec, args.timeout, lambda rate: None,
+                            progress, events)
+    finally:
+        # Also after a failed job: a long matrix keeps what it measured.
+        tables = write(result, args.out)
+    print(tables)
+    for path in plots.write_all(result, args.out):
+        print(f"wrote {os.path.relpath(path)}")
+    return result
+
+
+def write(result, out):
+    """Writes ``bench.json`` and ``bench.md`` (returned) of the events so far."""
+    result["machine"]["after"] = _machine()
+    result["rows"] = report.rows(result["events"])
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    tables = report.markdown(result)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(tables)
+    return tables
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="hvd-compress bench",
+                                     description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The ways of averaging gradients that the benchmark compares, each as a ``Trainer``.
+
+=================  =========================================================================
+``hvd-none``       Horovod's own ``DistributedOptimizer``, uncompressed fp32 allreduce
+``hvd-fp16``       the same with ``hvd.Compression.fp16``
+``terngrad``       ``hvd_compress.pt.DistributedOptimizer``, TernGrad (paper defaults)
+``qsgd-inf``       the same, QSGD with max-norm scaling, 4 bits, buckets of 512
+``ef-sign``        the same, dist-EF-blockSGD's scaled sign with worker and server error
+                   feedback (worker momentum, since the optimizer is SGD with momentum)
+``ddp``            PyTorch ``DistributedDataParallel`` over Gloo, fp32 allreduce
+``ddp-fp16``       DDP with its ``fp16_compress_hook``
+``ddp-powersgd``   DDP with its ``powerSGD_hook`` (rank 2, error feedback, warm start)
+=================  =========================================================================
+
+Every trainer takes the same SGD step on the same model and reports the bytes it handed to
+the collectives in its last step (``handed``) and the bytes the cost model says a worker
+puts on the network for them (``sent``, ``hvd_compress.cost``).
+"""
+import horovod.torch as hvd
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import hvd_compress.pt as hc
+from hvd_compress import cost
+from hvd_compress.pt.pipeline import UNCOMPRESSED
+from hvd_compress.registry import resolve
+
+MOMENTUM = 0.9
+# PowerSGD (Vogels et al., NeurIPS 2019): rank r = 2 matched full-precision accuracy on
+# ResNet-18/CIFAR-10 in the paper. torch's hook needs at least two uncompressed steps
+# before it starts when error feedback is on; the warm-up steps cover them.
+POWERSGD_RANK = 2
+POWERSGD_START = 2
+
+
+class Trainer:
+    """One SGD step at a time with gradients averaged over all workers."""
+
+    # Untimed steps before measuring: allocations, Horovod's response cache, and
+    # PowerSGD's uncompressed start.
+    warmup_steps = 2
+
+    def __init__(self, model, optimizer, world_size):
+        self.model, self.optimizer, self.world_size = model, optimizer, world_size
+
+    @property
+    def module(self):
+        """The trained network (without a DDP wrapper), for evaluation."""
+        return self.model
+
+    def step(self, inputs, targets):
+        self.optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self.model(inputs), targets)
+        loss.backward()
+        self.optimizer.step()
+
+    def handed(self):
+        """Bytes handed to the collectives in the last step, per worker."""
+        raise NotImplementedError
+
+    def sent(self):
+        """Bytes a worker puts on the network per step for them (``hvd_compress.cost``)."""
+        return cost.allreduce_traffic(self.handed(), self.world_size).sent
+
+
+def sgd(model, lr):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+
+
+def _gradient_bytes(model, itemsize):
+    return sum(p.numel() for p in model.parameters()) * itemsize
+
+
+class HorovodTrainer(Trainer):
+    """``horovod.torch.DistributedOptimizer`` with one of Horovod's compressors."""
+
+    def __init__(self, model, world_size, lr, compression):
+        optimizer = hvd.DistributedOptimizer(sgd(model, lr), model.named_parameters(),
+                                             compression=compression)
+        super().__init__(model, optimizer, world_size)
+        self.itemsize = 2 if compression is hvd.Compression.fp16 else 4
+
+    def handed(self):
+        return _gradient_bytes(self.model, self.itemsize)
+
+
+class CodecTrainer(Trainer):
+    """``hvd_compress.pt.DistributedOptimizer`` with a codec of the registry."""
+
+    def __init__(self, model, world_size, lr, codec):
+        optimizer = hc.DistributedOptimizer(sgd(model, lr), model.named_parameters(),
+                                            compression=codec)
+        super().__init__(model, optimizer, world_size)
+        self.codec = resolve(codec, hc.CODECS)
+
+    def handed(self):
+        return self.optimizer.compression_stats()["bytes_handed"]
+
+    def sent(self):
+        total = 0.0
+        for _, numel, exchange, _ in self.optimizer.compression_stats()["tensors"]:
+            if exchange == UNCOMPRESSED:
+                total += cost.uncompressed_traffic(numel, self.world_size).sent
+            else:
+                total += cost.compressed_traffic(self.codec, numel, self.world_size,
+                                                 exchange).sent
+        return total
+
+
+class DDPTrainer(Trainer):
+    """PyTorch ``DistributedDataParallel`` over the default (Gloo) process group, with a
+    communication hook (None: DDP's own fp32 allreduce)."""
+
+    def __init__(self, model, world_size, lr, hook=None, state=None, itemsize=4):
+        wrapped = DistributedDataParallel(model)
+        if hook is not None:
+            wrapped.register_comm_hook(state, hook)
+        super().__init__(wrapped, sgd(model, lr), world_size)
+        self.itemsize = itemsize
+
+    @property
+    def module(self):
+        return self.model.module
+
+    def handed(self):
+        return _gradient_bytes(self.module, self.itemsize)
+
+
+class PowerSGDTrainer(DDPTrainer):
+    """DDP with PowerSGD; the bytes come from the hook's own count of the elements it
+    allreduces (P and Q factors, and the tensors it leaves uncompressed)."""
+
+    warmup_steps = POWERSGD_START + 1
+
+    def __init__(self, model, world_size, lr):
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=POWERSGD_START)
+        super().__init__(model, world_size, lr, powerSGD_hook.powerSGD_hook, self.state)
+        self._counted = 0
+        self._last = 0
+
+    def step(self, inputs, targets):
+        super().step(inputs, targets)
+        total = self.state.total_numel_after_compression
+        self._last, self._counted = total - self._counted, total
+
+    def handed(self):
+        if self.state.iter <= POWERSGD_START:
+            return _gradient_bytes(self.module, 4)  # still allreducing whole gradients
+        return 4 * self._last
+
+
+METHODS = {
+    "hvd-none": lambda model, n, lr: HorovodTrainer(model, n, lr, hvd.Compression.none),
+    "hvd-fp16": lambda model, n, lr: HorovodTrainer(model, n, lr, hvd.Compression.fp16),
+    "terngrad": lambda model, n, lr: CodecTrainer(model, n, lr, "terngrad"),
+    "qsgd-inf": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf"),
+    "ef-sign": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign"),
+    "ddp": lambda model, n, lr: DDPTrainer(model, n, lr),
+    "ddp-fp16": lambda model, n, lr: DDPTrainer(model, n, lr, default_hooks.fp16_compress_hook,
+                                                itemsize=2),
+    "ddp-powersgd": lambda model, n, lr: PowerSGDTrainer(model, n, lr),
+}
+# The exchanges of hvd_compress, whose codec time the probe can separate from waiting.
+CODEC_METHODS = ("terngrad", "qsgd-inf", "ef-sign")
+
+
+def needs_ddp(methods):
+    return any(name.startswith("ddp") for name in methods)
+
+
+def init_ddp():
+    """Joins the Gloo process group of the DDP baselines (``MASTER_ADDR`` and
+    ``MASTER_PORT`` come from the job, on rank 0's address)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())

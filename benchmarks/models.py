@@ -1,0 +1,125 @@
+"""The benchmark's models and their batches.
+
+``cnn``: the MNIST-1D CNN of ``examples/mnist1d_torch.py`` (208K parameters) on MNIST-1D,
+global batch 100 as in the demo. ``resnet50``: a synthetic model with exactly the parameter
+tensors of torchvision's ResNet-50 (161 tensors, 25,557,032 parameters, same sizes, same
+order), for communication-bound timing without paying for convolutions on a 2-core CPU:
+each convolution becomes a matrix of shape (out, in x k x k) applied to a slice of the
+input, followed by its batch-norm scale and shift, and the outputs are summed into the 2048
+features the classifier reads.
+"""
+import dataclasses
+
+import torch
+from torch import nn
+
+from examples.mnist1d_torch import CNN
+from hvd_compress.datasets import load_mnist1d
+
+# (planes, blocks) of ResNet-50's four stages of bottleneck blocks; a bottleneck widens its
+# planes EXPANSION times.
+RESNET50_STAGES = ((64, 3), (128, 4), (256, 6), (512, 3))
+EXPANSION = 4
+FEATURES = 2048
+CLASSES = 1000
+
+
+def resnet50_convolutions():
+    """(out, in, k) of every convolution of ResNet-50 in torchvision's parameter order
+    (per bottleneck: conv1, conv2, conv3, then the downsampling convolution of the first)."""
+    convolutions = [(64, 3, 7)]
+    inplanes = 64
+    for planes, blocks in RESNET50_STAGES:
+        for block in range(blocks):
+            convolutions += [(planes, inplanes, 1), (planes, planes, 3),
+                             (planes * EXPANSION, planes, 1)]
+            if block == 0:
+                convolutions.append((planes * EXPANSION, inplanes, 1))
+            inplanes = planes * EXPANSION
+    return convolutions
+
+
+# The widest convolution's fan-in (512 x 3 x 3): every convolution reads a slice of it.
+RESNET50_INPUTS = max(inplanes * k * k for _, inplanes, k in resnet50_convolutions())
+
+
+class ConvAsMatrix(nn.Module):
+    """A convolution's weight as an (out, in x k x k) matrix, then batch norm's affine."""
+
+    def __init__(self, out_channels, in_channels, kernel):
+        super().__init__()
+        self.fan_in = in_channels * kernel * kernel
+        self.weight = nn.Parameter(torch.randn(out_channels, self.fan_in) / self.fan_in ** 0.5)
+        self.bn_weight = nn.Parameter(torch.ones(out_channels))
+        self.bn_bias = nn.Parameter(torch.zeros(out_channels))
+
+    def forward(self, x):
+        return x[:, :self.fan_in] @ self.weight.t() * self.bn_weight + self.bn_bias
+
+
+class SyntheticResNet50(nn.Module):
+    """ResNet-50's parameter tensors (see the module docstring); input (batch,
+    RESNET50_INPUTS)."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(ConvAsMatrix(*c) for c in resnet50_convolutions())
+        self.fc = nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x):
+        features = x.new_zeros(x.shape[0], FEATURES)
+        for conv in self.convs:
+            out = conv(x)
+            features = features + nn.functional.pad(out, (0, FEATURES - out.shape[1]))
+        return self.fc(torch.relu(features))
+
+
+@dataclasses.dataclass
+class Workload:
+    """A model factory and where its batches come from, for one rank."""
+    name: str
+    build: object            # () -> nn.Module, the same weights on every rank
+    local_batch: int
+    inputs: torch.Tensor     # this rank's training inputs
+    targets: torch.Tensor
+    test_inputs: torch.Tensor = None
+    test_targets: torch.Tensor = None
+
+    def batches(self, seed):
+        """Endless random batches of this rank's data."""
+        generator = torch.Generator().manual_seed(seed)
+        while True:
+            index = torch.randint(len(self.inputs), (self.local_batch,), generator=generator)
+            yield self.inputs[index], self.targets[index]
+
+
+def _seeded(factory, seed):
+    def build():
+        torch.manual_seed(seed)
+        return factory()
+    return build
+
+
+# Per-worker batch of the synthetic model: enough arithmetic for the compute to be measurable
+# (about 1.2 GFLOP per step), little enough that the 100 Mbit/s steps stay communication-bound.
+RESNET50_LOCAL_BATCH = 8
+CNN_GLOBAL_BATCH = 100
+
+
+def workload(name, rank, world_size, seed=0):
+    """The ``Workload`` called ``name`` (``cnn`` or ``resnet50``) for ``rank``."""
+    if name == "cnn":
+        x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_mnist1d())
+        # Each worker trains on its own shard of the training set, as in the example.
+        return Workload(name, _seeded(CNN, seed), CNN_GLOBAL_BATCH // world_size,
+                        x_train[rank::world_size], y_train[rank::world_size], x_test, y_test)
+    if name == "resnet50":
+        generator = torch.Generator().manual_seed(seed * 1000 + rank)
+        inputs = torch.randn(4 * RESNET50_LOCAL_BATCH, RESNET50_INPUTS, generator=generator)
+        targets = torch.randint(CLASSES, (len(inputs),), generator=generator)
+        return Workload(name, _seeded(SyntheticResNet50, seed), RESNET50_LOCAL_BATCH,
+                        inputs, targets)
+    raise ValueError(f"model must be 'cnn' or 'resnet50', got {name!r}")
+
+
+MODELS = ("cnn", "resnet50")

@@ -1,0 +1,160 @@
+"""From the workers' raw measurements to the benchmark's rows and Markdown tables.
+
+Per model, N, link rate and method (one row):
+
+- ``communication`` = step - compute: everything the exchange adds to a step (encode,
+  collectives, decode), with ``compute`` the same step with no exchange at all.
+- ``codec`` (hvd_compress codecs only) = step - compute - time blocked in
+  ``hvd.synchronize``: the codec's own work (scales, random draws, encode, pack, unpack,
+  decode, the server's second compression) on the main thread.
+- ``predicted`` = compute + codec + sent x 8 / rate: the cost model's step time, with
+  ``sent`` the bytes ``hvd_compress.cost`` says a worker puts on the network.
+- ``wire_over_sent``: bytes the worker's interface transmitted per step over ``sent``; and
+  ``unexplained``, the same after removing Horovod's control messages (the idle rate the
+  interface showed before the measurements, times the step time).
+- ``comm_speedup`` = communication of ``hvd-none`` / communication of the method, against
+  ``ceiling`` = Horovod's bare fp32 allreduce of the gradients / the method's own
+  collectives replayed bare (same sizes, no encode or decode): ``of_ceiling`` is the
+  fraction of the bare collectives' speed-up the method reaches.
+"""
+from .network import parse_rate
+
+BASELINE, FP16_BASELINE = "hvd-none", "hvd-fp16"
+# Horovod's own exchanges are exactly these bare collectives.
+HOROVOD_BARE = {BASELINE: "fp32 allreduce", FP16_BASELINE: "fp16 allreduce"}
+
+
+def _rate_bits(rate):
+    try:
+        return parse_rate(rate)
+    except ValueError:
+        return None  # localhost: unshaped
+
+
+def _ratio(numerator, denominator):
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def rows(events):
+    compute = {(e["workers"], e["model"]): e["seconds"] for e in events if e["kind"] == "compute"}
+    idle = {e["workers"]: e["tx_per_second"] for e in events if e["kind"] == "idle"}
+    bare = {(e["workers"], e["model"], e["rate"]): e["exchanges"]
+            for e in events if e["kind"] == "bare"}
+    steps = {(e["workers"], e["model"], e["rate"], e["method"]): e
+             for e in events if e["kind"] == "step"}
+    result = []
+    for (workers, model, rate, method), e in steps.items():
+        c = compute[workers, model]
+        bits = _rate_bits(rate)
+        codec = e["seconds"] - c - e["wait_seconds"] if "wait_seconds" in e else None
+        base = steps.get((workers, model, rate, BASELINE))
+        fp16 = steps.get((workers, model, rate, FP16_BASELINE))
+        exchanges = bare.get((workers, model, rate), {})
+        own_bare = e.get("bare_seconds",
+                         exchanges.get(HOROVOD_BARE.get(method), {}).get("seconds"))
+        control = idle[workers] * e["seconds"] if idle.get(workers) is not None else None
+        row = {
+            "workers": workers, "model": model, "rate": rate, "method": method,
+            "seconds": e["seconds"], "compute": c, "communication": e["seconds"] - c,
+            "codec": codec, "wait": e.get("wait_seconds"),
+            "handed": e["handed"], "sent": e["sent"], "wire_tx": e["wire_tx"],
+            "wire_over_sent": _ratio(e["wire_tx"], e["sent"]),
+            "control": control,
+            "unexplained": _ratio(e["wire_tx"] - control, e["sent"]) - 1
+            if control is not None else None,
+            "predicted": c + (codec or 0.0) + e["sent"] * 8 / bits if bits else None,
+            "speedup": _ratio(base and base["seconds"], e["seconds"]),
+            "speedup_fp16": _ratio(fp16 and fp16["seconds"], e["seconds"]),
+            "comm_speedup": _ratio(base and base["seconds"] - c, e["seconds"] - c),
+            "ceiling": _ratio(exchanges.get("fp32 allreduce", {}).get("seconds"), own_bare),
+            "bare": own_bare,
+        }
+        row["of_ceiling"] = _ratio(row["comm_speedup"], row["ceiling"])
+        result.append(row)
+    return result
+
+
+def _ms(seconds):
+    return "-" if seconds is None else f"{1000 * seconds:,.0f}" if seconds >= 0.1 \
+        else f"{1000 * seconds:.1f}"
+
+
+def _mb(nbytes):
+    return "-" if nbytes is None else f"{nbytes / 1e6:,.2f}"
+
+
+def _x(ratio):
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _pct(fraction):
+    return "-" if fraction is None else f"{100 * fraction:+.1f}%"
+
+
+def _table(header, lines):
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+                     ["| " + " | ".join(map(str, line)) + " |" for line in lines])
+
+
+def _order(rows):
+    return sorted(rows, key=lambda r: (r["model"], r["workers"], -(_rate_bits(r["rate"]) or 0)))
+
+
+def markdown(result):
+    """The tables of the README: times, bytes, ceilings, bare collectives, accuracy."""
+    rows = _order(result["rows"])
+    machine = result["machine"]
+    parts = [f"Network: {result['network']}; {machine['before']['cpus']} CPUs, load average "
+             f"(1, 5, 15 min) {machine['before']['load_average_1_5_15']} before and "
+             f"{machine['after']['load_average_1_5_15']} after, {machine['before']['date']}."]
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        parts.append(f"\n### {model}: step time (ms) and speed-up\n")
+        parts.append(_table(
+            ["N", "rate", "method", "step", "predicted", "compute", "communication", "codec",
+             "vs hvd-none", "vs hvd-fp16"],
+            [[r["workers"], r["rate"], r["method"], _ms(r["seconds"]), _ms(r["predicted"]),
+              _ms(r["compute"]), _ms(r["communication"]), _ms(r["codec"]), _x(r["speedup"]),
+              _x(r["speedup_fp16"])] for r in mine]))
+        parts.append(f"\n### {model}: bytes per worker per step (MB)\n")
+        parts.append(_table(
+            ["N", "rate", "method", "handed", "sent (cost model)", "wire tx", "wire / sent",
+             "control msgs", "unexplained"],
+            [[r["workers"], r["rate"], r["method"], _mb(r["handed"]), _mb(r["sent"]),
+              _mb(r["wire_tx"]), _x(r["wire_over_sent"]), _mb(r["control"]),
+              _pct(r["unexplained"])] for r in mine]))
+        parts.append(f"\n### {model}: exchange speed-up against the bare collectives\n")
+        parts.append(_table(
+            ["N", "rate", "method", "communication", "bare collectives", "speed-up",
+             "bare speed-up", "of bare"],
+            [[r["workers"], r["rate"], r["method"], _ms(r["communication"]), _ms(r["bare"]),
+              _x(r["comm_speedup"]), _x(r["ceiling"]), _x(r["of_ceiling"])]
+             for r in mine if r["ceiling"] is not None]))
+    bare = [e for e in result["events"] if e["kind"] == "bare"]
+    if bare:
+        parts.append("\n### Horovod's bare collectives (whole model, no encode or decode)\n")
+        lines = []
+        for e in sorted(bare, key=lambda e: (e["model"], e["workers"],
+                                             -(_rate_bits(e["rate"]) or 0))):
+            fp32 = e["exchanges"]["fp32 allreduce"]["seconds"]
+            bits = _rate_bits(e["rate"])
+            for name, m in e["exchanges"].items():
+                throughput = m["sent"] * 8 / m["seconds"]
+                lines.append([e["model"], e["workers"], e["rate"], name, _mb(m["sent"]),
+                              _ms(m["seconds"]), f"{throughput / 1e6:,.0f}",
+                              f"{100 * throughput / bits:.0f}%" if bits else "-",
+                              _x(fp32 / m["seconds"])])
+        parts.append(_table(["model", "N", "rate", "exchange", "sent MB", "ms",
+                             "Mbit/s", "of link", "vs fp32"], lines))
+    curves = [e for e in result["events"] if e["kind"] == "accuracy"]
+    if curves:
+        e0 = curves[0]
+        parts.append(f"\n### MNIST-1D CNN: test accuracy against training time "
+                     f"(N = {e0['workers']}, {e0['rate']}, {e0['points'][-1][1]} steps)\n")
+        parts.append(_table(["method", "final accuracy", "training time (s)",
+                             "best accuracy"],
+                            [[e["method"], f"{100 * e['points'][-1][2]:.1f}%",
+                              f"{e['points'][-1][0]:.1f}",
+                              f"{100 * max(p[2] for p in e['points']):.1f}%"]
+                             for e in curves]))
+    return "\n".join(parts) + "\n"

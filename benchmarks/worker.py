@@ -1,0 +1,198 @@
+"""The program every rank of a benchmark job runs: ``python -m benchmarks.worker SPEC``.
+
+``SPEC`` is the JSON the driver (``benchmarks.bench``) writes: models, methods, link rates,
+step counts. For each model the ranks measure the local compute (forward, backward and SGD
+step with no exchange), replay Horovod's bare collectives at every rate, then run every
+method at every rate: warm-up steps at the first (fastest) rate, then timed steps after the
+driver reshaped the links. Rank 0 reports each measurement to the driver as one line
+``@@bench {json}`` on its standard output; to change the link rate it prints a ``shape``
+event and waits for the driver's reply on its standard input, and every rank waits for it
+at a barrier. Optionally, the MNIST-1D CNN is then trained with each method at one rate,
+recording test accuracy against training time.
+"""
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+
+from .collectives import HorovodProbe, allreduce_of, reference_ceilings, replay
+from .methods import CODEC_METHODS, METHODS, Trainer, init_ddp, needs_ddp, sgd
+from .models import workload
+
+EVENT = "@@bench "
+# Learning rate of the timed steps (what is measured does not depend on it).
+TIMING_LR = 0.01
+# Seconds of idle traffic counted to measure Horovod's control messages.
+IDLE_SECONDS = 2.0
+
+
+class Driver:
+    """Rank 0's line to the driver process; the other ranks only join the barriers."""
+
+    def __init__(self):
+        self.rank0 = hvd.rank() == 0
+        self.barriers = 0
+
+    def emit(self, kind, **fields):
+        if self.rank0:
+            print(EVENT + json.dumps(dict(kind=kind, workers=hvd.size(), **fields)),
+                  flush=True)
+
+    def shape(self, rate):
+        """Has the driver set every link to ``rate``; returns when all ranks know it."""
+        if self.rank0:
+            self.emit("shape", rate=rate)
+            if not sys.stdin.readline():
+                raise RuntimeError("the benchmark driver closed its pipe to rank 0")
+        self.barrier()
+
+    def barrier(self):
+        self.barriers += 1
+        hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{self.barriers}")
+
+
+def interface_bytes(interface):
+    """(transmitted, received) bytes counted by this namespace's ``interface``; None on the
+    loopback, whose counters include every other process of the machine."""
+    if interface in (None, "lo"):
+        return None
+    base = f"/sys/class/net/{interface}/statistics"
+    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+        return int(tx.read()), int(rx.read())
+
+
+def _difference(after, before, steps):
+    if after is None:
+        return None, None
+    return (after[0] - before[0]) / steps, (after[1] - before[1]) / steps
+
+
+def _timed_steps(trainer, batches, steps):
+    seconds = []
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        start = time.perf_counter()
+        trainer.step(inputs, targets)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def measure_compute(driver, work, batches, steps):
+    model = work.build()
+    trainer = Trainer(model, sgd(model, TIMING_LR), hvd.size())  # no exchange at all
+    _timed_steps(trainer, batches, 2)
+    driver.barrier()
+    seconds = _timed_steps(trainer, batches, steps)
+    driver.emit("compute", model=work.name, seconds=statistics.median(seconds))
+
+
+def measure_bare(driver, work, rates, repeats):
+    """Horovod's bare collectives for the whole model at every rate."""
+    model = work.build()
+    numel = sum(p.numel() for p in model.parameters())
+    exchanges = {"fp32 allreduce": allreduce_of(model, torch.float32),
+                 "fp16 allreduce": allreduce_of(model, torch.float16),
+                 **reference_ceilings(numel, hvd.size())}
+    for rate in rates:
+        driver.shape(rate)
+        measured = {}
+        for name, collectives in exchanges.items():
+            seconds = [replay(collectives, name.replace(" ", "-")) for _ in range(repeats)]
+            measured[name] = {"seconds": statistics.median(seconds),
+                              "sent": sum(c.sent(hvd.size()) for c in collectives)}
+        driver.emit("bare", model=work.name, rate=rate, exchanges=measured)
+
+
+def measure_method(driver, work, batches, method, rates, steps, repeats, interface):
+    """Warm-up at the first rate, then timed steps (and the bare replay of the method's own
+    collectives, for hvd_compress codecs) at every rate."""
+    trainer = None
+    for rate in rates:
+        driver.shape(rate)
+        if trainer is None:
+            trainer = METHODS[method](work.build(), hvd.size(), TIMING_LR)
+            _timed_steps(trainer, batches, trainer.warmup_steps - 1)
+            with HorovodProbe() as probe:
+                _timed_steps(trainer, batches, 1)
+            recorded = probe.collectives if method in CODEC_METHODS else None
+            driver.barrier()
+        count = steps[work.name][str(rate)]
+        before = interface_bytes(interface)
+        with HorovodProbe() as probe:
+            seconds = _timed_steps(trainer, batches, count)
+        tx, rx = _difference(interface_bytes(interface), before, count)
+        result = dict(model=work.name, method=method, rate=rate, step_seconds=seconds,
+                      seconds=statistics.median(seconds), handed=trainer.handed(),
+                      sent=trainer.sent(), wire_tx=tx, wire_rx=rx)
+        if method in CODEC_METHODS:
+            result["wait_seconds"] = probe.wait_seconds / count
+            result["bare_seconds"] = statistics.median(
+                replay(recorded, method) for _ in range(repeats))
+            result["bare_sent"] = sum(c.sent(hvd.size()) for c in recorded)
+        driver.emit("step", **result)
+    del trainer
+    gc.collect()
+
+
+def accuracy_curve(driver, work, method, rate, steps, every, lr):
+    """Trains ``method`` from scratch for ``steps`` (cosine learning rate from ``lr``) and
+    records test accuracy every ``every`` steps against the training time so far."""
+    driver.shape(rate)
+    trainer = METHODS[method](work.build(), hvd.size(), lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(trainer.optimizer, T_max=steps)
+    batches = work.batches(hvd.rank())
+    points, elapsed = [], 0.0
+    for step in range(1, steps + 1):
+        inputs, targets = next(batches)
+        start = time.perf_counter()
+        trainer.step(inputs, targets)
+        schedule.step()
+        elapsed += time.perf_counter() - start
+        if step % every == 0 or step == steps:
+            with torch.no_grad():
+                predictions = trainer.module(work.test_inputs).argmax(1)
+            accuracy = (predictions == work.test_targets).float().mean().item()
+            points.append((elapsed, step, accuracy))
+    driver.emit("accuracy", model=work.name, method=method, rate=rate, lr=lr, points=points)
+
+
+def main(spec_path):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    hvd.init()
+    if needs_ddp(spec["methods"]) or needs_ddp(spec["accuracy"]["methods"]):
+        init_ddp()
+    driver = Driver()
+    interface = os.environ.get("HOROVOD_GLOO_IFACE")
+    driver.barrier()
+    before = interface_bytes(interface)
+    time.sleep(IDLE_SECONDS)
+    tx, rx = _difference(interface_bytes(interface), before, IDLE_SECONDS)
+    driver.emit("idle", tx_per_second=tx, rx_per_second=rx)
+
+    for model in spec["models"]:
+        work = workload(model, hvd.rank(), hvd.size(), spec["seed"])
+        batches = work.batches(spec["seed"] * 1000 + hvd.rank())
+        measure_compute(driver, work, batches, spec["compute_steps"][model])
+        measure_bare(driver, work, spec["rates"], spec["bare_repeats"])
+        for method in spec["methods"]:
+            measure_method(driver, work, batches, method, spec["rates"], spec["steps"],
+                           spec["bare_repeats"], interface)
+
+    accuracy = spec["accuracy"]
+    if hvd.size() == accuracy["workers"]:
+        work = workload("cnn", hvd.rank(), hvd.size(), spec["seed"])
+        for method in accuracy["methods"]:
+            accuracy_curve(driver, work, method, accuracy["rate"], accuracy["steps"],
+                           accuracy["every"], accuracy["lr"])
+            gc.collect()
+    driver.emit("done")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

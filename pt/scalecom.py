@@ -1,0 +1,25 @@
+"""CLT-k in PyTorch ops; the algorithm and its reference are in ``hvd_compress.scalecom``."""
+import torch
+
+from hvd_compress import scalecom as reference
+
+from .codec import Codec
+
+
+class CyclicLocalTopK(reference.CyclicLocalTopK, Codec):
+    __doc__ = reference.CyclicLocalTopK.__doc__
+
+    def compress(self, tensor):
+        raise TypeError(
+            "CyclicLocalTopK cannot run inside Horovod's own DistributedOptimizer: it needs "
+            "the leader's indices and each worker's memory. Use "
+            "hvd_compress.pt.DistributedOptimizer(optimizer, compression='clt-k') instead.")
+
+    def top_k(self, compensated, k):
+        magnitude = compensated.reshape(-1).to(torch.float32).abs()
+        magnitude = torch.where(torch.isnan(magnitude), torch.inf, magnitude)
+        threshold = torch.topk(magnitude, k, sorted=False).values.min()
+        above = magnitude > threshold
+        tied = magnitude == threshold
+        take = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
+        return torch.nonzero(take).reshape(-1).to(torch.int32)

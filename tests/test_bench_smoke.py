@@ -1,0 +1,67 @@
+"""The benchmark harness keeps working: one small configuration of ``hvd-compress bench``
+(2 workers, the MNIST-1D CNN, 100 Mbit/s links, a few steps). Benchmarks are not tests;
+this only checks the harness end to end, on shaped network namespaces when this process may
+create them (root) and on localhost otherwise, which the harness must say."""
+import json
+
+import pytest
+
+from benchmarks import bench, network
+
+pytestmark = pytest.mark.multiprocess
+
+SMOKE = ["--workers", "2", "--rates", "100M", "--models", "cnn",
+         "--methods", "hvd-none,terngrad,ef-sign,ddp-fp16", "--steps", "2",
+         "--bare-repeats", "1", "--accuracy-workers", "2", "--accuracy-steps", "4",
+         "--accuracy-methods", "terngrad", "--timeout", "600"]
+
+
+def _run(tmp_path, capsys, *extra):
+    bench.main(SMOKE + ["--out", str(tmp_path)] + list(extra))
+    with open(tmp_path / "bench.json") as f:
+        return json.load(f), capsys.readouterr().out
+
+
+def _check_results(result, tmp_path):
+    rows = {row["method"]: row for row in result["rows"]}
+    assert set(rows) == {"hvd-none", "terngrad", "ef-sign", "ddp-fp16"}
+    none = rows["hvd-none"]
+    assert none["handed"] == none["sent"] == 832_552  # fp32 allreduce of 208,138 gradients
+    assert rows["ddp-fp16"]["handed"] == none["handed"] // 2
+    for codec in ("terngrad", "ef-sign"):
+        row = rows[codec]
+        assert row["sent"] < none["sent"] / 5
+        # The collectives the probe recorded carry exactly the cost model's bytes.
+        event = next(e for e in result["events"]
+                     if e["kind"] == "step" and e["method"] == codec)
+        assert event["bare_sent"] == pytest.approx(row["sent"])
+        assert row["codec"] is not None and row["wait"] >= 0
+    accuracy = [e for e in result["events"] if e["kind"] == "accuracy"]
+    assert [e["method"] for e in accuracy] == ["terngrad"]
+    assert [p[1] for p in accuracy[0]["points"]] == list(range(1, 5))
+    assert (tmp_path / "bench.md").exists() and (tmp_path / "accuracy.png").exists()
+
+
+@pytest.mark.timeout(900)
+def test_bench_smoke(tmp_path, capsys):
+    reason = network.unavailable_reason()
+    result, out = _run(tmp_path, capsys)
+    _check_results(result, tmp_path)
+    if reason is not None:
+        assert "falling back to localhost" in out and result["network"].startswith("localhost")
+        return
+    assert result["network"] == "namespaces, tc tbf"
+    assert (tmp_path / "speedup.png").exists()
+    for row in result["rows"]:
+        # Every payload byte crossed the shaped interface, with little besides.
+        assert row["sent"] <= row["wire_tx"] <= 3 * row["sent"] + 200_000, row
+
+
+@pytest.mark.timeout(900)
+def test_bench_falls_back_to_localhost(tmp_path, capsys):
+    result, out = _run(tmp_path, capsys, "--localhost", "--methods", "hvd-none,terngrad",
+                       "--no-accuracy")
+    assert "falling back to localhost" in out
+    assert result["network"].startswith("localhost")
+    assert {row["method"] for row in result["rows"]} == {"hvd-none", "terngrad"}
+    assert all(row["wire_tx"] is None for row in result["rows"])
