@@ -80,29 +80,6 @@ def _sum_rows(rows):
     return rows.sum(dim=0, dtype=accumulate)
 
 
-class ServerStep:
-    """The server's half of two-way compression (dist-EF-blockSGD): the averaged messages
-    plus the server residual are compressed again, and what that leaves out is kept.
-
-    Args:
-        memory: the server's ``ErrorFeedback``.
-        key: the residual's name (the tensor's, or its shard's in the sharded exchange).
-        ratio: eta_{t-1} / eta_t for residuals kept in gradient units.
-    """
-
-    def __init__(self, memory, key, ratio=1.0):
-        self.memory, self.key, self.ratio = memory, key, ratio
-
-    def __call__(self, codec, average):
-        """Returns the server message's codes, scales and decoded value."""
-        compensated = self.memory.compensate(self.key, average, self.ratio)
-        scale = codec.local_scale(compensated)
-        codes = codec.encode(compensated, scale, None)
-        sent = codec.decode(codec.values(codes), scale, 1)
-        self.memory.update(self.key, compensated, sent)
-        return codes, scale, sent
-
-
 class _Exchange:
     def __init__(self, codec, numel, world_size, meter, count, server=None):
         self.codec, self.numel, self.world_size = codec, numel, world_size

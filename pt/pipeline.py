@@ -13,8 +13,9 @@ import torch
 
 from hvd_compress import agreement, cost
 from hvd_compress.seeding import stream_seed
+from hvd_compress.server import ServerStep
 
-from .exchange import Meter, ServerStep, make_exchange, make_sparse_exchange
+from .exchange import Meter, make_exchange, make_sparse_exchange
 from .memory import ErrorFeedback
 
 
