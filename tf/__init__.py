@@ -1,1 +1,17 @@
-"""TensorFlow port of hvd_compress (to come: it will mirror ``hvd_compress.pt`` file for file)."""
+"""TensorFlow port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
+``DistributedGradientTape`` and a Keras ``DistributedOptimizer`` that exchange their codes
+through Horovod's TensorFlow collectives."""
+from .blocksign import BlockSign
+from .codec import FP16, Codec, NoneCodec
+from .qsgd import NUQSGD, QSGD, QSGDInf
+from .terngrad import TernGrad
+
+CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
+                                    BlockSign)}
+
+from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
+from .tape import DistributedGradientTape  # noqa: E402  (needs CODECS)
+
+__all__ = ["BlockSign", "CODECS", "Codec", "DistributedGradientTape", "DistributedOptimizer",
+           "FP16", "NUQSGD",
+           "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]

@@ -1,0 +1,127 @@
+"""Trains the MNIST-1D CNN of ``mnist1d_torch.py`` in Keras with ``model.fit``, Horovod and a
+compressed DistributedOptimizer.
+
+    horovodrun -np 2 -H localhost:2 --gloo python examples/mnist1d_keras.py --compression terngrad
+
+Rank 0 prints the test accuracy, the bytes handed to Horovod per worker per step, the
+compression ratio, the median step time and which tensors were compressed; ``--out`` also
+writes them as JSON, with the same keys as ``mnist1d_torch.py``.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import horovod.tensorflow as hvd  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import hvd_compress.tf as hc  # noqa: E402
+from hvd_compress.datasets import load_mnist1d  # noqa: E402
+from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback  # noqa: E402
+
+
+def cnn(channels=64, hidden=256):
+    """The CNN of ``mnist1d_torch.py``, channels last: three convolutions (kernel 5, padding
+    2, strides 1, 2, 2) and two dense layers, 208K parameters."""
+    def conv(stride):
+        return [keras.layers.ZeroPadding1D(2),
+                keras.layers.Conv1D(channels, 5, strides=stride, activation="relu")]
+    return keras.Sequential([keras.Input((40,)), keras.layers.Reshape((40, 1)),
+                             *conv(1), *conv(2), *conv(2), keras.layers.Flatten(),
+                             keras.layers.Dense(hidden, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+class StepRecorder(keras.callbacks.Callback):
+    """Times every step and reads the bytes it handed to Horovod."""
+
+    def __init__(self):
+        super().__init__()
+        self.times, self.handed = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self.start)
+        self.handed.append(self.model.optimizer.compression_stats()["bytes_handed"])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compression", default="terngrad", help="codec name (none, fp16, terngrad)")
+    parser.add_argument("--exchange", default="auto")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="sgd")
+    parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the results of rank 0 as JSON here")
+    args = parser.parse_args(argv)
+
+    hvd.init()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+    keras.utils.set_random_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_mnist1d()
+    # Each worker trains on its own shard of the training set.
+    x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
+    local_batch = args.batch_size // hvd.size()
+    # Batches drawn with replacement, as in mnist1d_torch.py: one epoch of `steps` batches.
+    index = np.random.default_rng(args.seed * 1000 + hvd.rank()).integers(
+        len(x_train), size=args.steps * local_batch)
+
+    # Cosine decay: the quantization noise of compressed gradients matters less as the
+    # learning rate falls, which is where the final accuracy is decided.
+    schedule = keras.optimizers.schedules.CosineDecay(args.lr, decay_steps=args.steps)
+    decay = args.weight_decay or None
+    if args.optimizer == "adam":
+        optimizer = keras.optimizers.Adam(schedule, weight_decay=decay)
+    else:
+        optimizer = keras.optimizers.SGD(schedule, momentum=0.9, weight_decay=decay)
+    optimizer = hc.DistributedOptimizer(optimizer, compression=args.compression,
+                                        exchange=args.exchange, seed=args.seed)
+    model = cnn()
+    model.compile(optimizer=optimizer, jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    recorder = StepRecorder()
+    model.fit(x_train[index], y_train[index], batch_size=local_batch, epochs=1, shuffle=False,
+              verbose=0, callbacks=[BroadcastGlobalVariablesCallback(0), recorder])
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    accuracy = float(np.mean(np.argmax(model.predict(x_test, verbose=0), axis=1) == y_test))
+    train_loss = float(loss(y_train, model.predict(x_train, verbose=0)))
+    stats = optimizer.compression_stats()
+    handed = np.median(recorder.handed)
+    result = {
+        "compression": args.compression, "codec": stats["codec"], "workers": hvd.size(),
+        "steps": args.steps, "test_accuracy": accuracy, "train_loss": train_loss,
+        "bytes_per_step": int(handed),
+        "bytes_uncompressed_per_step": stats["bytes_uncompressed"],
+        "compression_ratio": stats["bytes_uncompressed"] / handed,
+        "median_step_ms": 1000 * statistics.median(recorder.times),
+        "tensors": stats["tensors"],
+    }
+    if hvd.rank() == 0:
+        print(f"{args.compression}: test accuracy {100 * accuracy:.2f}%, "
+              f"train loss {train_loss:.4f}, "
+              f"{result['bytes_per_step']} bytes/step/worker "
+              f"(ratio {result['compression_ratio']:.2f}x), "
+              f"median step {result['median_step_ms']:.2f} ms", flush=True)
+        for name, numel, exchange, reason in stats["tensors"]:
+            print(f"  {name:28s} {numel:8d}  {exchange:26s} {reason}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

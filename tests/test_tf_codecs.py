@@ -1,0 +1,158 @@
+"""The TensorFlow codecs against the numpy reference and the PyTorch port, byte for byte.
+
+TensorFlow runs in a child process (``run_parallel(..., 1)``): this pytest process imports
+``horovod.torch``, and the two Horovod extensions must never share a process, so this module
+imports neither framework at module level (the child imports it too). One child computes
+every case, eagerly and inside ``tf.function``; the comparisons happen here.
+"""
+import numpy as np
+import pytest
+
+import hvd_compress
+from hvd_compress import elias, packing
+from hvd_compress.codes import IntCodes
+
+from .harness import run_parallel
+
+pytestmark = pytest.mark.multiprocess
+
+CODECS = [hvd_compress.NoneCodec(), hvd_compress.FP16(), hvd_compress.TernGrad(),
+          hvd_compress.TernGrad(clip=0), hvd_compress.QSGD(), hvd_compress.QSGDInf(),
+          hvd_compress.QSGD(bits=2, bucket_size=128), hvd_compress.NUQSGD(bucket_size=2048),
+          hvd_compress.NUQSGD(bits=5, bucket_size=100), hvd_compress.NUQSGD(wire="elias"),
+          hvd_compress.QSGDInf(bits=2, bucket_size=128, wire="elias"),
+          hvd_compress.BlockSign(), hvd_compress.BlockSign(max_block_size=100)]
+NUMEL = 10_007
+PACKING = [(numel, bound) for numel in (0, 1, 5, 100_003) for bound in (1, 7, 100, 2048, 40000)]
+
+
+def _inputs(index):
+    rng = np.random.default_rng(index)
+    g = rng.standard_normal(NUMEL).astype(np.float32)
+    g[::97] = 0  # exact zeros: sign(0), and gaps for the Elias coder
+    return g, rng.random(NUMEL).astype(np.float32)
+
+
+def _scale(codec, g):
+    return codec.local_scale(g) if codec.scaled else None
+
+
+def _tf_cases(codecs, packing_cases):
+    """Every codec's local scales, codes, wire bytes, unpacked codes and decoded values in
+    TensorFlow, eager and traced, under the reference's scales and uniforms; and packed
+    rows of every width."""
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+    from hvd_compress.tf import elias as tf_elias
+    from hvd_compress.tf import packing as tf_packing
+
+    def run(codec, g, scale, u):
+        if codec.code_space is None:
+            codes, _ = codec.compress(g)
+            return {"codes": codes}
+        codes = codec.encode(g, scale, u)
+        if codec.wire == "elias":
+            data = tf_elias.encode(codes)
+            unpacked = tf_elias.decode(data, NUMEL)
+        else:
+            data = tf_packing.pack(codes[None], codec.code_space)
+            unpacked = tf_packing.unpack(data, codec.code_space, NUMEL)[0]
+            data = tf.reshape(tf.bitcast(data, tf.uint8) if data.dtype != tf.uint8 else data, [-1])
+        out = {"codes": codes, "data": data, "unpacked": unpacked,
+               "decoded": codec.decode(codec.values(codes)[None] * 2, scale, 2)[0]}
+        if codec.scaled:
+            out["scale"] = codec.local_scale(g)
+        return out
+
+    results = {"codecs": [], "packing": [], "errors": []}
+    misuse = [lambda: htf.TernGrad().compress(tf.zeros(3)),
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="ef-sign",
+                                                  exchange="allreduce"),
+              lambda: htf.DistributedOptimizer(object(), compression="terngrad"),
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="adacomp")]
+    for call in misuse:
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            results["errors"].append(str(error))
+    results["fp16_in_horovods_hook"] = htf.FP16().compress(tf.ones(3))[0].dtype.name
+    for index, reference in enumerate(codecs):
+        codec = hvd_compress.resolve(reference, htf.CODECS)
+        g, u = _inputs(index)
+        scale = _scale(reference, g)
+        arguments = (tf.constant(g), None if scale is None else tf.constant(scale),
+                     tf.constant(u))
+        traced = tf.function(lambda *args, codec=codec: run(codec, *args))
+        results["codecs"].append({
+            mode: {k: v.numpy() for k, v in outputs.items()}
+            for mode, outputs in (("eager", run(codec, *arguments)),
+                                  ("traced", traced(*arguments)))})
+    for numel, bound in packing_cases:
+        space = IntCodes(bound)
+        packed = tf_packing.pack(tf.constant(_rows(numel, bound)), space)
+        results["packing"].append((packed.numpy(), tf_packing.unpack(packed, space, numel).numpy()))
+    return results
+
+
+def _rows(numel, bound):
+    return np.random.default_rng(numel + bound).integers(-bound, bound + 1, (2, numel))
+
+
+@pytest.fixture(scope="module")
+def tf_results():
+    return run_parallel(_tf_cases, 1, CODECS, PACKING, timeout=600)[0]
+
+
+@pytest.mark.parametrize("index", range(len(CODECS)), ids=[repr(c) for c in CODECS])
+def test_payload_bytes_equal_numpy_and_pytorch(tf_results, index):
+    import torch
+
+    import hvd_compress.pt as hc
+    from hvd_compress.pt import elias as pt_elias
+    from hvd_compress.pt import packing as pt_packing
+
+    reference = CODECS[index]
+    port = hvd_compress.resolve(reference, hc.CODECS)
+    g, u = _inputs(index)
+    scale = _scale(reference, g)
+    for mode, got in tf_results["codecs"][index].items():
+        if reference.code_space is None:
+            np.testing.assert_array_equal(got["codes"], g)
+            continue
+        codes = reference.encode(g, scale, u)
+        torch_codes = port.encode(torch.from_numpy(g), None if scale is None else
+                                  torch.from_numpy(scale), torch.from_numpy(u))
+        if reference.wire == "elias":
+            data, torch_data = elias.encode(codes), pt_elias.encode(torch_codes)
+        else:
+            data = packing.pack(codes, reference.code_space) if reference.scaled or \
+                isinstance(reference.code_space, IntCodes) else codes
+            torch_data = pt_packing.pack(torch_codes, reference.code_space)
+        if reference.scaled:
+            np.testing.assert_allclose(got["scale"], scale, rtol=1e-6, err_msg=mode)
+        np.testing.assert_array_equal(got["codes"], codes, err_msg=mode)
+        np.testing.assert_array_equal(torch_codes.numpy(), codes)
+        np.testing.assert_array_equal(got["data"], np.asarray(data).view(np.uint8), err_msg=mode)
+        np.testing.assert_array_equal(got["data"], torch_data.numpy().view(np.uint8))
+        np.testing.assert_array_equal(got["unpacked"], codes, err_msg=mode)
+        want = reference.decode(reference.values(codes) * 2, scale, 2)
+        np.testing.assert_array_equal(got["decoded"], want, err_msg=mode)
+
+
+@pytest.mark.parametrize("case", range(len(PACKING)), ids=[f"{n}x{b}" for n, b in PACKING])
+def test_packing_round_trip_at_every_width(tf_results, case):
+    numel, bound = PACKING[case]
+    packed, unpacked = tf_results["packing"][case]
+    np.testing.assert_array_equal(packed, packing.pack(_rows(numel, bound), IntCodes(bound)))
+    np.testing.assert_array_equal(unpacked, _rows(numel, bound))
+
+
+def test_misuse_errors_say_what_to_do(tf_results):
+    codes, exchange, optimizer, missing = tf_results["errors"]
+    assert "cannot run inside Horovod's own DistributedOptimizer" in codes
+    assert "hvd_compress.tf.DistributedOptimizer(optimizer, compression='terngrad')" in codes
+    assert "ef-sign codes cannot travel by exchange='allreduce'" in exchange
+    assert "optimizer must be a keras.optimizers.Optimizer, got object" in optimizer
+    assert "compression must be one of" in missing and "got 'adacomp'" in missing
+    assert tf_results["fp16_in_horovods_hook"] == "float16"

@@ -1,0 +1,99 @@
+"""Keras 3 ``model.fit`` with ``hvd_compress.tf.DistributedOptimizer`` in real Horovod jobs of
+2 and 4 processes: every rank holds the same weights after every batch, for every codec.
+
+Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
+"""
+import numpy as np
+import pytest
+
+import hvd_compress
+
+from .harness import run_parallel
+
+pytestmark = pytest.mark.multiprocess
+
+SMALL = {"min_size": 1000}
+CODECS = [hvd_compress.NoneCodec(), hvd_compress.FP16(),
+          hvd_compress.TernGrad(min_size=1000, compress_classifier=False),
+          hvd_compress.QSGD(bits=3, bucket_size=700, **SMALL),
+          hvd_compress.QSGDInf(bucket_size=512, **SMALL),
+          hvd_compress.NUQSGD(bucket_size=2048, **SMALL),
+          hvd_compress.NUQSGD(bucket_size=1000, wire="elias", **SMALL),
+          hvd_compress.BlockSign(min_size=0)]
+
+
+def _fit(codecs, batches=3, batch_size=8):
+    """Fits a 3-layer perceptron on this rank's random data, from different initial weights
+    on every rank; records the weights after every batch."""
+    import os
+    import tempfile
+
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+    from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
+
+    hvd.init()
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.weights = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.weights.append(np.concatenate([w.ravel() for w in self.model.get_weights()]))
+
+    runs = []
+    for codec in codecs:
+        keras.utils.set_random_seed(hvd.rank())
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(160, activation="relu"),
+                                  keras.layers.Dense(12, activation="relu"),
+                                  keras.layers.Dense(10)])
+        optimizer = htf.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                             compression=codec)
+        model.compile(optimizer=optimizer, jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        data = np.random.default_rng(100 + hvd.rank())
+        x = data.standard_normal((batches * batch_size, 64)).astype(np.float32)
+        y = data.integers(0, 10, batches * batch_size)
+        recorder = Recorder()
+        history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
+                            callbacks=[BroadcastGlobalVariablesCallback(0),
+                                       MetricAverageCallback(), recorder])
+        stats = optimizer.compression_stats()
+        path = tf.train.Checkpoint(optimizer=optimizer).write(
+            os.path.join(tempfile.mkdtemp(), "checkpoint"))
+        runs.append({"weights": recorder.weights, "loss": history.history["loss"],
+                     "bytes": stats["bytes_handed"], "step": stats["step"],
+                     "expected_bytes": optimizer._hvdc_pipeline.expected_bytes(),
+                     "tensors": stats["tensors"],
+                     "saved": [name for name, _ in tf.train.list_variables(path)]})
+    return runs
+
+
+# Eight models fitted and traced per rank (TensorFlow tracing is slow on 2 cores).
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("world", [2, 4])
+def test_fit_keeps_ranks_identical_after_every_batch(world):
+    per_rank = run_parallel(_fit, world, CODECS, timeout=1100)
+    for codec, results in zip(CODECS, zip(*per_rank)):
+        first = results[0]
+        assert len(first["weights"]) == 3 and first["step"] == 3
+        for other in results[1:]:
+            for batch, (got, want) in enumerate(zip(other["weights"], first["weights"])):
+                np.testing.assert_array_equal(got, want, err_msg=f"{codec!r}, batch {batch}")
+            assert other["loss"] == first["loss"]  # averaged by MetricAverageCallback
+        assert not np.array_equal(first["weights"][0], first["weights"][-1])
+        tensors = {name: reason for name, _, _, reason in first["tensors"]}
+        compressed = [name for name, reason in tensors.items() if reason == "compressed"]
+        if codec.code_space is not None:
+            assert any(name.endswith("/kernel") for name in compressed), tensors
+        if codec.wire == "fixed":
+            assert all(r["bytes"] == r["expected_bytes"] for r in results)
+        saved = " ".join(first["saved"])
+        assert "optimizer/_hvdc_pipeline/step" in saved
+        if codec.two_way:
+            assert "_hvdc_pipeline/server_memory/residuals" in saved
+            assert "_hvdc_pipeline/worker_memory/residuals" in saved

@@ -1,0 +1,233 @@
+"""How one tensor's codes cross the network, built only from Horovod's TensorFlow collectives.
+
+Mirrors ``hvd_compress.pt.exchange``. Every exchange delivers the same decoded gradient to
+every rank. Where the PyTorch port splits each exchange into ``start`` / ``advance`` /
+``finish`` around Horovod's handles, here an exchange is one call that builds its collectives
+as TensorFlow ops: inside a ``tf.function`` the executor runs the collectives of all tensors
+concurrently as their inputs become ready (Horovod's ops are asynchronous kernels, matched
+across ranks by name), and eagerly every rank runs them in the same order. The byte-count
+model of each exchange is in ``hvd_compress.cost``.
+
+Summing exchanges (``Allreduce``, ``Sharded``) need summable codes under one scale for all
+workers; ``Allgather`` also carries each worker's own scales (prefixed to its packed codes as
+raw float32 bytes, so one collective moves both).
+"""
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from hvd_compress.codes import shard_length
+
+from . import elias
+from .buckets import expand
+from .codec import divide
+from .packing import pack, unpack
+
+# Types the TensorFlow allreduce sums; unlike horovod.torch, it also sums int8.
+TF_ALLREDUCE_DTYPES = ("int8", "float16", "int32", "int64")
+
+
+class Meter:
+    """Counts the bytes of every tensor handed to a Horovod collective, as a tensor (payload
+    lengths of the Elias wire are only known at run time)."""
+
+    def __init__(self):
+        self.counts = []
+
+    def hand(self, tensor):
+        self.counts.append(tf.size(tensor, out_type=tf.int64) * tensor.dtype.size)
+        return tensor
+
+    def take(self):
+        """The bytes counted since the last ``take``."""
+        total = tf.add_n(self.counts) if self.counts else tf.constant(0, tf.int64)
+        self.counts = []
+        return total
+
+
+def _floats(rows):
+    """Rows of raw float32 bytes as float32 rows."""
+    return tf.bitcast(tf.reshape(rows, [tf.shape(rows)[0], -1, 4]), tf.float32)
+
+
+def _bytes(floats):
+    """float32 values as their raw bytes, flat."""
+    return tf.reshape(tf.bitcast(tf.cast(floats, tf.float32), tf.uint8), [-1])
+
+
+def _gather_rows(row, name):
+    """Every worker's ``row`` (one per rank, all of the same static length), as rows."""
+    rows = hvd.allgather(row[None], name=name, ignore_name_scope=True)
+    # Horovod's shape function leaves the gathered axes unknown; the codes need them.
+    return tf.reshape(rows, [hvd.size(), row.shape[0]])
+
+
+def _sum_rows(rows):
+    accumulate = tf.float32 if rows.dtype.is_floating else tf.int32
+    return tf.reduce_sum(tf.cast(rows, accumulate), axis=0)
+
+
+class _Exchange:
+    def __init__(self, codec, numel, world_size, meter, count, server=None):
+        self.codec, self.numel, self.world_size = codec, numel, world_size
+        self.meter, self.count, self.server = meter, count, server
+
+    def server_numel(self, rank):
+        """Elements of the server residual that ``rank`` keeps for this tensor."""
+        return self.numel
+
+
+class Allreduce(_Exchange):
+    """Code values summed by one allreduce, in the narrowest carrier that cannot overflow."""
+
+    name = "allreduce"
+
+    def __call__(self, codes, scale, name):
+        carrier = self.codec.value_space.allreduce_carrier(self.world_size, TF_ALLREDUCE_DTYPES)
+        payload = self.meter.hand(tf.cast(self.codec.values(codes), carrier))
+        total = hvd.allreduce(payload, op=hvd.Sum, name=name, ignore_name_scope=True)
+        if not total.dtype.is_floating:
+            total = tf.cast(total, tf.int32)
+        return self.codec.decode(total, scale, self.count)
+
+
+class Allgather(_Exchange):
+    """Every worker's packed codes (and own scales, if it has them) reach every worker.
+
+    Variable-length payloads (``wire="elias"``) travel as one flat byte tensor per worker,
+    with a second allgather of their lengths to split them apart.
+    """
+
+    name = "allgather"
+
+    def __init__(self, codec, numel, world_size, meter, count, server=None):
+        super().__init__(codec, numel, world_size, meter, count, server)
+        self.own_scale = codec.scaled and not codec.shares_scale(self.name)
+        self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
+        self.elias = codec.wire == "elias"
+
+    def _codes(self, codes, scale, name):
+        """Each worker's codes (rows) and own scales, from the gathered payloads."""
+        if self.elias:
+            payload = elias.encode(codes)
+        else:
+            payload = tf.reshape(pack(codes[None], self.codec.code_space), [-1])
+        if self.own_scale:
+            payload = tf.concat([_bytes(scale), payload], axis=0)
+        if self.elias:
+            data = hvd.allgather(self.meter.hand(payload), name=name, ignore_name_scope=True)
+            size = self.meter.hand(tf.size(payload, out_type=tf.int64)[None])
+            sizes = hvd.allgather(size, name=f"{name}.size", ignore_name_scope=True)
+            chunks = tf.split(data, sizes, num=self.world_size)
+            codes = tf.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in chunks])
+            heads = tf.stack([c[:self.scale_bytes] for c in chunks])
+        else:
+            data = _gather_rows(self.meter.hand(payload), name)
+            codes = unpack(data[:, self.scale_bytes:], self.codec.code_space, self.numel)
+            heads = data[:, :self.scale_bytes]
+        return codes, _floats(heads) if self.own_scale else None
+
+    def __call__(self, codes, scale, name):
+        codes, own_scales = self._codes(codes, scale, name)
+        values = self.codec.values(codes)
+        if not self.own_scale:
+            return self.codec.decode(_sum_rows(values), scale, self.count)
+        average = tf.reduce_sum(self.codec.decode(values, own_scales, self.count), axis=0)
+        if self.server is None:
+            return average
+        # Replicated server: every rank runs the same server step on the same inputs.
+        return self.server(self.codec, average)[2]
+
+
+class Sharded(_Exchange):
+    """Reduce-scatter by alltoall, then allgather of the packed partial sums.
+
+    Rank k receives shard k of every worker's codes, sums their values and packs the sum in
+    the narrowest width that holds it (``value_space.summed(world_size)``); an allgather
+    returns all summed shards to everyone. Bytes per worker stay nearly flat as the world
+    grows.
+    """
+
+    name = "sharded"
+
+    def __init__(self, codec, numel, world_size, meter, count, server=None):
+        super().__init__(codec, numel, world_size, meter, count, server)
+        self.total_space = codec.value_space.summed(world_size)
+        self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
+
+    def __call__(self, codes, scale, name):
+        padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]])
+        shards = pack(tf.reshape(padded, [self.world_size, self.length]), self.codec.code_space)
+        received = hvd.alltoall(self.meter.hand(shards), name=name, ignore_name_scope=True)
+        received = tf.reshape(received, shards.shape)  # equal splits: the same shape back
+        values = self.codec.values(unpack(received, self.codec.code_space, self.length))
+        payload = self.meter.hand(pack(_sum_rows(values), self.total_space))
+        rows = _gather_rows(payload, f"{name}.sum")
+        total = tf.reshape(unpack(rows, self.total_space, self.length), [-1])[:self.numel]
+        return self.codec.decode(tf.cast(total, tf.float32 if total.dtype.is_floating
+                                         else tf.int32), scale, self.count)
+
+
+class ShardedServer(_Exchange):
+    """The sharded exchange of a two-way codec (the shape of DeepSpeed's compressed
+    allreduce): rank k is the server of shard k.
+
+    An alltoall sends rank k every worker's sign bits of shard k, each prefixed with that
+    worker's block scales; rank k decodes and averages them, adds its server residual for the
+    shard and compresses the result again, with blocks cut at the shard's edges (so server
+    blocks differ from the replicated server's); an allgather returns every server's
+    message. Bytes per worker stay nearly flat as the world grows.
+    """
+
+    name = "sharded"
+
+    def __init__(self, codec, numel, world_size, meter, count, server=None):
+        super().__init__(codec, numel, world_size, meter, count, server)
+        self.length = shard_length(numel, world_size, codec.code_space)
+        self.scale_bytes = 4 * codec.buckets(numel)
+        self.server_scale_bytes = 4 * codec.buckets(self.length)
+
+    def __call__(self, codes, scale, name):
+        # Padding codes are +1 (sign bit 0), as in the PyTorch port, so the bytes agree.
+        padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]],
+                        constant_values=1)
+        shards = pack(tf.reshape(padded, [self.world_size, self.length]), self.codec.code_space)
+        heads = tf.tile(_bytes(scale)[None], [self.world_size, 1])
+        payload = self.meter.hand(tf.concat([heads, shards], axis=1))
+        received = hvd.alltoall(payload, name=name, ignore_name_scope=True)
+        received = tf.reshape(received, payload.shape)
+        rank = hvd.rank()
+        scales = _floats(received[:, :self.scale_bytes])
+        signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
+        # Every worker's block scales over the whole tensor, then this rank's shard of them.
+        full = expand(scales, self.world_size * self.length,
+                      self.codec.bucket_length(self.numel))
+        start, valid = rank * self.length, self.valid(rank)
+        average = divide(tf.reduce_sum(tf.cast(signs[:, :valid], tf.float32) *
+                                       full[:, start:start + valid], axis=0), self.count)
+        codes, server_scale, _ = self.server(self.codec, average)
+        padded_scale = tf.pad(server_scale, [[0, self.server_scale_bytes // 4 -
+                                              self.codec.buckets(valid)]])
+        padded_codes = tf.pad(codes, [[0, self.length - valid]], constant_values=1)
+        message = tf.concat([_bytes(padded_scale), tf.reshape(
+            pack(padded_codes[None], self.codec.code_space), [-1])], axis=0)
+        rows = _gather_rows(self.meter.hand(message), f"{name}.server")
+        server_scales = _floats(rows[:, :self.server_scale_bytes])
+        signs = unpack(rows[:, self.server_scale_bytes:], self.codec.code_space, self.length)
+        return tf.concat([self.codec.decode(signs[k, :self.valid(k)], server_scales[k], 1)
+                          for k in range(self.world_size)], axis=0)
+
+    def server_numel(self, rank):
+        return self.valid(rank)
+
+    def valid(self, rank):
+        """Elements of shard ``rank`` inside the tensor."""
+        return max(0, min(self.length, self.numel - rank * self.length))
+
+
+EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
+
+
+def make_exchange(name, codec, numel, world_size, meter, count, server=None):
+    """The exchange called ``name`` for ``codec``."""
+    cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
+    return cls(codec, numel, world_size, meter, count, server)

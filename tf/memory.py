@@ -1,0 +1,42 @@
+"""Error-feedback memory: what a compressed message did not carry, kept for the next one."""
+import tensorflow as tf
+
+
+class ErrorFeedback(tf.Module):
+    """Residuals keyed by tensor name (parameter names, and shard names on a server).
+
+    ``compensate`` adds the residual to a new vector; ``update`` keeps the part of it the
+    message did not carry. Nothing is lost: the sum of all messages plus the residual equals
+    the sum of all vectors.
+
+    The residuals are ``tf.Variable``\\ s made up front (zeros, which compensate nothing), so
+    that a ``tf.function`` can update them and ``tf.train.Checkpoint`` saves them with the
+    module that owns this one.
+
+    Residuals are kept in the units of the vectors. When those are gradients that the
+    optimizer multiplies by a learning rate eta_t, a residual made at eta_{t-1} must enter
+    step t scaled by eta_{t-1} / eta_t: ``compensate`` takes that ratio.
+
+    A residual is never made from a non-finite vector: such a step is skipped by every rank,
+    and the residual from before it is kept.
+
+    Args:
+        sizes: {name: number of elements} of the residuals to keep.
+        name: the module's name.
+    """
+
+    def __init__(self, sizes, name=None):
+        super().__init__(name=name)
+        with tf.init_scope():
+            self.residuals = {key: tf.Variable(tf.zeros([numel]), trainable=False,
+                                               name="residual")
+                              for key, numel in sizes.items()}
+
+    def compensate(self, name, vector, ratio=1.0):
+        return vector + self.residuals[name] * ratio
+
+    def update(self, name, compensated, sent):
+        residual = compensated - sent
+        finite = tf.reduce_all(tf.math.is_finite(residual))
+        previous = self.residuals[name]
+        previous.assign(tf.where(finite, residual, previous))

@@ -1,0 +1,118 @@
+"""``DistributedOptimizer``: a Keras 3 optimizer wrapper that compresses gradients with any
+codec of ``hvd_compress`` and averages them across Horovod ranks, for ``model.fit`` and
+custom loops alike.
+
+``horovod.tensorflow.keras.DistributedOptimizer`` averages in ``get_gradients`` /
+``_compute_gradients``, which Keras 3 never calls (its ``train_step`` goes straight to
+``apply_gradients``), so under Keras 3 it trains without averaging. This wrapper exchanges
+in ``apply``, which ``apply_gradients`` and every Keras 3 training path go through.
+"""
+import horovod.tensorflow as hvd
+import keras
+import tensorflow as tf
+
+from . import CODECS
+from .pipeline import check_options, make_pipeline, variable_name
+
+
+class _DistributedOptimizer:
+    """Methods grafted onto a subclass of the user's optimizer class (see
+    ``DistributedOptimizer``); the base class is called explicitly, never through ``super``,
+    because these functions are copied into a class built at run time."""
+
+    def build(self, variables):
+        self._hvdc_base.build(self, variables)
+        self._hvdc_attach(variables)
+
+    def _hvdc_attach(self, variables):
+        named = [(variable_name(v), v) for v in variables]
+        self._hvdc_pipeline = make_pipeline("DistributedOptimizer", named, self._hvdc_codec,
+                                            self._hvdc_uncompressed, self._hvdc_options)
+        # An attribute of the optimizer (set outside Keras's untracked build), the pipeline's
+        # step counter and residuals are saved by tf.train.Checkpoint(optimizer=...).
+        self._hvdc_keys = [self._var_key(v) for v in variables]
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None:
+            variables = self._trainable_variables
+        else:
+            variables = list(trainable_variables)
+            if not self.built:
+                self.build(variables)
+        grads = list(grads)
+        if self._hvdc_sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in grads]
+        by_key = {self._var_key(v): g for v, g in zip(variables, grads)}
+        # Variables without a gradient exchange zeros (every rank must take part in the same
+        # collectives) and still reach the base optimizer without one.
+        reduced = dict(zip(self._hvdc_keys, self._hvdc_pipeline.reduce(
+            [by_key.get(key) for key in self._hvdc_keys])))
+        grads = [None if g is None else reduced[self._var_key(v)]
+                 for v, g in zip(variables, grads)]
+        return self._hvdc_base.apply(self, grads, trainable_variables)
+
+    def compression_stats(self):
+        """What the last step handed to Horovod, and how each tensor travels."""
+        return self._hvdc_pipeline.compression_stats()
+
+    @property
+    def compression_variables(self):
+        """The step counter and error-feedback residuals (``tf.Variable``\\ s)."""
+        return list(self._hvdc_pipeline.variables)
+
+
+def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
+                         gradient_predivide_factor=1.0, sparse_as_dense=False,
+                         process_set=hvd.global_process_set, *, exchange="auto", seed=0,
+                         uncompressed=(), error_feedback=None):
+    """Wraps a Keras 3 optimizer so that gradients are compressed, exchanged across all
+    Horovod ranks and averaged before every update, in ``model.fit`` and in
+    ``optimizer.apply_gradients``.
+
+    The result is an instance of a subclass of the optimizer's class (so ``isinstance``,
+    ``get_config`` and learning-rate schedules behave as before) that shares the given
+    optimizer's state. Its compression plan is made when Keras builds the optimizer on the
+    model's variables. Broadcast the initial state with
+    ``hvd_compress.tf.callbacks.BroadcastGlobalVariablesCallback``. On a GPU, compile the
+    model with ``jit_compile=False``: XLA cannot compile Horovod's collectives.
+
+    Args:
+        optimizer: the ``keras.optimizers.Optimizer`` to wrap.
+        compression: a codec instance (``hvd_compress.tf.TernGrad(clip=2.5)``) or a registry
+            name (``"none"``, ``"fp16"``, ``"terngrad"``, ...).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: as in Horovod, for the uncompressed allreduces.
+        sparse_as_dense: densify ``tf.IndexedSlices`` gradients (embeddings) so they can be
+            compressed; otherwise they go through Horovod's sparse allreduce.
+        process_set: only the global process set is supported.
+        exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
+            ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
+        seed: base seed of the random streams of stochastic codecs.
+        uncompressed: variable paths (``"dense/kernel"``) always sent whole, in addition to
+            those the codec leaves out (smaller than ``min_size``; the classifier unless
+            ``compress_classifier``).
+        error_feedback: keep, per compressed tensor, what its messages did not carry and add
+            it to the next gradient. None: the codec's default (on for ``ef-sign``).
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if optimizer.gradient_accumulation_steps:
+        raise ValueError("DistributedOptimizer: the optimizer's gradient_accumulation_steps "
+                         "is not supported; exchanges happen on every apply()")
+    codec, options = check_options(
+        "DistributedOptimizer", compression, CODECS, op=op,
+        gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+        exchange=exchange, seed=seed, error_feedback=error_feedback)
+    base = optimizer.__class__
+    methods = {k: v for k, v in vars(_DistributedOptimizer).items() if not k.startswith("__")}
+    cls = type(base.__name__, (base,), methods)
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped.__dict__.update(_hvdc_base=base, _hvdc_codec=codec, _hvdc_options=options,
+                            _hvdc_uncompressed=frozenset(uncompressed),
+                            _hvdc_sparse_as_dense=sparse_as_dense)
+    if optimizer.built:
+        wrapped._hvdc_attach(optimizer._trainable_variables)
+    return wrapped

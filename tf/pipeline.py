@@ -1,0 +1,262 @@
+"""The per-step wiring of compressed gradient exchange: codec -> exchange -> decode.
+
+``CompressionPipeline`` owns what happens to each gradient between the moment the tape has
+produced it and the moment the wrapped optimizer reads it back. It is kept apart from the
+wrappers so that ``DistributedGradientTape``, the Keras ``DistributedOptimizer`` and tests
+drive the same code. It is a ``tf.Module``: its step counter and error-feedback residuals
+are variables, so it runs inside ``tf.function`` and ``tf.train.Checkpoint`` saves it.
+"""
+import dataclasses
+import re
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from hvd_compress import cost
+from hvd_compress.registry import resolve
+from hvd_compress.seeding import stream_seed
+from hvd_compress.server import ServerStep
+from hvd_compress.validation import check_choice, check_float, check_int
+
+from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange
+from .memory import ErrorFeedback
+
+UNCOMPRESSED = "allreduce (uncompressed)"
+
+
+@dataclasses.dataclass
+class TensorPlan:
+    """How one variable's gradient travels; fixed at construction."""
+    name: str
+    index: int
+    numel: int
+    exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
+    reason: str    # why it is, or is not, compressed
+
+
+def uniforms(seed, rank, step, index, shape):
+    """The uniform draws of tensor ``index`` of worker ``rank`` at ``step``.
+
+    TensorFlow cannot replay PyTorch's generator, so its streams are its own counter-based
+    generator, Philox (the same numbers on CPU and GPU), keyed by ``hvd_compress.seeding``
+    for (seed, rank, index) and counted by the step. ``step`` may be a tensor, so a
+    ``tf.function`` draws a new stream every step without retracing.
+    """
+    key = tf.constant(stream_seed(seed, rank, 0, index), tf.int64)
+    return tf.random.stateless_uniform(shape, seed=tf.stack([key, tf.cast(step, tf.int64)]),
+                                       alg="philox")
+
+
+def collective_name(plan):
+    """A Horovod collective's name for ``plan``: unique, and valid as a TensorFlow op name
+    (Horovod matches collectives across ranks by this name)."""
+    return f"hvdc.{plan.index}.{re.sub(r'[^A-Za-z0-9_.-]', '_', plan.name)}"
+
+
+class CompressionPipeline(tf.Module):
+    """Compressed averaging (or summing) of gradients across all Horovod ranks.
+
+    Args:
+        named_variables: (name, variable) pairs, in a fixed order shared by all ranks.
+        codec: a TensorFlow codec (``hvd_compress.tf.TernGrad`` ...).
+        exchange: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
+        average: divide the sum by the world size (``op=Average``) or not (``op=Sum``).
+        seed: base of the counter-based random streams (``uniforms``).
+        uncompressed: names of variables to send whole whatever their size.
+        prescale_factor, postscale_factor: Horovod's scaling of uncompressed allreduces.
+        error_feedback: keep a worker residual per compressed tensor (``ErrorFeedback``).
+            Two-way codecs also keep a server residual per tensor (or shard).
+    """
+
+    def __init__(self, named_variables, codec, *, exchange="auto", average=True, seed=0,
+                 uncompressed=(), prescale_factor=1.0, postscale_factor=1.0,
+                 error_feedback=False):
+        super().__init__(name="hvd_compress")
+        self.codec = codec
+        self.average = average
+        self.seed = seed
+        self.world_size = hvd.size()
+        self.rank = hvd.rank()
+        self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
+        self.meter = Meter()
+        uncompressed = set(uncompressed)
+        # Keras 3 variables give their shape as a tuple and their dtype as a string.
+        self.shapes = [tf.TensorShape(variable.shape) for _, variable in named_variables]
+        self.dtypes = [tf.as_dtype(variable.dtype) for _, variable in named_variables]
+        self.plans = [self._plan(name, index, shape, dtype, exchange, name in uncompressed)
+                      for index, ((name, _), shape, dtype)
+                      in enumerate(zip(named_variables, self.shapes, self.dtypes))]
+        count = self.world_size if average else 1
+        self.exchanges = {plan.name: make_exchange(plan.exchange, codec, plan.numel,
+                                                   self.world_size, self.meter, count)
+                          for plan in self.plans if plan.exchange != UNCOMPRESSED}
+        with tf.init_scope():
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            self.last_step_bytes = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                               name="last_step_bytes")
+        self.worker_memory = ErrorFeedback(
+            {name: exchange.numel for name, exchange in self.exchanges.items()},
+            name="worker") if error_feedback else None
+        self.server_memory = ErrorFeedback(
+            {name: exchange.server_numel(self.rank) for name, exchange in self.exchanges.items()},
+            name="server") if codec.two_way else None
+        for name, exchange in self.exchanges.items():
+            if codec.two_way:
+                exchange.server = ServerStep(self.server_memory, name)
+
+    def _plan(self, name, index, shape, dtype, exchange, whole):
+        numel = shape.num_elements()
+        if whole:
+            return TensorPlan(name, index, numel, UNCOMPRESSED, "excluded")
+        if not dtype.is_floating:
+            return TensorPlan(name, index, numel, UNCOMPRESSED, "not floating point")
+        if self.codec.code_space is None:
+            return TensorPlan(name, index, numel, UNCOMPRESSED, f"codec {self.codec.name}")
+        if not self.codec.compresses(numel):
+            return TensorPlan(name, index, numel, UNCOMPRESSED,
+                              f"{numel} < min_size {self.codec.min_size}")
+        if exchange == "auto":
+            exchange = cost.choose_exchange(self.codec, numel, self.world_size,
+                                            TF_ALLREDUCE_DTYPES)
+        return TensorPlan(name, index, numel, exchange, "compressed")
+
+    # ----- one step -----
+
+    def reduce(self, grads):
+        """Exchanges one step's gradients, one per variable in the order of construction
+        (None for a variable without a gradient: zeros are exchanged, because every rank
+        must take part in the same collectives); returns the averaged (or summed) ones."""
+        if len(grads) != len(self.plans):
+            raise ValueError(f"CompressionPipeline: got {len(grads)} gradients for "
+                             f"{len(self.plans)} variables")
+        outputs = []
+        for plan, shape, dtype, grad in zip(self.plans, self.shapes, self.dtypes, grads):
+            if grad is None:
+                grad = tf.zeros(shape, dtype)
+            if plan.exchange == UNCOMPRESSED or isinstance(grad, tf.IndexedSlices):
+                # Sparse gradients (embeddings) go through Horovod's sparse allreduce unless
+                # sparse_as_dense densified them.
+                outputs.append(self._plain(plan, grad))
+            else:
+                outputs.append(tf.cast(tf.reshape(self._compressed(plan, grad), shape),
+                                       grad.dtype))
+        self.last_step_bytes.assign(self.meter.take())
+        self.step.assign_add(1)
+        return outputs
+
+    def _plain(self, plan, grad):
+        if not isinstance(grad, tf.IndexedSlices):
+            self.meter.hand(grad)
+        return hvd.allreduce(grad, op=hvd.Average if self.average else hvd.Sum,
+                             prescale_factor=self.prescale_factor,
+                             postscale_factor=self.postscale_factor,
+                             name=collective_name(plan), ignore_name_scope=True)
+
+    def _compressed(self, plan, grad):
+        name = collective_name(plan)
+        vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
+        if self.worker_memory is not None:
+            vector = self.worker_memory.compensate(plan.name, vector)
+        scale = None
+        if self.codec.scaled:
+            scale = self.codec.local_scale(vector)
+            if self.codec.shares_scale(plan.exchange):
+                scale = hvd.allreduce(self.meter.hand(scale), op=hvd.Max, name=f"{name}.scale",
+                                      ignore_name_scope=True)
+        draws = None
+        if self.codec.stochastic:
+            draws = uniforms(self.seed, self.rank, self.step, plan.index, [plan.numel])
+        codes = self.codec.encode(vector, scale, draws)
+        if self.worker_memory is not None:
+            sent = self.codec.decode(self.codec.values(codes), scale, 1)
+            self.worker_memory.update(plan.name, vector, sent)
+        return self.exchanges[plan.name](codes, scale, f"{name}.codes")
+
+    # ----- accounting -----
+
+    def expected_bytes(self):
+        """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
+        total = 0
+        for plan, dtype in zip(self.plans, self.dtypes):
+            if plan.exchange == UNCOMPRESSED:
+                total += cost.uncompressed_traffic(plan.numel, self.world_size, dtype.size).handed
+            else:
+                total += cost.compressed_traffic(self.codec, plan.numel, self.world_size,
+                                                 plan.exchange, TF_ALLREDUCE_DTYPES).handed
+        return total
+
+    def uncompressed_bytes(self):
+        """Bytes per step that a plain allreduce of every gradient would hand over."""
+        return sum(plan.numel * dtype.size for plan, dtype in zip(self.plans, self.dtypes))
+
+    def compression_stats(self):
+        """What the last step handed to Horovod, and how each tensor travels."""
+        uncompressed = self.uncompressed_bytes()
+        sent = int(self.last_step_bytes.numpy())
+        return {
+            "codec": repr(self.codec),
+            "step": int(self.step.numpy()),
+            "bytes_handed": sent,
+            "bytes_uncompressed": uncompressed,
+            "compression_ratio": uncompressed / sent if sent else float("nan"),
+            "tensors": [(plan.name, plan.numel, plan.exchange, plan.reason)
+                        for plan in self.plans],
+        }
+
+
+def variable_name(variable):
+    """A variable's unique name: the Keras 3 path (``"dense/kernel"``), else TensorFlow's."""
+    return getattr(variable, "path", None) or variable.name
+
+
+def check_options(owner, compression, classes, *, op, gradient_predivide_factor, process_set,
+                  exchange, seed, error_feedback):
+    """The codec and the ``CompressionPipeline`` keyword arguments for the user-facing
+    arguments of a wrapper (``owner`` names it in error messages), checked like
+    ``hvd_compress.pt``'s."""
+    codec = resolve(compression, classes)
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"{owner}: op must be hvd.Average or hvd.Sum (Adasum does not "
+                         f"compose with compressed codes)")
+    predivide = check_float(owner, "gradient_predivide_factor", gradient_predivide_factor,
+                            low=0.0)
+    if predivide == 0:
+        raise ValueError(f"{owner}: gradient_predivide_factor must be > 0")
+    if predivide != 1.0 and op != hvd.Average:
+        raise ValueError(f"{owner}: gradient_predivide_factor needs op=hvd.Average")
+    if process_set is not hvd.global_process_set:
+        raise ValueError(f"{owner}: only hvd.global_process_set is supported")
+    check_choice(owner, "exchange", exchange, ("auto",) + cost.EXCHANGES)
+    if exchange != "auto" and codec.code_space is not None and \
+            exchange not in cost.exchanges_for(codec):
+        raise ValueError(f"{owner}: {codec.name} codes cannot travel by exchange={exchange!r}; "
+                         f"they can by {cost.exchanges_for(codec)} or 'auto'")
+    if error_feedback is None:
+        error_feedback = codec.error_feedback_default
+    return codec, dict(exchange=exchange, average=op == hvd.Average,
+                       seed=check_int(owner, "seed", seed, low=0),
+                       prescale_factor=1.0 / predivide, postscale_factor=predivide,
+                       error_feedback=bool(error_feedback))
+
+
+def make_pipeline(owner, named_variables, codec, uncompressed, options):
+    """The ``CompressionPipeline`` of ``named_variables`` with ``check_options``'s
+    ``options``; ``uncompressed`` names variables sent whole."""
+    names = [name for name, _ in named_variables]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"{owner}: variables with duplicate names: {duplicates}")
+    whole = set(uncompressed)
+    unknown = whole - set(names)
+    if unknown:
+        raise ValueError(f"{owner}: uncompressed names unknown variables: {sorted(unknown)}")
+    if not codec.compress_classifier:
+        whole |= _classifier_names(named_variables)
+    return CompressionPipeline(named_variables, codec, uncompressed=whole, **options)
+
+
+def _classifier_names(named):
+    """The final classifier: the last variable with two or more dimensions, and every
+    variable after it (its bias)."""
+    last = max((i for i, (_, v) in enumerate(named) if len(v.shape) >= 2), default=None)
+    return set() if last is None else {name for name, _ in named[last:]}

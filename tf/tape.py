@@ -1,0 +1,85 @@
+"""``DistributedGradientTape``: a drop-in for ``horovod.tensorflow.DistributedGradientTape``
+that compresses gradients with any codec of ``hvd_compress``."""
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from . import CODECS
+from .pipeline import check_options, make_pipeline, variable_name
+
+# The compression state of every set of differentiated variables, by the tape's settings:
+# a training loop makes a new tape every step, and the step counter (which positions the
+# random streams) and the error-feedback residuals must carry over.
+_PIPELINES = {}
+
+
+class DistributedGradientTape:
+    """Wraps a ``tf.GradientTape`` so that ``gradient()`` returns the gradients compressed,
+    exchanged across all Horovod ranks and averaged.
+
+    The signature follows ``horovod.tensorflow.DistributedGradientTape``; it works eagerly
+    and inside ``tf.function``, and also runs the exchange with a single process. Every
+    other attribute is the wrapped tape's.
+
+    The compression state (the step counter that positions the random streams, and the
+    error-feedback residuals) is a ``CompressionPipeline``, made at the first ``gradient()``
+    call and shared by every tape with the same settings over the same variables, so a new
+    tape per step continues it. ``tape.pipeline`` is that module: checkpoint it with the model
+    (``tf.train.Checkpoint(model=model, compression=tape.pipeline)``).
+
+    Args:
+        gradtape: the ``tf.GradientTape`` to wrap.
+        compression: a codec instance (``hvd_compress.tf.TernGrad(clip=2.5)``) or a registry
+            name (``"none"``, ``"fp16"``, ``"terngrad"``, ...).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: as in Horovod, for the uncompressed allreduces.
+        sparse_as_dense: densify ``tf.IndexedSlices`` gradients so they can be compressed;
+            otherwise they go through Horovod's sparse allreduce.
+        process_set: only the global process set is supported.
+        exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
+            ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
+        seed: base seed of the random streams of stochastic codecs.
+        uncompressed: variable names (Keras paths) always sent whole, in addition to those
+            the codec leaves out (smaller than ``min_size``; the classifier unless
+            ``compress_classifier``).
+        error_feedback: keep, per compressed tensor, what its messages did not carry and add
+            it to the next gradient. None: the codec's default (on for ``ef-sign``).
+    """
+
+    def __init__(self, gradtape, compression="none", op=hvd.Average,
+                 gradient_predivide_factor=1.0, sparse_as_dense=False,
+                 process_set=hvd.global_process_set, *, exchange="auto", seed=0,
+                 uncompressed=(), error_feedback=None):
+        self._tape = gradtape
+        self._sparse_as_dense = sparse_as_dense
+        self._codec, self._options = check_options(
+            "DistributedGradientTape", compression, CODECS, op=op,
+            gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+            exchange=exchange, seed=seed, error_feedback=error_feedback)
+        self._uncompressed = frozenset(uncompressed)
+        self.pipeline = None
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
+        variables = tf.nest.flatten(sources)
+        flat = tf.nest.flatten(grads)
+        if self._sparse_as_dense:
+            flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                    for g in flat]
+        self.pipeline = self._pipeline(variables)
+        return tf.nest.pack_sequence_as(grads, self.pipeline.reduce(flat))
+
+    def _pipeline(self, variables):
+        key = (tuple(id(v) for v in variables), self._codec, self._uncompressed,
+               tuple(sorted(self._options.items())))
+        entry = _PIPELINES.get(key)
+        if entry is None:
+            named = [(variable_name(v), v) for v in variables]
+            pipeline = make_pipeline("DistributedGradientTape", named, self._codec,
+                                     self._uncompressed, self._options)
+            # The variables are kept with their pipeline so that their ids are never reused.
+            entry = _PIPELINES[key] = (variables, pipeline)
+        return entry[1]
+
+    def __getattr__(self, name):
+        return getattr(self._tape, name)
