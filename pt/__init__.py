@@ -11,6 +11,7 @@ CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NU
                                              BlockSign, AdaComp, CyclicLocalTopK)}
 
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
+from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 
 __all__ = ["AdaComp", "BlockSign", "CODECS", "CyclicLocalTopK", "Codec", "DistributedOptimizer",
-           "FP16", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]
+           "FP16", "LocalClipSGD", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]
