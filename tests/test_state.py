@@ -16,7 +16,8 @@ CASES = [("none", "none", {}, None), ("fp16", "fp16", {}, None),
          ("qsgd", "qsgd", {"min_size": 100}, None),
          ("qsgd-inf", "qsgd-inf", {"min_size": 100}, None),
          ("nuqsgd-elias", "nuqsgd", {"min_size": 100, "wire": "elias"}, None),
-         ("ef-sign", "ef-sign", {"min_size": 0}, None)]
+         ("ef-sign", "ef-sign", {"min_size": 0}, None),
+         ("adacomp", "adacomp", {}, None), ("clt-k", "clt-k", {}, None)]
 
 
 def _setup(name, params, error_feedback):
