@@ -101,6 +101,70 @@ def test_round_trip_through_the_wire(name, data, shape, dtype, magnitude, transp
         np.testing.assert_array_equal(ref_wire, wire.numpy())
 
 
+def _numpy(x):
+    return x.to(torch.float32 if x.dtype == torch.bfloat16 else x.dtype).numpy()
+
+
+@PROPERTY
+@given(shape=SHAPES, dtype=st.sampled_from(DTYPES), bin_length=st.integers(1, 600),
+       magnitude=st.sampled_from([0.0, 1e-30, 1e-3, 1.0, 1e4]), transpose=st.booleans(),
+       zero_bins=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_adacomp_messages_round_trip(shape, dtype, bin_length, magnitude, transpose, zero_bins,
+                                     seed):
+    codec, reference = hc.AdaComp(min_size=0), hvd_compress.AdaComp(min_size=0)
+    grad = _tensor(shape, dtype, magnitude, transpose, seed)
+    compensated = grad + _tensor(shape, dtype, magnitude, transpose, seed + 1)
+    if zero_bins:
+        keep = torch.arange(compensated.numel()) >= 2 * bin_length
+        compensated = torch.where(keep.reshape(compensated.shape), compensated, 0)
+    numel = grad.numel()
+    selected = codec.select(compensated, grad, bin_length)
+    message = codec.encode_message(compensated, selected, bin_length)
+    sent = codec.decode_message(message, numel, bin_length)
+    count = int(selected.sum())
+    assert message.dtype == torch.uint8
+    assert message.numel() == codec.message_nbytes(numel, bin_length, count)
+    # Sent exactly where selected, with the residue's sign; an all-zero bin sends nothing.
+    assert sent.dtype == torch.float32 and sent.shape == (numel,)
+    assert torch.equal(sent != 0, selected)
+    flat = compensated.reshape(-1).to(torch.float64)
+    assert (sent.to(torch.float64) * flat >= 0).all()
+    if zero_bins:
+        assert not selected[: 2 * bin_length].any()
+    # The reference selects the same elements and writes the same bytes (no bfloat16 there).
+    if dtype is not torch.bfloat16:
+        ref_selected = reference.select(_numpy(compensated), _numpy(grad), bin_length)
+        np.testing.assert_array_equal(ref_selected, selected.numpy())
+        np.testing.assert_array_equal(
+            reference.encode_message(_numpy(compensated), ref_selected, bin_length),
+            message.numpy())
+
+
+@PROPERTY
+@given(shape=SHAPES, dtype=st.sampled_from(DTYPES), data=st.data(),
+       magnitude=st.sampled_from([0.0, 1e-30, 1.0, 1e4]), transpose=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_clt_k_selects_exactly_the_largest(shape, dtype, data, magnitude, transpose, seed):
+    x = _tensor(shape, dtype, magnitude, transpose, seed)
+    numel = x.numel()
+    if numel == 0:
+        return  # nothing to select: the optimizer sends empty tensors whole
+    ratio = data.draw(st.integers(1, 2 * numel))
+    codec = hc.CyclicLocalTopK(ratio=ratio, min_size=0)
+    k = codec.k(numel)
+    indices = codec.top_k(x, k)
+    assert indices.dtype == torch.int32 and indices.numel() == k
+    assert (indices[1:] > indices[:-1]).all()  # ascending, no repeats
+    magnitude = x.reshape(-1).to(torch.float32).abs()
+    taken = torch.zeros(numel, dtype=torch.bool)
+    taken[indices.long()] = True
+    if k < numel:
+        assert magnitude[taken].min() >= magnitude[~taken].max()
+    np.testing.assert_array_equal(
+        hvd_compress.CyclicLocalTopK(ratio=ratio, min_size=0).top_k(_numpy(x), k),
+        indices.numpy())
+
+
 @pytest.mark.parametrize("name", sorted(HYPERPARAMETERS))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])
 def test_integer_tensors_pass_through_horovods_hook(name, dtype):
