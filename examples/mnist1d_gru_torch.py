@@ -14,17 +14,15 @@ synchronous SGD's plain allreduce; ``--out`` also writes them as JSON, with the 
 ``examples/mnist1d_torch.py``.
 """
 import argparse
-import json
-import statistics
 import time
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 from torch import nn
 
 import hvd_compress.pt as hc
 from hvd_compress.datasets import load_mnist1d
+from hvd_compress.report import RunRecord, publish
 
 
 class GRUClassifier(nn.Module):
@@ -104,46 +102,25 @@ def main(argv=None):
 
     local_batch = args.batch_size // hvd.size()
     generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
-    step_times, handed = [], []
+    record = RunRecord()
     for _ in range(args.steps):
         index = torch.randint(len(x_train), (local_batch,), generator=generator).to(device)
         start = time.perf_counter()
         optimizer.zero_grad()
         train_step(args, model, optimizer, x_train[index], y_train[index])
         schedule.step()
-        step_times.append(time.perf_counter() - start)
-        handed.append(optimizer.compression_stats()["bytes_handed"])
+        record.record(time.perf_counter() - start, optimizer.compression_stats())
 
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         train_loss = nn.functional.cross_entropy(model(x_train), y_train).item()
-    stats = optimizer.compression_stats()
-    # Local mode hands nothing on most steps: its bytes per step are the total over the run
-    # divided by the steps; synchronous SGD hands the same bytes every step (the median).
-    bytes_per_step = sum(handed) / args.steps if args.mode == "local" else np.median(handed)
-    result = {
-        "mode": args.mode, "sync_every": args.sync_every if args.mode == "local" else 1,
-        "compression": args.compression, "codec": stats["codec"], "workers": hvd.size(),
-        "steps": args.steps, "test_accuracy": accuracy, "train_loss": train_loss,
-        "bytes_per_step": int(bytes_per_step),
-        "bytes_uncompressed_per_step": stats["bytes_uncompressed"],
-        "compression_ratio": stats["bytes_uncompressed"] / bytes_per_step,
-        "median_step_ms": 1000 * statistics.median(step_times),
-        "tensors": stats["tensors"],
-    }
-    if hvd.rank() == 0:
-        print(f"{args.mode} {args.compression}: test accuracy {100 * accuracy:.2f}%, "
-              f"train loss {train_loss:.4f}, "
-              f"{result['bytes_per_step']} bytes/step/worker "
-              f"(ratio {result['compression_ratio']:.2f}x), "
-              f"median step {result['median_step_ms']:.2f} ms", flush=True)
-        for name, numel, exchange, reason in stats["tensors"]:
-            print(f"  {name:20s} {numel:8d}  {exchange:26s} {reason}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+    local = args.mode == "local"
+    result = record.result(optimizer.compression_stats(), sparse_in_time=local,
+                           mode=args.mode, sync_every=args.sync_every if local else 1,
+                           compression=args.compression, workers=hvd.size(), steps=args.steps,
+                           test_accuracy=accuracy, train_loss=train_loss)
+    publish(result, hvd.rank(), args.out, label=f"{args.mode} {args.compression}")
     return result
-
 
 if __name__ == "__main__":
     main()

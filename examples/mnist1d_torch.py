@@ -7,18 +7,15 @@ compression ratio (also per layer type, with the density of sparse codecs), the 
 time and which tensors were compressed; ``--out`` also writes them as JSON.
 """
 import argparse
-import collections
-import json
-import statistics
 import time
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 from torch import nn
 
 import hvd_compress.pt as hc
 from hvd_compress.datasets import load_mnist1d
+from hvd_compress.report import RunRecord, publish
 
 
 class CNN(nn.Module):
@@ -81,10 +78,7 @@ def main(argv=None):
 
     local_batch = args.batch_size // hvd.size()
     generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
-    step_times, handed = [], []
-    # Per layer type, over all steps: bytes handed, bytes a plain allreduce would hand, and
-    # the sum of the per-step densities.
-    layer_totals = collections.defaultdict(collections.Counter)
+    record = RunRecord()
     for step in range(args.steps):
         index = torch.randint(len(x_train), (local_batch,), generator=generator).to(device)
         start = time.perf_counter()
@@ -93,46 +87,16 @@ def main(argv=None):
         loss.backward()
         optimizer.step()
         schedule.step()
-        step_times.append(time.perf_counter() - start)
-        stats = optimizer.compression_stats()
-        handed.append(stats["bytes_handed"])
-        for kind, layer in stats["layers"].items():
-            layer_totals[kind].update(handed=layer["bytes_handed"],
-                                      uncompressed=layer["bytes_uncompressed"],
-                                      density=layer["density"])
+        record.record(time.perf_counter() - start, optimizer.compression_stats())
 
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         train_loss = nn.functional.cross_entropy(model(x_train), y_train).item()
-    stats = optimizer.compression_stats()
-    result = {
-        "compression": args.compression, "codec": stats["codec"], "workers": hvd.size(),
-        "steps": args.steps, "test_accuracy": accuracy, "train_loss": train_loss,
-        "bytes_per_step": int(np.median(handed)),
-        "bytes_uncompressed_per_step": stats["bytes_uncompressed"],
-        "compression_ratio": stats["bytes_uncompressed"] / np.median(handed),
-        "median_step_ms": 1000 * statistics.median(step_times),
-        "tensors": stats["tensors"],
-        "layers": {kind: {"compression_ratio": t["uncompressed"] / t["handed"],
-                          "density": t["density"] / args.steps}
-                   for kind, t in layer_totals.items()},
-    }
-    if hvd.rank() == 0:
-        print(f"{args.compression}: test accuracy {100 * accuracy:.2f}%, "
-              f"train loss {train_loss:.4f}, "
-              f"{result['bytes_per_step']} bytes/step/worker "
-              f"(ratio {result['compression_ratio']:.2f}x), "
-              f"median step {result['median_step_ms']:.2f} ms", flush=True)
-        print("  per layer type: " + ", ".join(
-            f"{kind} {layer['compression_ratio']:.1f}x (density {100 * layer['density']:.2f}%)"
-            for kind, layer in result["layers"].items()))
-        for name, numel, exchange, reason in stats["tensors"]:
-            print(f"  {name:12s} {numel:8d}  {exchange:26s} {reason}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+    result = record.result(optimizer.compression_stats(), compression=args.compression,
+                           workers=hvd.size(), steps=args.steps, test_accuracy=accuracy,
+                           train_loss=train_loss)
+    publish(result, hvd.rank(), args.out)
     return result
-
 
 if __name__ == "__main__":
     main()

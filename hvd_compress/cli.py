@@ -1,12 +1,17 @@
 """The ``hvd-compress`` command.
 
-    hvd-compress demo [--runs 2:none,2:terngrad,...,4:none,4:ef-sign] [--steps 3000]
+    hvd-compress demo [--runs 2:none,2:terngrad,...,keras/2:none,gru/4:sync,gru/4:local]
+                      [--steps 3000]
     hvd-compress bench [--workers 2,4] [--rates 10G,1G,100M] ...   (see benchmarks/bench.py)
 
-``demo`` is the main job: it trains the MNIST-1D CNN of ``examples/mnist1d_torch.py`` under
-``horovodrun`` (Gloo, localhost) once per run (workers:codec) with the same seed and data,
-and prints a table of test accuracy (against the uncompressed run with as many workers),
-bytes handed to Horovod per worker per step, compression ratio and median step time.
+``demo`` is the main job: it trains on MNIST-1D under ``horovodrun`` (Gloo, localhost) once
+per run, ``[model/]workers:codec``, with the same seed and data for every run of a model,
+and prints a table of test accuracy (against the baseline run of the same model and worker
+count), bytes handed to Horovod per worker per step, compression ratio and median step time.
+The models are the examples' scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default),
+the same CNN in Keras with ``model.fit`` (``keras``), and the GRU of the CELGC example
+(``gru``), whose "codecs" are ``sync`` (clipped synchronous SGD, its baseline) and ``local``
+(``LocalClipSGD``, averaging every 8 steps).
 """
 import argparse
 import json
@@ -18,71 +23,126 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:nuqsgd", "2:ef-sign", "2:adacomp"]
+class Example:
+    """A model of the demo: its example script, its baseline run, and the script's arguments
+    for a run of ``codec``."""
+
+    def __init__(self, script, title, baseline, arguments):
+        self.script, self.title, self.baseline = script, title, baseline
+        self.arguments = arguments
+
+    @property
+    def path(self):
+        return os.path.join(REPO, "examples", self.script)
+
+
+def _cnn_arguments(codec, args):
+    return ["--compression", codec, "--steps", str(args.steps), "--optimizer", args.optimizer,
+            "--lr", str(args.lr)]
+
+
+def _gru_arguments(mode, args):
+    if mode not in ("sync", "local"):
+        raise argparse.ArgumentTypeError(
+            f"gru runs are gru/workers:sync or gru/workers:local; got {mode!r}")
+    return ["--mode", mode]  # the example's own schedule: 2000 steps, I = 8
+
+
+EXAMPLES = {
+    "cnn": Example("mnist1d_torch.py", "PyTorch CNN", "none", _cnn_arguments),
+    "keras": Example("mnist1d_keras.py", "Keras CNN, model.fit", "none", _cnn_arguments),
+    "gru": Example("mnist1d_gru_torch.py", "PyTorch GRU, CELGC", "sync", _gru_arguments),
+}
+
+DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:nuqsgd", "2:ef-sign", "2:adacomp",
+                "gru/4:sync", "gru/4:local"]
+
+
+class Run:
+    def __init__(self, model, workers, codec):
+        self.model, self.workers, self.codec = model, workers, codec
+
+    def __str__(self):
+        return f"{self.model}/{self.workers}:{self.codec}"
 
 
 def _parse_runs(text):
     runs = []
     for item in text.split(","):
-        workers, _, codec = item.partition(":")
-        if not workers.isdigit() or int(workers) < 1 or not codec:
+        model, _, rest = item.rpartition("/")
+        workers, _, codec = rest.partition(":")
+        model = model or "cnn"
+        if model not in EXAMPLES or not workers.isdigit() or int(workers) < 1 or not codec:
             raise argparse.ArgumentTypeError(
-                f"--runs takes workers:codec items such as 2:none,4:ef-sign; got {item!r}")
-        runs.append((int(workers), codec))
+                f"--runs takes [model/]workers:codec items such as 2:none,keras/2:terngrad,"
+                f"gru/4:local with model one of {', '.join(EXAMPLES)}; got {item!r}")
+        if model == "gru":
+            _gru_arguments(codec, None)
+        runs.append(Run(model, int(workers), codec))
     return runs
 
 
-def _run_example(script, workers, codec, args, outdir):
-    out = os.path.join(outdir, f"{workers}-{codec}.json")
+def _run_example(run, args, outdir):
+    out = os.path.join(outdir, f"{run.model}-{run.workers}-{run.codec}.json")
     command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"),
-               "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
-               sys.executable, script, "--compression", codec, "--steps", str(args.steps),
-               "--optimizer", args.optimizer, "--lr", str(args.lr), "--out", out]
+               "-np", str(run.workers), "-H", f"localhost:{run.workers}", "--gloo",
+               sys.executable, EXAMPLES[run.model].path,
+               *EXAMPLES[run.model].arguments(run.codec, args), "--out", out]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    print(f"$ {' '.join(command[:7])} {os.path.relpath(script)} --compression {codec} ...",
-          flush=True)
+    print(f"$ {' '.join(command[:7])} {os.path.relpath(command[7])} "
+          f"{' '.join(command[8:10])} ...", flush=True)
     try:
         subprocess.run(command, env=env, check=True, timeout=args.timeout,
                        stdout=subprocess.DEVNULL if not args.verbose else None)
     except subprocess.TimeoutExpired:
-        sys.exit(f"demo: {codec} on {workers} workers did not finish within {args.timeout}s")
+        sys.exit(f"demo: {run} did not finish within {args.timeout}s")
     except subprocess.CalledProcessError as error:
-        sys.exit(f"demo: {codec} on {workers} workers failed with exit code "
-                 f"{error.returncode}")
+        sys.exit(f"demo: {run} failed with exit code {error.returncode}")
     with open(out) as f:
-        return json.load(f)
+        return dict(json.load(f), model=run.model, label=run.codec)
+
+
+def baseline_accuracy(results, result):
+    """Test accuracy of the baseline run with the model and workers of ``result``, or None."""
+    baseline = EXAMPLES[result["model"]].baseline
+    return next((r["test_accuracy"] for r in results
+                 if (r["model"], r["workers"], r["label"]) ==
+                 (result["model"], result["workers"], baseline)), None)
 
 
 def format_table(results):
-    """A Markdown table of the demo's results, each compared with the uncompressed run
-    (``none``) with the same number of workers."""
-    base = {r["workers"]: r["test_accuracy"] for r in results if r["compression"] == "none"}
-    lines = ["| workers | codec | test accuracy | vs. none | bytes/step/worker | compression "
-             "| median step |",
-             "|---|---|---|---|---|---|---|"]
+    """A Markdown table of the demo's results, each compared with the baseline run (``none``,
+    or ``sync`` for the GRU) of the same model with the same number of workers."""
+    lines = ["| model | workers | codec | test accuracy | vs. baseline | bytes/step/worker "
+             "| compression | median step |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        versus = f"{100 * (r['test_accuracy'] - base[r['workers']]):+.2f} pt" \
-            if r["workers"] in base else "n/a"
+        base = baseline_accuracy(results, r)
+        versus = "n/a" if base is None else f"{100 * (r['test_accuracy'] - base):+.2f} pt"
         lines.append(
-            f"| {r['workers']} | {r['compression']} | {100 * r['test_accuracy']:.2f}% | "
-            f"{versus} | {r['bytes_per_step']:,} | {r['compression_ratio']:.1f}x | "
-            f"{r['median_step_ms']:.1f} ms |")
+            f"| {EXAMPLES[r['model']].title} | {r['workers']} | {r['label']} | "
+            f"{100 * r['test_accuracy']:.2f}% | {versus} | {r['bytes_per_step']:,} | "
+            f"{r['compression_ratio']:.1f}x | {r['median_step_ms']:.1f} ms |")
     return "\n".join(lines)
 
 
 def demo(args):
-    script = os.path.join(REPO, "examples", "mnist1d_torch.py")
-    if not os.path.exists(script):
-        sys.exit("demo: examples/mnist1d_torch.py not found; run it from a source checkout")
+    for run in args.runs:
+        if not os.path.exists(EXAMPLES[run.model].path):
+            sys.exit(f"demo: examples/{EXAMPLES[run.model].script} not found; run it from a "
+                     f"source checkout")
     with tempfile.TemporaryDirectory() as outdir:
-        results = [_run_example(script, workers, codec, args, outdir)
-                   for workers, codec in args.runs]
-    print(f"\nMNIST-1D CNN, Horovod workers over Gloo, {args.steps} steps, "
-          f"{args.optimizer} lr {args.lr} (cosine), global batch 100, same seed:\n")
+        results = [_run_example(run, args, outdir) for run in args.runs]
+    models = {run.model for run in args.runs}
+    settings = ["MNIST-1D, Horovod workers over Gloo, same seed and data per model."]
+    if models - {"gru"}:
+        settings.append(f"CNNs: {args.steps} steps, {args.optimizer} lr {args.lr} (cosine), "
+                        f"global batch 100.")
+    if "gru" in models:
+        settings.append("GRU: the example's 2000 steps, global batch 128, lr 3.0, gamma 1.0 "
+                        "(cosine).")
+    print("\n" + " ".join(settings) + "\n")
     print(format_table(results))
-    print("\nTensors (last codec):")
-    for name, numel, exchange, reason in results[-1]["tensors"]:
-        print(f"  {name:14s} {numel:8d}  {exchange:26s} {reason}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -103,7 +163,7 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("demo", help="train MNIST-1D with and without compression")
     run.add_argument("--runs", type=_parse_runs, default=_parse_runs(",".join(DEFAULT_RUNS)),
-                     help="comma-separated workers:codec runs, in order "
+                     help="comma-separated [model/]workers:codec runs, in order "
                           f"(default {','.join(DEFAULT_RUNS)})")
     run.add_argument("--steps", type=int, default=3000)
     run.add_argument("--optimizer", default="sgd")
