@@ -11,7 +11,8 @@ CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NU
 
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 from .tape import DistributedGradientTape  # noqa: E402  (needs CODECS)
+from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 
 __all__ = ["BlockSign", "CODECS", "Codec", "DistributedGradientTape", "DistributedOptimizer",
-           "FP16", "NUQSGD",
+           "FP16", "LocalClipSGD", "NUQSGD",
            "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]

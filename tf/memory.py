@@ -17,8 +17,11 @@ class ErrorFeedback(tf.Module):
     optimizer multiplies by a learning rate eta_t, a residual made at eta_{t-1} must enter
     step t scaled by eta_{t-1} / eta_t: ``compensate`` takes that ratio.
 
-    A residual is never made from a non-finite vector: such a step is skipped by every rank,
-    and the residual from before it is kept.
+    ``update`` only proposes the new residual; ``commit`` keeps or drops every proposal of the
+    step at once. The pipeline commits when all exchanged gradients of the step are finite and
+    drops them otherwise: a NaN or Inf on any rank makes every rank's averaged gradient
+    non-finite, such a step is skipped everywhere, and the residuals from before it stay,
+    identical on every rank. ``keep`` may be a tensor (inside a ``tf.function``).
 
     Args:
         sizes: {name: number of elements} of the residuals to keep.
@@ -31,12 +34,17 @@ class ErrorFeedback(tf.Module):
             self.residuals = {key: tf.Variable(tf.zeros([numel]), trainable=False,
                                                name="residual")
                               for key, numel in sizes.items()}
+        self.proposed = {}
 
     def compensate(self, name, vector, ratio=1.0):
         return vector + self.residuals[name] * ratio
 
     def update(self, name, compensated, sent):
-        residual = compensated - sent
-        finite = tf.reduce_all(tf.math.is_finite(residual))
-        previous = self.residuals[name]
-        previous.assign(tf.where(finite, residual, previous))
+        """Proposes ``compensated - sent`` as the new residual."""
+        self.proposed[name] = compensated - sent
+
+    def commit(self, keep):
+        for name, residual in self.proposed.items():
+            previous = self.residuals[name]
+            previous.assign(tf.where(keep, residual, previous))
+        self.proposed = {}

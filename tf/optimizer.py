@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from . import CODECS
+from .momentum import WorkerMomentum
 from .pipeline import check_options, make_pipeline, variable_name
 
 
@@ -30,6 +31,8 @@ class _DistributedOptimizer:
                                             self._hvdc_uncompressed, self._hvdc_options)
         # An attribute of the optimizer (set outside Keras's untracked build), the pipeline's
         # step counter and residuals are saved by tf.train.Checkpoint(optimizer=...).
+        self._hvdc_momentum = WorkerMomentum(self._hvdc_pipeline) \
+            if self._hvdc_worker_momentum else None
         self._hvdc_keys = [self._var_key(v) for v in variables]
 
     def apply(self, grads, trainable_variables=None):
@@ -46,11 +49,16 @@ class _DistributedOptimizer:
         by_key = {self._var_key(v): g for v, g in zip(variables, grads)}
         # Variables without a gradient exchange zeros (every rank must take part in the same
         # collectives) and still reach the base optimizer without one.
-        reduced = dict(zip(self._hvdc_keys, self._hvdc_pipeline.reduce(
-            [by_key.get(key) for key in self._hvdc_keys])))
+        ordered, ratio = [by_key.get(key) for key in self._hvdc_keys], 1.0
+        if self._hvdc_momentum is not None:
+            ordered, ratio = self._hvdc_momentum.before_exchange(self, ordered)
+        reduced = dict(zip(self._hvdc_keys, self._hvdc_pipeline.reduce(ordered, ratio)))
         grads = [None if g is None else reduced[self._var_key(v)]
                  for v, g in zip(variables, grads)]
-        return self._hvdc_base.apply(self, grads, trainable_variables)
+        if self._hvdc_momentum is None:
+            return self._hvdc_base.apply(self, grads, trainable_variables)
+        with self._hvdc_momentum.applied_by_worker(self):
+            return self._hvdc_base.apply(self, grads, trainable_variables)
 
     def compression_stats(self):
         """What the last step handed to Horovod, and how each tensor travels."""
@@ -58,14 +66,15 @@ class _DistributedOptimizer:
 
     @property
     def compression_variables(self):
-        """The step counter and error-feedback residuals (``tf.Variable``\\ s)."""
+        """The step counter, error-feedback residuals and worker momentum
+        (``tf.Variable``\\ s; the pipeline lists the momentum it commits)."""
         return list(self._hvdc_pipeline.variables)
 
 
 def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
                          gradient_predivide_factor=1.0, sparse_as_dense=False,
                          process_set=hvd.global_process_set, *, exchange="auto", seed=0,
-                         uncompressed=(), error_feedback=None):
+                         uncompressed=(), error_feedback=None, worker_momentum=None):
     """Wraps a Keras 3 optimizer so that gradients are compressed, exchanged across all
     Horovod ranks and averaged before every update, in ``model.fit`` and in
     ``optimizer.apply_gradients``.
@@ -94,6 +103,12 @@ def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
             ``compress_classifier``).
         error_feedback: keep, per compressed tensor, what its messages did not carry and add
             it to the next gradient. None: the codec's default (on for ``ef-sign``).
+        worker_momentum: dist-EF-blockSGDM's optimizer mode, for ``keras.optimizers.SGD``:
+            the (Nesterov) momentum is applied on each worker *before* compression, residuals
+            are rescaled by eta_{t-1} / eta_t when the learning rate changes, and the base
+            step runs as plain SGD on the exchanged direction (with Keras's decoupled weight
+            decay, outside compression), so no momentum is applied twice
+            (``WorkerMomentum``). None: on for ``ef-sign`` with an SGD that has momentum.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got "
@@ -105,14 +120,27 @@ def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
         "DistributedOptimizer", compression, CODECS, op=op,
         gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
         exchange=exchange, seed=seed, error_feedback=error_feedback)
+    if worker_momentum is None:
+        worker_momentum = codec.two_way and isinstance(optimizer, keras.optimizers.SGD) and \
+            optimizer.momentum > 0
+    if worker_momentum:
+        WorkerMomentum.check(optimizer)
+    wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer)
+    wrapped.__dict__.update(_hvdc_base=optimizer.__class__, _hvdc_codec=codec,
+                            _hvdc_options=options, _hvdc_uncompressed=frozenset(uncompressed),
+                            _hvdc_sparse_as_dense=sparse_as_dense,
+                            _hvdc_worker_momentum=bool(worker_momentum))
+    if optimizer.built:
+        wrapped._hvdc_attach(optimizer._trainable_variables)
+    return wrapped
+
+
+def wrap_in_subclass(optimizer, methods):
+    """An instance of a subclass of ``optimizer``'s class, built at run time with the
+    methods of the class ``methods`` added, that shares ``optimizer``'s state."""
     base = optimizer.__class__
-    methods = {k: v for k, v in vars(_DistributedOptimizer).items() if not k.startswith("__")}
+    methods = {k: v for k, v in vars(methods).items() if not k.startswith("__")}
     cls = type(base.__name__, (base,), methods)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped.__dict__.update(_hvdc_base=base, _hvdc_codec=codec, _hvdc_options=options,
-                            _hvdc_uncompressed=frozenset(uncompressed),
-                            _hvdc_sparse_as_dense=sparse_as_dense)
-    if optimizer.built:
-        wrapped._hvdc_attach(optimizer._trainable_variables)
     return wrapped

@@ -100,9 +100,9 @@ class CompressionPipeline(tf.Module):
         self.server_memory = ErrorFeedback(
             {name: exchange.server_numel(self.rank) for name, exchange in self.exchanges.items()},
             name="server") if codec.two_way else None
-        for name, exchange in self.exchanges.items():
-            if codec.two_way:
-                exchange.server = ServerStep(self.server_memory, name)
+        # State changed by a step only if its exchanged gradients are all finite: objects
+        # with ``commit(keep)``; wrappers add their own (worker momentum).
+        self.step_state = [m for m in (self.worker_memory, self.server_memory) if m is not None]
 
     def _plan(self, name, index, shape, dtype, exchange, whole):
         numel = shape.num_elements()
@@ -122,10 +122,12 @@ class CompressionPipeline(tf.Module):
 
     # ----- one step -----
 
-    def reduce(self, grads):
+    def reduce(self, grads, ratio=1.0):
         """Exchanges one step's gradients, one per variable in the order of construction
         (None for a variable without a gradient: zeros are exchanged, because every rank
-        must take part in the same collectives); returns the averaged (or summed) ones."""
+        must take part in the same collectives); returns the averaged (or summed) ones.
+        ``ratio`` (eta_{t-1} / eta_t, may be a tensor) rescales residuals kept in gradient
+        units."""
         if len(grads) != len(self.plans):
             raise ValueError(f"CompressionPipeline: got {len(grads)} gradients for "
                              f"{len(self.plans)} variables")
@@ -138,11 +140,24 @@ class CompressionPipeline(tf.Module):
                 # sparse_as_dense densified them.
                 outputs.append(self._plain(plan, grad))
             else:
-                outputs.append(tf.cast(tf.reshape(self._compressed(plan, grad), shape),
+                outputs.append(tf.cast(tf.reshape(self._compressed(plan, grad, ratio), shape),
                                        grad.dtype))
+        if self.step_state:
+            keep = self.all_finite(outputs)
+            for state in self.step_state:
+                state.commit(keep)
         self.last_step_bytes.assign(self.meter.take())
         self.step.assign_add(1)
         return outputs
+
+    @staticmethod
+    def all_finite(grads):
+        """Whether every exchanged gradient of this step is finite, as a boolean tensor; the
+        same answer on every rank, since they all hold the same averages."""
+        checks = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices)
+                                                  else g))
+                  for g in grads if g.dtype.is_floating]
+        return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
     def _plain(self, plan, grad):
         if not isinstance(grad, tf.IndexedSlices):
@@ -152,11 +167,13 @@ class CompressionPipeline(tf.Module):
                              postscale_factor=self.postscale_factor,
                              name=collective_name(plan), ignore_name_scope=True)
 
-    def _compressed(self, plan, grad):
+    def _compressed(self, plan, grad, ratio):
         name = collective_name(plan)
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
         if self.worker_memory is not None:
-            vector = self.worker_memory.compensate(plan.name, vector)
+            vector = self.worker_memory.compensate(plan.name, vector, ratio)
+        if self.codec.two_way:
+            self.exchanges[plan.name].server = ServerStep(self.server_memory, plan.name, ratio)
         scale = None
         if self.codec.scaled:
             scale = self.codec.local_scale(vector)

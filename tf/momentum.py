@@ -1,0 +1,85 @@
+"""dist-EF-blockSGDM's worker-side momentum (Zheng et al., NeurIPS 2019, Algorithm 2 and the
+authors' code), as an optimizer mode of ``DistributedOptimizer`` over
+``keras.optimizers.SGD``.
+
+Per variable, with mu = the optimizer's momentum and eta_t its learning rate:
+
+    before the exchange:  m = mu m + g;  u = g + mu m  (Nesterov; u = m without it)
+                          the residuals enter as u + (eta_{t-1} / eta_t) e
+    after the exchange:   Delta~ = the decoded server message (gradient units)
+                          x -= eta_t wd x;  x -= eta_t Delta~
+
+Weight decay stays out of compression. Keras's ``weight_decay`` is decoupled (x -= eta_t wd x,
+without momentum), so the base SGD step keeps applying it as Keras SGD does; the PyTorch port
+instead keeps a second momentum buffer for it, because ``torch.optim.SGD`` puts wd x through
+its momentum. The base step runs with momentum switched off, so no momentum is applied twice.
+Learning-rate schedules are seen through ``optimizer.learning_rate``.
+"""
+import contextlib
+
+import keras
+import tensorflow as tf
+
+
+class WorkerMomentum(tf.Module):
+    """The momentum buffers m (``tf.Variable``\\ s in gradient units, saved by
+    ``tf.train.Checkpoint`` with the optimizer) and eta of the last exchange, for the
+    variables of ``pipeline`` in its order; committed with the pipeline's residuals."""
+
+    def __init__(self, pipeline):
+        super().__init__(name="worker_momentum")
+        with tf.init_scope():
+            self.momentum = {plan.name: tf.Variable(tf.zeros(shape, dtype), trainable=False,
+                                                    name="momentum")
+                             for plan, shape, dtype
+                             in zip(pipeline.plans, pipeline.shapes, pipeline.dtypes)}
+            # 0 until the first exchange, which has no earlier rate to rescale from.
+            self.learning_rate = tf.Variable(0.0, trainable=False, name="learning_rate")
+        self.names = [plan.name for plan in pipeline.plans]
+        # (name -> m, eta) of the step in flight, kept by ``commit`` only if the step's
+        # gradients are finite everywhere (the pipeline decides, like its residuals).
+        self.proposed = {}
+        pipeline.step_state.append(self)
+
+    @staticmethod
+    def check(optimizer):
+        if not isinstance(optimizer, keras.optimizers.SGD):
+            raise TypeError(f"worker_momentum needs a keras.optimizers.SGD, got "
+                            f"{type(optimizer).__name__}")
+
+    def before_exchange(self, optimizer, grads):
+        """The momentum directions u for ``grads`` (in the pipeline's order; None stays None),
+        and eta_{t-1} / eta_t."""
+        mu, rate = optimizer.momentum, tf.cast(optimizer.learning_rate, tf.float32)
+        directions, buffers = [], {}
+        for name, grad in zip(self.names, grads):
+            if grad is None or mu == 0:
+                directions.append(grad)
+                continue
+            grad = tf.convert_to_tensor(grad)
+            buffer = self.momentum[name] * mu + grad
+            buffers[name] = buffer
+            directions.append(grad + buffer * mu if optimizer.nesterov else buffer)
+        self.proposed = {"momentum": buffers, "learning_rate": rate}
+        previous = self.learning_rate
+        return directions, tf.where(previous > 0, previous / rate, 1.0)
+
+    def commit(self, keep):
+        for name, buffer in self.proposed["momentum"].items():
+            self.momentum[name].assign(tf.where(keep, buffer, self.momentum[name]))
+        self.learning_rate.assign(tf.where(keep, self.proposed["learning_rate"],
+                                           self.learning_rate))
+        self.proposed = {}
+
+    @staticmethod
+    @contextlib.contextmanager
+    def applied_by_worker(optimizer):
+        """Lets the base SGD step run as plain SGD (with Keras's decoupled weight decay) on
+        the exchanged directions. Keras reads ``momentum`` and ``nesterov`` when it builds
+        the update (eagerly, or while tracing), so switching them around it suffices."""
+        mu, nesterov = optimizer.momentum, optimizer.nesterov
+        optimizer.momentum, optimizer.nesterov = 0.0, False
+        try:
+            yield
+        finally:
+            optimizer.momentum, optimizer.nesterov = mu, nesterov
