@@ -8,9 +8,7 @@ compression ratio, the median step time and which tensors were compressed; ``--o
 writes them as JSON, with the same keys as ``mnist1d_torch.py``.
 """
 import argparse
-import json
 import os
-import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -22,6 +20,7 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_compress.tf as hc  # noqa: E402
 from hvd_compress.datasets import load_mnist1d  # noqa: E402
+from hvd_compress.report import RunRecord, publish  # noqa: E402
 from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback  # noqa: E402
 
 
@@ -38,18 +37,18 @@ def cnn(channels=64, hidden=256):
 
 
 class StepRecorder(keras.callbacks.Callback):
-    """Times every step and reads the bytes it handed to Horovod."""
+    """Times every step and records the compression statistics of its exchange."""
 
     def __init__(self):
         super().__init__()
-        self.times, self.handed = [], []
+        self.record = RunRecord()
 
     def on_train_batch_begin(self, batch, logs=None):
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self.start)
-        self.handed.append(self.model.optimizer.compression_stats()["bytes_handed"])
+        self.record.record(time.perf_counter() - self.start,
+                           self.model.optimizer.compression_stats())
 
 
 def main(argv=None):
@@ -98,30 +97,12 @@ def main(argv=None):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     accuracy = float(np.mean(np.argmax(model.predict(x_test, verbose=0), axis=1) == y_test))
     train_loss = float(loss(y_train, model.predict(x_train, verbose=0)))
-    stats = optimizer.compression_stats()
-    handed = np.median(recorder.handed)
-    result = {
-        "compression": args.compression, "codec": stats["codec"], "workers": hvd.size(),
-        "steps": args.steps, "test_accuracy": accuracy, "train_loss": train_loss,
-        "bytes_per_step": int(handed),
-        "bytes_uncompressed_per_step": stats["bytes_uncompressed"],
-        "compression_ratio": stats["bytes_uncompressed"] / handed,
-        "median_step_ms": 1000 * statistics.median(recorder.times),
-        "tensors": stats["tensors"],
-    }
-    if hvd.rank() == 0:
-        print(f"{args.compression}: test accuracy {100 * accuracy:.2f}%, "
-              f"train loss {train_loss:.4f}, "
-              f"{result['bytes_per_step']} bytes/step/worker "
-              f"(ratio {result['compression_ratio']:.2f}x), "
-              f"median step {result['median_step_ms']:.2f} ms", flush=True)
-        for name, numel, exchange, reason in stats["tensors"]:
-            print(f"  {name:28s} {numel:8d}  {exchange:26s} {reason}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+    result = recorder.record.result(optimizer.compression_stats(),
+                                    compression=args.compression, workers=hvd.size(),
+                                    steps=args.steps, test_accuracy=accuracy,
+                                    train_loss=train_loss)
+    publish(result, hvd.rank(), args.out)
     return result
-
 
 if __name__ == "__main__":
     main()
