@@ -55,7 +55,7 @@ EXAMPLES = {
 }
 
 DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:nuqsgd", "2:ef-sign", "2:adacomp",
-                "gru/4:sync", "gru/4:local"]
+                "2:clt-k", "gru/4:sync", "gru/4:local"]
 
 
 class Run:

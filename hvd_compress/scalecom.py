@@ -18,7 +18,10 @@ worker hands Horovod k int32 indices (broadcast, only the leader's travel) and k
 
 Choices made (ScaleCom's text was not at hand either; ``algorithms.md`` section E4):
 
-* k = ceil(n / ratio) per tensor; ``ratio`` 100 by default (the paper reports 65-400x).
+* k = ceil(n / ratio) per tensor; ``ratio`` 50 by default. The paper reports 65-400x on
+  ImageNet-scale models; on the MNIST-1D CNN (2 workers, 3000 steps, one seed) ratio 100
+  ended 1.1 points below uncompressed SGD (95.60% against 96.70%, 42x overall), ratio 50
+  0.3 points below (96.40%, 23x) and ratio 25 0.2 points above (96.90%, 12x).
 * beta = 1 by default, which is plain error feedback and keeps the telescoping identity
   sum_t sent_t + m_T = sum_t g_t; beta < 1 filters the memory (the paper's remedy for large
   batches) and forgets part of what was not sent.
@@ -41,7 +44,7 @@ class CyclicLocalTopK(Codec):
 
     Args:
         ratio (int): n / k, elements per sent element in each tensor (k = ceil(n / ratio)).
-            Default 100.
+            Default 50.
         beta (float): the memory's low-pass filter, 0 < beta <= 1; 1 (default) is plain
             error feedback.
         min_size (int): tensors with fewer elements are sent whole. Default 1024.
@@ -55,7 +58,7 @@ class CyclicLocalTopK(Codec):
     error_feedback_default = True
     default_min_size = 1024
 
-    def __init__(self, ratio=100, beta=1.0, *, min_size=None, compress_classifier=None):
+    def __init__(self, ratio=50, beta=1.0, *, min_size=None, compress_classifier=None):
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         owner = type(self).__name__
         self.ratio = check_int(owner, "ratio", ratio, low=1)
