@@ -1,6 +1,9 @@
 """Where a codec's own time goes on one worker: each stage of a step of the synthetic
 ResNet-50's gradients, timed on one thread with no network.
 
+Times are the thread's CPU time (``time.thread_time``), not wall time, so that other jobs
+sharing the machine's cores do not count (they still slow the caches down somewhat).
+
     OMP_NUM_THREADS=1 python -m benchmarks.codec_profile [--codecs terngrad,qsgd-inf,ef-sign]
 
 Stages, summed over the tensors the codec compresses (the others are sent whole): the scale
@@ -33,9 +36,9 @@ def profile(codec, shapes, repeats=2):
         spent = dict.fromkeys(STAGES, 0.0)
 
         def timed(stage, function, *args):
-            start = time.perf_counter()
+            start = time.thread_time()
             out = function(*args)
-            spent[stage] += time.perf_counter() - start
+            spent[stage] += time.thread_time() - start
             return out
         for grad in grads:
             scale = timed("scale", codec.local_scale, grad)
@@ -67,7 +70,7 @@ def main(argv=None):
         rows.append(f"| {name} | {numel:,} | " +
                     " | ".join(f"{1000 * seconds[s]:.0f}" for s in STAGES) +
                     f" | {1000 * sum(seconds.values()):.0f} |")
-    print("milliseconds per step, one thread:\n" + "\n".join(rows))
+    print("CPU milliseconds per step, one thread:\n" + "\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ class BlockSign(reference.BlockSign, Codec):
     __doc__ = reference.BlockSign.__doc__
 
     def local_scale(self, grad):
-        p = grad.detach().reshape(-1).to(torch.float64)
+        p = grad.detach().reshape(-1)
         n = self.buckets(p.numel())
         d = self.bucket_length(p.numel())
-        sums = reduce(p.abs(), d, "sum")
+        # Converted before the sum: a float64 sum of float32 converting as it goes is slower.
+        sums = reduce(p.abs().to(torch.float64), d, "sum")
         sizes = torch.clamp(p.numel() - d * torch.arange(n, device=p.device), max=d)
         scale = (sums / sizes).to(torch.float32)
         # Sums propagate NaN and Inf: a non-finite scale marks the whole tensor.
@@ -22,7 +23,8 @@ class BlockSign(reference.BlockSign, Codec):
         return torch.where(finite, scale, torch.full_like(scale, float("inf")))
 
     def encode(self, grad, scale, uniforms):
-        return torch.where(grad >= 0, 1, -1).to(torch.int8)
+        # 2 [g >= 0] - 1 in int8 (a NaN compares false: -1, as the reference).
+        return (grad >= 0).to(torch.int8).mul_(2).sub_(1)
 
     def decode(self, total, scale, count):
         return rescale(total, scale, self.bucket_length(total.shape[-1]), count)

@@ -1,4 +1,9 @@
-"""PyTorch bucket helpers; mirrors ``hvd_compress.buckets``."""
+"""PyTorch bucket helpers; mirrors ``hvd_compress.buckets``.
+
+Per-bucket scales are applied through a (buckets, bucket_size) view of the elements, so they
+broadcast instead of being repeated over every element. Each function keeps the reference's
+float32 operations in the reference's order, so the results are bit-identical to it.
+"""
 import torch
 
 from hvd_compress.buckets import count
@@ -10,29 +15,75 @@ def expand(scale, numel, bucket_size):
                                    dim=-1)[..., :numel]
 
 
+def pieces(start, stop, bucket_size):
+    """Elements [start, stop) of a flattened tensor cut where buckets begin and end:
+    ``(elements, rows, buckets)`` with ``elements`` a slice relative to ``start``, whose
+    elements viewed as ``rows`` rows are one bucket per row, the buckets ``buckets``. At most
+    three pieces: a partial bucket, the whole buckets, a partial bucket."""
+    out = []
+    position = start
+    while position < stop:
+        bucket = position // bucket_size
+        whole = (stop - position) // bucket_size if position % bucket_size == 0 else 0
+        end = position + whole * bucket_size if whole else \
+            min(stop, (bucket + 1) * bucket_size)
+        rows = max(whole, 1)
+        out.append((slice(position - start, end - start), rows, slice(bucket, bucket + rows)))
+        position = end
+    return out
+
+
+def per_bucket_(values, method, scale, bucket_size, start=0):
+    """``values.method(s)`` in place, with s the scale of each element's bucket; element i of
+    ``values``' last axis is element ``start + i`` of the tensor, and leading axes of
+    ``values`` and ``scale`` broadcast."""
+    for elements, rows, buckets in pieces(start, start + values.shape[-1], bucket_size):
+        piece = values[..., elements].unflatten(-1, (rows, -1))
+        getattr(piece, method)(scale[..., buckets, None])
+    return values
+
+
 def reduce(values, bucket_size, reduction):
-    """``reduction`` (``"amax"``, ``"sum"``) of each bucket of ``values``, zero-padded."""
+    """``reduction`` (``"amax"``, ``"sum"``) of each bucket of ``values`` (1-D); the last
+    bucket is reduced over its own elements, which for the nonnegative values reduced here
+    is what the reference's zero padding gives."""
     numel = values.shape[-1]
-    padded = values.new_zeros(count(numel, bucket_size) * bucket_size)
-    padded[:numel] = values
-    return getattr(torch, reduction)(padded.reshape(-1, bucket_size), dim=1)
+    out = values.new_empty(count(numel, bucket_size))
+    for elements, rows, buckets in pieces(0, numel, bucket_size):
+        out[buckets] = getattr(torch, reduction)(values[elements].reshape(rows, -1), dim=1)
+    return out
 
 
+def _float32(scale, device):
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=device)
+    return scale.reshape(scale.shape or (1,))
 
+
+def ratio(grad, scale, bucket_size):
+    """|g| / scale of each element's bucket (float32, unclipped), and 0 where the scale is
+    zero or not finite: dividing by +inf there does it without a per-element select (a
+    non-finite g gives NaN there, which ``normalized`` maps to 0)."""
+    scale = _float32(scale, grad.device)
+    usable = (scale > 0) & torch.isfinite(scale)
+    divisor = torch.where(usable, scale, torch.full_like(scale, float("inf")))
+    # A float32 gradient's abs() is already a new tensor; other dtypes convert first.
+    magnitude = grad.abs() if grad.dtype == torch.float32 else grad.to(torch.float32).abs_()
+    return per_bucket_(magnitude, "div_", divisor, bucket_size)
 
 
 def normalized(grad, scale, bucket_size):
     """r = |g| / scale of each element's bucket, clipped to [0, 1]; see the reference."""
-    full = expand(torch.as_tensor(scale, dtype=torch.float32, device=grad.device),
-                  grad.shape[-1], bucket_size)
-    usable = (full > 0) & torch.isfinite(full)
-    r = torch.where(usable, grad.abs().to(torch.float32) / full, torch.zeros_like(full))
-    return torch.clamp(r, max=1.0)
+    return ratio(grad, scale, bucket_size).nan_to_num_(nan=0.0).clamp_(max=1.0)
 
 
 def rescale(total, scale, bucket_size, divisor):
     """scale * total / divisor per bucket; NaN wherever the scale is not finite."""
-    full = expand(torch.as_tensor(scale, dtype=torch.float32, device=total.device),
-                  total.shape[-1], bucket_size)
-    value = full * total.to(torch.float32) / float(divisor)
-    return torch.where(torch.isfinite(full), value, torch.full_like(value, float("nan")))
+    scale = _float32(scale, total.device)
+    # NaN times any total is NaN: the non-finite scales mark their buckets in the product.
+    scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+    shape = torch.broadcast_shapes(total.shape[:-1], scale.shape[:-1]) + total.shape[-1:]
+    value = torch.empty(shape, dtype=torch.float32, device=total.device)
+    value.copy_(total)
+    per_bucket_(value, "mul_", scale, bucket_size)
+    # Dividing by 1 is exact, so a sum (or one worker's codes) skips that pass.
+    return value if divisor == 1 else value.div_(float(divisor))

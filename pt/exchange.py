@@ -24,7 +24,7 @@ from hvd_compress.codes import shard_length
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
 from . import elias
-from .buckets import expand
+from .buckets import per_bucket_
 from .packing import pack, unpack
 
 
@@ -77,7 +77,8 @@ def _gathered_payloads(handles):
 
 def _sum_rows(rows):
     accumulate = torch.float32 if rows.is_floating_point() else torch.int32
-    return rows.sum(dim=0, dtype=accumulate)
+    # Converted first: a sum that converts as it goes takes a slow mixed-type path.
+    return rows.to(accumulate).sum(dim=0, dtype=accumulate)
 
 
 class _Exchange:
@@ -195,8 +196,7 @@ class Sharded(_Exchange):
         handle, scale = pending
         rows = hvd.synchronize(handle)
         total = unpack(rows, self.total_space, self.length).reshape(-1)[: self.numel]
-        return self.codec.decode(total.to(torch.float32 if total.is_floating_point()
-                                          else torch.int32), scale, self.count)
+        return self.codec.decode(total, scale, self.count)
 
 
 class ShardedServer(_Exchange):
@@ -232,12 +232,12 @@ class ShardedServer(_Exchange):
         rank = hvd.rank()
         scales = _floats(received[:, :self.scale_bytes])
         signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
-        # Every worker's block scales over the whole tensor, then this rank's shard of them.
-        full = expand(scales, self.world_size * self.length,
-                      self.codec.bucket_length(self.numel))
         shard = self.shard(rank)
         valid = shard.stop - shard.start
-        average = (signs[:, :valid] * full[:, shard]).sum(dim=0) / self.count
+        # Every worker's signs times its scales of the blocks this shard's elements are in.
+        scaled = per_bucket_(signs[:, :valid].to(torch.float32), "mul_", scales,
+                             self.codec.bucket_length(self.numel), start=shard.start)
+        average = scaled.sum(dim=0) / self.count
         codes, server_scale, _ = self.server(self.codec, average)
         padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
         padded_scale[: server_scale.numel()] = server_scale
@@ -252,9 +252,11 @@ class ShardedServer(_Exchange):
         rows = hvd.synchronize(handle)
         scales = _floats(rows[:, :self.server_scale_bytes])
         signs = unpack(rows[:, self.server_scale_bytes:], self.codec.code_space, self.length)
-        shards = [self.codec.decode(signs[k, :self._valid(k)], scales[k], 1)
-                  for k in range(self.world_size)]
-        return torch.cat(shards)
+        # All servers' shards at once: a shard's blocks (bucket_length of its valid length)
+        # are those of the whole padded row, as blocks start at the row's start and the
+        # elements past the valid ones are cut off.
+        decoded = self.codec.decode(signs, scales, 1).reshape(-1)
+        return decoded[: self.numel]
 
     def _valid(self, rank):
         return max(0, min(self.length, self.numel - rank * self.length))

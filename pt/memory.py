@@ -28,7 +28,8 @@ class ErrorFeedback:
         residual = self.residuals.get(name)
         if residual is None:
             return vector
-        return vector + residual * ratio
+        # A ratio of 1 (constant learning rate) saves a pass over the residual.
+        return vector + residual if ratio == 1.0 else vector + residual * ratio
 
     def update(self, name, compensated, sent, beta=1.0):
         """Proposes ``compensated - sent`` as the new residual; with ``beta`` < 1 a low-pass

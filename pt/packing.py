@@ -1,6 +1,7 @@
 """PyTorch packing of codes; mirrors ``hvd_compress.packing`` (wire formats: ``codes.py``).
 
-Only shifts, masks and sums of integer tensors: the same code runs on CPU and CUDA tensors.
+Only shifts, masks and sums of integer tensors, and views of their bytes: the same code
+runs on CPU and CUDA tensors.
 """
 import torch
 
@@ -13,54 +14,116 @@ def pack(codes, space):
     if isinstance(space, FloatCodes):
         return codes.to(getattr(torch, space.dtype))
     if isinstance(space, FieldCodes):
-        return _pack_unsigned(codes.to(torch.int64), space.width, pad=0)
+        return _pack_unsigned(codes, space.width, pad=0)
     if isinstance(space, SignCodes):
-        return _pack_unsigned((codes < 0).to(torch.int64), 1, pad=0)
-    return _pack_unsigned(codes.to(torch.int64) + space.bound, space.width, pad=space.bound)
+        # A sign's bit (1 for -1) is an int8 code's sign bit: a shift, not a comparison.
+        negative = codes.view(torch.uint8) >> 7 if codes.dtype == torch.int8 else codes < 0
+        return _pack_unsigned(negative, 1, pad=0)
+    if space.width <= 8:
+        # code + bound in uint8 arithmetic, which is modulo 256: exact, as the sum is at
+        # most 2 bound < 256 (and int8, int32 or int64 codes convert modulo 256 too).
+        unsigned = codes.to(torch.uint8, copy=True).add_(space.bound)
+    else:
+        unsigned = codes.to(torch.int64) + space.bound
+    return _pack_unsigned(unsigned, space.width, pad=space.bound)
 
 
 def unpack(packed, space, numel):
-    """Inverse of ``pack``: the first ``numel`` codes of each row (``int32``, ``int64`` for
-    ``FieldCodes``, or float16)."""
+    """Inverse of ``pack``: the first ``numel`` codes of each row: ``int8`` for signs and
+    for codes of at most 8 bits (consumers convert them once, to what they compute in),
+    ``int32`` for wider ones, ``int64`` for ``FieldCodes``, float16 for ``FloatCodes``."""
     if isinstance(space, FloatCodes):
         return packed[..., :numel]
     if isinstance(space, FieldCodes):
-        return _unpack_unsigned(packed, space.width, numel)
+        return _unpack_unsigned(packed, space.width, numel).to(torch.int64)
     if isinstance(space, SignCodes):
-        return (1 - 2 * _unpack_unsigned(packed, 1, numel)).to(torch.int32)
-    return (_unpack_unsigned(packed, space.width, numel) - space.bound).to(torch.int32)
+        return _unpack_unsigned(packed, 1, numel).view(torch.int8).mul_(-2).add_(1)
+    unsigned = _unpack_unsigned(packed, space.width, numel)
+    if space.width <= 8:
+        # unsigned - bound modulo 256, read as int8: the code, as |code| <= bound < 128.
+        return unsigned.sub_(space.bound).view(torch.int8)
+    return (unsigned - space.bound).to(torch.int32)
 
 
 def _pack_unsigned(unsigned, width, pad):
+    """Unsigned fields of ``width`` bits packed little-endian: fields narrower than a byte
+    merged by ``_merge_fields``, wider ones split into bytes in int64."""
     device = unsigned.device
     if width not in WIDTHS:
-        return _pack_bits(unsigned, width)
-    if width >= 8:
+        return _pack_bits(unsigned.to(torch.int64), width)
+    if width == 8:
+        return unsigned.to(torch.uint8)
+    if width > 8:
         shifts = torch.arange(0, width, 8, dtype=torch.int64, device=device)
-        fields = (unsigned.unsqueeze(-1) >> shifts) & 0xFF
+        fields = (unsigned.to(torch.int64).unsqueeze(-1) >> shifts) & 0xFF
         return fields.reshape(*unsigned.shape[:-1], -1).to(torch.uint8)
     per_byte = 8 // width
+    unsigned = unsigned.to(torch.uint8)
     numel = unsigned.shape[-1]
-    padded = -(-numel // per_byte) * per_byte
-    unsigned = torch.nn.functional.pad(unsigned, (0, padded - numel), value=pad)
-    groups = unsigned.reshape(*unsigned.shape[:-1], padded // per_byte, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.int64, device=device) * width
-    return (groups << shifts).sum(dim=-1).to(torch.uint8)
+    if numel % per_byte:
+        unsigned = torch.nn.functional.pad(unsigned, (0, -numel % per_byte), value=pad)
+    return _merge_fields(unsigned.contiguous(), width)
+
+
+# Fields narrower than a byte are merged (and split) a few bytes at a time, as the bytes of
+# one integer word: shifts, ors and masks of whole contiguous words instead of one strided
+# pass per field. Words of at most 32 bits: x86 has no vector arithmetic shift of 64-bit
+# integers. A word's bytes are read little-endian, the byte order of the CPUs and GPUs
+# PyTorch runs on, and the wire format's order of fields within a byte.
+_WORDS = {2: torch.int16, 4: torch.int32}
+
+
+def _merge_fields(fields, width):
+    """uint8 ``fields`` of ``width`` bits (last axis a multiple of 8 // width), merged
+    little-endian into bytes."""
+    if fields.numel() == 0:  # an empty tensor's strides may not allow a view
+        return fields.new_empty(*fields.shape[:-1], fields.shape[-1] * width // 8)
+    while width < 8:
+        per_word = min(8 // width, 4)
+        words = fields.view(_WORDS[per_word])
+        # Doubling runs: each step moves the upper half of every run next to its lower half.
+        run = 1
+        while run < per_word:
+            words = words | (words >> (run * (8 - width)))
+            run *= 2
+        fields, width = words.to(torch.uint8), width * per_word
+    return fields
+
+
+def _split_fields(packed, width):
+    """Inverse of ``_merge_fields``: every byte of ``packed`` split into 8 // width uint8
+    fields of ``width`` bits."""
+    if packed.numel() == 0:
+        return packed.new_empty(*packed.shape[:-1], packed.shape[-1] * 8 // width)
+    size = 8
+    while size > width:
+        per_word = min(size // width, 4)
+        size //= per_word
+        words = packed.to(_WORDS[per_word])
+        run = per_word // 2
+        while run >= 1:
+            # Keep the lowest ``size * run`` bits of each run of ``run`` bytes.
+            mask = sum(((1 << (size * run)) - 1) << (8 * start)
+                       for start in range(0, per_word, run))
+            words = (words | (words << (run * (8 - size)))) & mask
+            run //= 2
+        packed = words.view(torch.uint8)
+    return packed
 
 
 def _unpack_unsigned(packed, width, numel):
+    """The first ``numel`` fields of each row, as a new tensor: uint8 for widths up to a
+    byte, int64 above."""
     device = packed.device
     if width not in WIDTHS:
         return _unpack_bits(packed, width, numel)
-    if width >= 8:
+    if width == 8:
+        return packed[..., :numel].clone()
+    if width > 8:
         fields = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, width // 8)
         shifts = torch.arange(0, width, 8, dtype=torch.int64, device=device)
-        unsigned = (fields << shifts).sum(dim=-1)
-    else:
-        shifts = torch.arange(8 // width, dtype=torch.int64, device=device) * width
-        fields = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << width) - 1)
-        unsigned = fields.reshape(*packed.shape[:-1], -1)
-    return unsigned[..., :numel]
+        return (fields << shifts).sum(dim=-1)[..., :numel]
+    return _split_fields(packed, width)[..., :numel]
 
 
 def _bit_shifts(width, device):

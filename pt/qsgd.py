@@ -9,12 +9,14 @@ from .quantizer import UniformQuantizer
 
 
 def _local_norms(quantizer, grad, norm):
-    g = grad.detach().reshape(-1).to(torch.float32)
+    g = grad.detach().reshape(-1)
     d = quantizer.bucket_length(g.numel())
     if norm == "l2":
-        scale = reduce(g.to(torch.float64).square(), d, "sum").sqrt().to(torch.float32)
+        squares = g.to(torch.float32).to(torch.float64).square_()
+        scale = reduce(squares, d, "sum").sqrt().to(torch.float32)
     else:
-        scale = reduce(g.abs(), d, "amax")
+        # |g| in g's own dtype is exact, and rounding to float32 keeps the maximum.
+        scale = reduce(g.abs(), d, "amax").to(torch.float32)
     # Sums and maxima propagate NaN and Inf: a non-finite scale marks the whole tensor.
     finite = torch.isfinite(scale).all()
     return torch.where(finite, scale, torch.full_like(scale, float("inf")))
@@ -50,8 +52,9 @@ class NUQSGD(reference.NUQSGD, Codec):
 
     def encode(self, grad, scale, uniforms):
         lo, hi, p, index = self.rounding(grad, scale)
-        index = index + (uniforms < p)
-        return (torch.sign(grad) * index).to(torch.int8)
+        # As in ``UniformQuantizer.encode``: no float + bool, and copysign for the sign.
+        index = index.add_((uniforms < p).to(torch.int8).to(torch.float32))
+        return torch.copysign(index, grad).to(torch.int8)
 
     def values(self, codes):
         index = codes.to(torch.int32).abs()
