@@ -53,11 +53,14 @@ class StepRecorder(keras.callbacks.Callback):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compression", default="terngrad", help="codec name (none, fp16, terngrad)")
+    parser.add_argument("--compression", default="terngrad",
+                        help="codec name, with optional hyperparameters: terngrad, "
+                             "ef-sign:max_block_size=256, ...")
     parser.add_argument("--exchange", default="auto")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="sgd")
+    parser.add_argument("--optimizer", choices=("adam", "sgd", "nesterov"), default="sgd",
+                        help="Adam, or SGD with momentum 0.9 (heavy-ball or Nesterov)")
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -84,7 +87,8 @@ def main(argv=None):
     if args.optimizer == "adam":
         optimizer = keras.optimizers.Adam(schedule, weight_decay=decay)
     else:
-        optimizer = keras.optimizers.SGD(schedule, momentum=0.9, weight_decay=decay)
+        optimizer = keras.optimizers.SGD(schedule, momentum=0.9, weight_decay=decay,
+                                         nesterov=args.optimizer == "nesterov")
     optimizer = hc.DistributedOptimizer(optimizer, compression=args.compression,
                                         exchange=args.exchange, seed=args.seed)
     model = cnn()

@@ -41,11 +41,14 @@ class CNN(nn.Module):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compression", default="terngrad", help="codec name (none, fp16, terngrad)")
+    parser.add_argument("--compression", default="terngrad",
+                        help="codec name, with optional hyperparameters: terngrad, "
+                             "ef-sign:max_block_size=256, ...")
     parser.add_argument("--exchange", default="auto")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="sgd")
+    parser.add_argument("--optimizer", choices=("adam", "sgd", "nesterov"), default="sgd",
+                        help="Adam, or SGD with momentum 0.9 (heavy-ball or Nesterov)")
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -66,6 +69,7 @@ def main(argv=None):
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
+                                    nesterov=args.optimizer == "nesterov",
                                     weight_decay=args.weight_decay)
     optimizer = hc.DistributedOptimizer(optimizer, model.named_parameters(),
                                         compression=args.compression, exchange=args.exchange,

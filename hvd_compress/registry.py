@@ -1,4 +1,6 @@
 """Codecs by name: ``compression="terngrad"`` anywhere a codec is accepted."""
+import ast
+
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
@@ -13,18 +15,28 @@ CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NU
 def resolve(compression, classes=None):
     """Returns a codec instance of the port ``classes`` (name -> class) for ``compression``.
 
-    ``compression`` is a registry name, a codec instance or ``None`` (no compression). An
-    instance of another port (for example the numpy reference) is rebuilt with the same
-    hyperparameters as the matching class of ``classes``.
+    ``compression`` is a registry name, optionally with hyperparameters for command lines
+    (``"ef-sign:max_block_size=256"``, ``"qsgd:bits=2:bucket_size=128"``; values are Python
+    literals), a codec instance or ``None`` (no compression). An instance of another port
+    (for example the numpy reference) is rebuilt with the same hyperparameters as the
+    matching class of ``classes``.
     """
     classes = CODECS if classes is None else classes
     if compression is None:
         compression = "none"
     if isinstance(compression, str):
-        if compression not in classes:
-            raise ValueError(f"compression must be one of {sorted(classes)} or a codec "
-                             f"instance; got {compression!r}")
-        return classes[compression]()
+        name, *settings = compression.split(":")
+        if name not in classes:
+            raise ValueError(f"compression must be one of {sorted(classes)} (optionally "
+                             f"followed by :hyperparameter=value items) or a codec instance; "
+                             f"got {compression!r}")
+        hyperparameters = dict(_setting(compression, item) for item in settings)
+        unknown = set(hyperparameters) - set(classes[name]().params())
+        if unknown:
+            raise ValueError(f"compression {compression!r}: {name} has no hyperparameter "
+                             f"{', '.join(sorted(unknown))}; it takes "
+                             f"{', '.join(classes[name]().params())}")
+        return classes[name](**hyperparameters)
     if isinstance(compression, Codec):
         cls = classes.get(compression.name)
         if cls is None:
@@ -33,3 +45,16 @@ def resolve(compression, classes=None):
         return compression if isinstance(compression, cls) else cls(**compression.params())
     raise TypeError(f"compression must be a codec name ({', '.join(sorted(classes))}) or a "
                     f"codec instance, got {type(compression).__name__}")
+
+
+def _setting(compression, item):
+    """(name, value) of a ``name=value`` item of the codec spec ``compression``."""
+    key, equals, text = item.partition("=")
+    try:
+        if not (equals and key.isidentifier()):
+            raise ValueError
+        return key, ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"compression {compression!r}: hyperparameters are name=value items "
+                         f"with Python literal values, such as max_block_size=256; got "
+                         f"{item!r}") from None

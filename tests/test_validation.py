@@ -13,6 +13,20 @@ def test_unknown_codec_name_lists_the_choices():
         resolve("ternary")
 
 
+def test_codec_specs_with_hyperparameters():
+    assert resolve("ef-sign:max_block_size=256", hc.CODECS) == hc.BlockSign(max_block_size=256)
+    assert resolve("qsgd:bits=2:wire='elias'") == hvd_compress.QSGD(bits=2, wire="elias")
+    with pytest.raises(ValueError, match="ef-sign has no hyperparameter blocks; it takes "
+                                         "max_block_size"):
+        resolve("ef-sign:blocks=4")
+    with pytest.raises(ValueError, match="name=value items .* got 'max_block_size'"):
+        resolve("ef-sign:max_block_size")
+    with pytest.raises(ValueError, match="got 'bits=two'"):
+        resolve("qsgd:bits=two")
+    with pytest.raises(ValueError, match="max_block_size must be >= 1"):
+        resolve("ef-sign:max_block_size=0")
+
+
 def test_negative_clip():
     with pytest.raises(ValueError, match=r"clip \(c\) must be >= 0"):
         hvd_compress.TernGrad(clip=-1)
