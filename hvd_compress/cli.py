@@ -1,13 +1,14 @@
 """The ``hvd-compress`` command.
 
-    hvd-compress demo [--runs 2:none,2:terngrad,...,keras/2:none,gru/4:sync,gru/4:local]
-                      [--steps 3000]
+    hvd-compress demo [--runs 2:none,2:terngrad,...,4:none@nesterov,gru/4:sync,gru/4:local]
+                      [--steps 3000] [--optimizer sgd]
     hvd-compress bench [--workers 2,4] [--rates 10G,1G,100M] ...   (see benchmarks/bench.py)
 
 ``demo`` is the main job: it trains on MNIST-1D under ``horovodrun`` (Gloo, localhost) once
-per run, ``[model/]workers:codec``, with the same seed and data for every run of a model,
-and prints a table of test accuracy (against the baseline run of the same model and worker
-count), bytes handed to Horovod per worker per step, compression ratio and median step time.
+per run, ``[model/]workers:codec[@optimizer]``, with the same seed and data for every run of
+a model, and prints a table of test accuracy (against the baseline run of the same model,
+worker count and optimizer), bytes handed to Horovod per worker per step, compression ratio
+and median step time.
 The models are the examples' scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default),
 the same CNN in Keras with ``model.fit`` (``keras``), and the GRU of the CELGC example
 (``gru``), whose "codecs" are ``sync`` (clipped synchronous SGD, its baseline) and ``local``
@@ -37,15 +38,16 @@ class Example:
         return os.path.join(REPO, "examples", self.script)
 
 
-def _cnn_arguments(codec, args):
-    return ["--compression", codec, "--steps", str(args.steps), "--optimizer", args.optimizer,
+def _cnn_arguments(codec, optimizer, args):
+    return ["--compression", codec, "--steps", str(args.steps), "--optimizer", optimizer,
             "--lr", str(args.lr)]
 
 
-def _gru_arguments(mode, args):
-    if mode not in ("sync", "local"):
+def _gru_arguments(mode, optimizer, args):
+    if mode not in ("sync", "local") or optimizer is not None:
         raise argparse.ArgumentTypeError(
-            f"gru runs are gru/workers:sync or gru/workers:local; got {mode!r}")
+            f"gru runs are gru/workers:sync or gru/workers:local (the example's own SGD); got "
+            f"{mode!r}{'' if optimizer is None else ' @' + optimizer}")
     return ["--mode", mode]  # the example's own schedule: 2000 steps, I = 8
 
 
@@ -55,44 +57,55 @@ EXAMPLES = {
     "gru": Example("mnist1d_gru_torch.py", "PyTorch GRU, CELGC", "sync", _gru_arguments),
 }
 
-# ef-sign with blocks of at most 256 elements: one scale per whole tensor ended 1.4 points
-# below uncompressed SGD at 4 workers (README, dist-EF-blockSGD).
-EF_SIGN = "ef-sign:max_block_size=256"
-DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:nuqsgd", f"2:{EF_SIGN}", "2:adacomp",
-                "2:clt-k", "4:none", f"4:{EF_SIGN}", "keras/2:none", f"keras/2:{EF_SIGN}",
-                "gru/4:sync", "gru/4:local"]
+# ef-sign as dist-EF-blockSGDM, with Nesterov momentum, in blocks of at most 256 elements: with
+# heavy-ball momentum or one scale per whole tensor it ended 1.4 to 3 points below
+# uncompressed SGD at 4 workers, while Nesterov momentum cost TernGrad and NUQSGD 2 points
+# (README, dist-EF-blockSGD). Each run is compared with `none` under its own optimizer.
+EF_SIGN = "ef-sign:max_block_size=256@nesterov"
+DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:nuqsgd", "2:adacomp", "2:clt-k",
+                "2:none@nesterov", f"2:{EF_SIGN}", "4:none@nesterov", f"4:{EF_SIGN}",
+                "keras/2:none@nesterov", f"keras/2:{EF_SIGN}", "gru/4:sync", "gru/4:local"]
+OPTIMIZERS = ("sgd", "nesterov", "adam")
 
 
 class Run:
-    def __init__(self, model, workers, codec):
+    def __init__(self, model, workers, codec, optimizer):
         self.model, self.workers, self.codec = model, workers, codec
+        self.optimizer = optimizer  # None: the demo's --optimizer
 
     def __str__(self):
-        return f"{self.model}/{self.workers}:{self.codec}"
+        at = "" if self.optimizer is None else f"@{self.optimizer}"
+        return f"{self.model}/{self.workers}:{self.codec}{at}"
 
 
 def _parse_runs(text):
     runs = []
     for item in text.split(","):
         model, _, rest = item.rpartition("/")
+        rest, at, optimizer = rest.partition("@")
         workers, _, codec = rest.partition(":")
         model = model or "cnn"
-        if model not in EXAMPLES or not workers.isdigit() or int(workers) < 1 or not codec:
+        if model not in EXAMPLES or not workers.isdigit() or int(workers) < 1 or not codec or \
+                at and optimizer not in OPTIMIZERS:
             raise argparse.ArgumentTypeError(
-                f"--runs takes [model/]workers:codec items such as 2:none,keras/2:terngrad,"
-                f"gru/4:local with model one of {', '.join(EXAMPLES)}; got {item!r}")
+                f"--runs takes [model/]workers:codec[@optimizer] items such as "
+                f"2:none,keras/2:terngrad@nesterov,gru/4:local with model one of "
+                f"{', '.join(EXAMPLES)} and optimizer one of {', '.join(OPTIMIZERS)}; got "
+                f"{item!r}")
+        run = Run(model, int(workers), codec, optimizer if at else None)
         if model == "gru":
-            _gru_arguments(codec, None)
-        runs.append(Run(model, int(workers), codec))
+            _gru_arguments(codec, run.optimizer, None)
+        runs.append(run)
     return runs
 
 
 def _run_example(run, args, outdir):
-    out = os.path.join(outdir, f"{run.model}-{run.workers}-{run.codec}.json")
+    out = os.path.join(outdir, f"{run}.json".replace("/", "-"))
+    optimizer = None if run.model == "gru" else run.optimizer or args.optimizer
     command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"),
                "-np", str(run.workers), "-H", f"localhost:{run.workers}", "--gloo",
                sys.executable, EXAMPLES[run.model].path,
-               *EXAMPLES[run.model].arguments(run.codec, args), "--out", out]
+               *EXAMPLES[run.model].arguments(run.codec, optimizer, args), "--out", out]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print(f"$ {' '.join(command[:7])} {os.path.relpath(command[7])} "
           f"{' '.join(command[8:10])} ...", flush=True)
@@ -104,28 +117,30 @@ def _run_example(run, args, outdir):
     except subprocess.CalledProcessError as error:
         sys.exit(f"demo: {run} failed with exit code {error.returncode}")
     with open(out) as f:
-        return dict(json.load(f), model=run.model, label=run.codec)
+        return dict(json.load(f), model=run.model, label=run.codec, optimizer=optimizer)
 
 
 def baseline_accuracy(results, result):
-    """Test accuracy of the baseline run with the model and workers of ``result``, or None."""
+    """Test accuracy of the baseline run with the model, workers and optimizer of ``result``,
+    or None."""
     baseline = EXAMPLES[result["model"]].baseline
     return next((r["test_accuracy"] for r in results
-                 if (r["model"], r["workers"], r["label"]) ==
-                 (result["model"], result["workers"], baseline)), None)
+                 if (r["model"], r["workers"], r["optimizer"], r["label"]) ==
+                 (result["model"], result["workers"], result["optimizer"], baseline)), None)
 
 
 def format_table(results):
     """A Markdown table of the demo's results, each compared with the baseline run (``none``,
-    or ``sync`` for the GRU) of the same model with the same number of workers."""
-    lines = ["| model | workers | codec | test accuracy | vs. baseline | bytes/step/worker "
-             "| compression | median step |",
-             "|---|---|---|---|---|---|---|---|"]
+    or ``sync`` for the GRU) of the same model with the same workers and optimizer."""
+    lines = ["| model | workers | optimizer | codec | test accuracy | vs. baseline "
+             "| bytes/step/worker | compression | median step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = baseline_accuracy(results, r)
         versus = "n/a" if base is None else f"{100 * (r['test_accuracy'] - base):+.2f} pt"
         lines.append(
-            f"| {EXAMPLES[r['model']].title} | {r['workers']} | {r['label']} | "
+            f"| {EXAMPLES[r['model']].title} | {r['workers']} | {r['optimizer'] or 'clipped sgd'} | "
+            f"{r['label']} | "
             f"{100 * r['test_accuracy']:.2f}% | {versus} | {r['bytes_per_step']:,} | "
             f"{r['compression_ratio']:.1f}x | {r['median_step_ms']:.1f} ms |")
     return "\n".join(lines)
@@ -141,8 +156,8 @@ def demo(args):
     models = {run.model for run in args.runs}
     settings = ["MNIST-1D, Horovod workers over Gloo, same seed and data per model."]
     if models - {"gru"}:
-        settings.append(f"CNNs: {args.steps} steps, {args.optimizer} lr {args.lr} (cosine), "
-                        f"global batch 100.")
+        settings.append(f"CNNs: {args.steps} steps, lr {args.lr} (cosine), global batch 100, "
+                        f"momentum 0.9.")
     if "gru" in models:
         settings.append("GRU: the example's 2000 steps, global batch 128, lr 3.0, gamma 1.0 "
                         "(cosine).")
@@ -171,9 +186,9 @@ def main(argv=None):
                      help="comma-separated [model/]workers:codec runs, in order "
                           f"(default {','.join(DEFAULT_RUNS)})")
     run.add_argument("--steps", type=int, default=3000)
-    run.add_argument("--optimizer", default="nesterov", choices=("sgd", "nesterov", "adam"),
-                     help="for the CNNs: SGD with momentum 0.9, Nesterov (default, as "
-                          "dist-EF-blockSGDM) or heavy-ball, or Adam")
+    run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS,
+                     help="for the CNN runs without @optimizer: SGD with heavy-ball (sgd, "
+                          "default) or Nesterov momentum 0.9, or Adam")
     run.add_argument("--lr", type=float, default=0.1)
     run.add_argument("--timeout", type=int, default=1200, help="seconds per training run")
     run.add_argument("--out", help="also write the results as JSON here")
