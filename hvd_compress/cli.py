@@ -139,8 +139,8 @@ def format_table(results):
         base = baseline_accuracy(results, r)
         versus = "n/a" if base is None else f"{100 * (r['test_accuracy'] - base):+.2f} pt"
         lines.append(
-            f"| {EXAMPLES[r['model']].title} | {r['workers']} | {r['optimizer'] or 'clipped sgd'} | "
-            f"{r['label']} | "
+            f"| {EXAMPLES[r['model']].title} | {r['workers']} | "
+            f"{r['optimizer'] or 'clipped sgd'} | {r['label']} | "
             f"{100 * r['test_accuracy']:.2f}% | {versus} | {r['bytes_per_step']:,} | "
             f"{r['compression_ratio']:.1f}x | {r['median_step_ms']:.1f} ms |")
     return "\n".join(lines)
