@@ -4,7 +4,7 @@ GRU) with the same model, workers, seed and steps; every baseline reaches 90%; a
 hands Horovod at least 5x fewer bytes than its baseline.
 
 CI runs every default run of ``make demo`` except the 4-worker CNN pair: four workers sharing
-2 cores take 15 of the demo's 38 minutes, and CI's whole run must stay under 45 minutes. The
+2 cores take 15 of the demo's 40 minutes, and CI's whole run must stay under 45 minutes. The
 README's table, from a full ``make demo``, has them.
 """
 import json
