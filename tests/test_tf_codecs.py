@@ -70,7 +70,7 @@ def _tf_cases(codecs, packing_cases):
               lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="ef-sign",
                                                   exchange="allreduce"),
               lambda: htf.DistributedOptimizer(object(), compression="terngrad"),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="adacomp")]
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="top-k")]
     for call in misuse:
         try:
             call()
@@ -154,5 +154,5 @@ def test_misuse_errors_say_what_to_do(tf_results):
     assert "hvd_compress.tf.DistributedOptimizer(optimizer, compression='terngrad')" in codes
     assert "ef-sign codes cannot travel by exchange='allreduce'" in exchange
     assert "optimizer must be a keras.optimizers.Optimizer, got object" in optimizer
-    assert "compression must be one of" in missing and "got 'adacomp'" in missing
+    assert "compression must be one of" in missing and "got 'top-k'" in missing
     assert tf_results["fp16_in_horovods_hook"] == "float16"

@@ -19,7 +19,8 @@ CODECS = [hvd_compress.NoneCodec(), hvd_compress.FP16(),
           hvd_compress.QSGDInf(bucket_size=512, **SMALL),
           hvd_compress.NUQSGD(bucket_size=2048, **SMALL),
           hvd_compress.NUQSGD(bucket_size=1000, wire="elias", **SMALL),
-          hvd_compress.BlockSign(min_size=0)]
+          hvd_compress.BlockSign(min_size=0), hvd_compress.AdaComp(**SMALL),
+          hvd_compress.CyclicLocalTopK(**SMALL)]
 
 
 def _fit(codecs, batches=3, batch_size=8):
@@ -73,7 +74,7 @@ def _fit(codecs, batches=3, batch_size=8):
     return runs
 
 
-# Eight models fitted and traced per rank (TensorFlow tracing is slow on 2 cores).
+# Ten models fitted and traced per rank (TensorFlow tracing is slow on 2 cores).
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("world", [2, 4])
 def test_fit_keeps_ranks_identical_after_every_batch(world):

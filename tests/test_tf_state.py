@@ -21,7 +21,9 @@ CASES = [("none", hvd_compress.NoneCodec(), None), ("fp16", hvd_compress.FP16(),
          ("qsgd", hvd_compress.QSGD(**SMALL), None),
          ("qsgd-inf", hvd_compress.QSGDInf(**SMALL), None),
          ("nuqsgd-elias", hvd_compress.NUQSGD(wire="elias", **SMALL), None),
-         ("ef-sign", hvd_compress.BlockSign(min_size=0), None)]
+         ("ef-sign", hvd_compress.BlockSign(min_size=0), None),
+         ("adacomp", hvd_compress.AdaComp(**SMALL), None),
+         ("clt-k", hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, **SMALL), None)]
 STEPS, SAVE_AT = 8, 4
 
 

@@ -1,18 +1,20 @@
 """TensorFlow port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
 ``DistributedGradientTape`` and a Keras ``DistributedOptimizer`` that exchange their codes
 through Horovod's TensorFlow collectives."""
+from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .qsgd import NUQSGD, QSGD, QSGDInf
+from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
 CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
-                                    BlockSign)}
+                                    BlockSign, AdaComp, CyclicLocalTopK)}
 
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 from .tape import DistributedGradientTape  # noqa: E402  (needs CODECS)
 from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 
-__all__ = ["BlockSign", "CODECS", "Codec", "DistributedGradientTape", "DistributedOptimizer",
-           "FP16", "LocalClipSGD", "NUQSGD",
+__all__ = ["AdaComp", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK",
+           "DistributedGradientTape", "DistributedOptimizer", "FP16", "LocalClipSGD", "NUQSGD",
            "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]

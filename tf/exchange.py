@@ -11,7 +11,14 @@ model of each exchange is in ``hvd_compress.cost``.
 Summing exchanges (``Allreduce``, ``Sharded``) need summable codes under one scale for all
 workers; ``Allgather`` also carries each worker's own scales (prefixed to its packed codes as
 raw float32 bytes, so one collective moves both).
+
+Sparse codecs (AdaComp, CLT-k) have exchanges of their own, ``SparseAllgather`` and
+``LeaderAllreduce``: what a worker selects decides what its memory keeps, so they run
+compensate -> select -> update on the worker's memory (passed in, not kept) around their
+collectives.
 """
+import contextlib
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
@@ -28,19 +35,33 @@ TF_ALLREDUCE_DTYPES = ("int8", "float16", "int32", "int64")
 
 class Meter:
     """Counts the bytes of every tensor handed to a Horovod collective, as a tensor (payload
-    lengths of the Elias wire are only known at run time)."""
+    lengths of the Elias wire and of sparse messages are only known at run time): in all,
+    and per gradient tensor (the one named by ``charging``) in ``by_tensor``."""
 
     def __init__(self):
         self.counts = []
+        self.by_tensor = {}
+        self.tensor = None
 
     def hand(self, tensor):
-        self.counts.append(tf.size(tensor, out_type=tf.int64) * tensor.dtype.size)
+        nbytes = tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
+        self.counts.append(nbytes)
+        self.by_tensor[self.tensor] = self.by_tensor.get(self.tensor, 0) + nbytes
         return tensor
 
+    @contextlib.contextmanager
+    def charging(self, name):
+        """Counts the bytes handed inside this block for the gradient tensor ``name``."""
+        self.tensor = name
+        try:
+            yield
+        finally:
+            self.tensor = None
+
     def take(self):
-        """The bytes counted since the last ``take``."""
+        """The bytes counted since the last ``take`` (``by_tensor`` starts over too)."""
         total = tf.add_n(self.counts) if self.counts else tf.constant(0, tf.int64)
-        self.counts = []
+        self.counts, self.by_tensor = [], {}
         return total
 
 
@@ -61,6 +82,15 @@ def _gather_rows(row, name):
     return tf.reshape(rows, [hvd.size(), row.shape[0]])
 
 
+def _gather_with_sizes(payload, name, meter):
+    """Every worker's flat byte ``payload``, whose length differs between workers, in rank
+    order: one allgather of the payloads and one of their lengths to split them apart."""
+    data = hvd.allgather(meter.hand(payload), name=name, ignore_name_scope=True)
+    size = meter.hand(tf.size(payload, out_type=tf.int64)[None])
+    sizes = hvd.allgather(size, name=f"{name}.size", ignore_name_scope=True)
+    return tf.split(data, sizes, num=hvd.size())
+
+
 def _sum_rows(rows):
     accumulate = tf.float32 if rows.dtype.is_floating else tf.int32
     return tf.reduce_sum(tf.cast(rows, accumulate), axis=0)
@@ -70,6 +100,8 @@ class _Exchange:
     def __init__(self, codec, numel, world_size, meter, count, server=None):
         self.codec, self.numel, self.world_size = codec, numel, world_size
         self.meter, self.count, self.server = meter, count, server
+        # Elements this worker sends (a tensor, for sparse codecs: known once it selected).
+        self.sent_elements = numel
 
     def server_numel(self, rank):
         """Elements of the server residual that ``rank`` keeps for this tensor."""
@@ -114,10 +146,7 @@ class Allgather(_Exchange):
         if self.own_scale:
             payload = tf.concat([_bytes(scale), payload], axis=0)
         if self.elias:
-            data = hvd.allgather(self.meter.hand(payload), name=name, ignore_name_scope=True)
-            size = self.meter.hand(tf.size(payload, out_type=tf.int64)[None])
-            sizes = hvd.allgather(size, name=f"{name}.size", ignore_name_scope=True)
-            chunks = tf.split(data, sizes, num=self.world_size)
+            chunks = _gather_with_sizes(payload, name, self.meter)
             codes = tf.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in chunks])
             heads = tf.stack([c[:self.scale_bytes] for c in chunks])
         else:
@@ -224,10 +253,92 @@ class ShardedServer(_Exchange):
         return max(0, min(self.length, self.numel - rank * self.length))
 
 
+class SparseAllgather(_Exchange):
+    """AdaComp: every worker's variable-length message (``_gather_with_sizes``) reaches
+    every worker, which decodes them all and sums them in rank order.
+
+    Args (after those of every exchange):
+        memory: the worker's ``ErrorFeedback``, holding the residues.
+        plan: the tensor's ``TensorPlan`` (its name keys the residue; with its layer kind it
+            chooses the bin length).
+        step: the step counter (unused: every step is alike).
+    """
+
+    name = "allgather"
+
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step):
+        super().__init__(codec, numel, world_size, meter, count)
+        self.memory, self.key = memory, plan.name
+        self.bin_length = codec.bin_length(plan.name, plan.layer)
+
+    def __call__(self, grad, ratio, name):
+        compensated = self.memory.compensate(self.key, grad, ratio)
+        selected = self.codec.select(compensated, grad, self.bin_length)
+        message = self.codec.encode_message(compensated, selected, self.bin_length)
+        sent = self.codec.decode_message(message, self.numel, self.bin_length)
+        self.memory.update(self.key, compensated, sent)
+        self.sent_elements = tf.reduce_sum(tf.cast(selected, tf.int64))
+        values = [self.codec.decode_message(chunk, self.numel, self.bin_length)
+                  for chunk in _gather_with_sizes(message, name, self.meter)]
+        return divide(tf.reduce_sum(tf.stack(values), axis=0), self.count)
+
+
+class LeaderAllreduce(_Exchange):
+    """CLT-k: the leader of this step broadcasts its top-k indices, and one allreduce sums
+    every worker's values at them. The memory's update needs the leader's indices, so it
+    happens between the two collectives.
+
+    Args (after those of every exchange):
+        memory: the worker's ``ErrorFeedback`` (low-pass filtered by the codec's beta).
+        plan: the tensor's ``TensorPlan`` (its name keys the memory).
+        step: the step counter (the pipeline's variable), which chooses the leader.
+    """
+
+    name = "allreduce"
+
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step):
+        super().__init__(codec, numel, world_size, meter, count)
+        self.memory, self.key, self.step = memory, plan.name, step
+        self.sent_elements = codec.k(numel)
+
+    def __call__(self, grad, ratio, name):
+        compensated = self.memory.compensate(self.key, grad, ratio)
+        k = self.sent_elements
+        leader = tf.cast(self.codec.leader(self.step, self.world_size), tf.int32)
+        indices = tf.cond(tf.equal(leader, hvd.rank()),
+                          lambda: self.codec.top_k(compensated, k),
+                          lambda: tf.zeros([k], tf.int32))
+        self.meter.hand(indices)
+        # Horovod's broadcast takes its root as a Python int, and inside a tf.function the
+        # leader is a tensor (it follows the step variable): one branch per possible root,
+        # the same on every rank, so exactly one broadcast runs. An allreduce of the
+        # leader's indices (zeros elsewhere) would need no branches but would put twice the
+        # bytes on the wire and break the cost model's broadcast.
+        indices = tf.switch_case(leader, [
+            lambda root=root: hvd.broadcast(indices, root_rank=root, name=f"{name}.indices",
+                                            ignore_name_scope=True)
+            for root in range(self.world_size)])
+        indices = tf.reshape(tf.cast(indices, tf.int64), [k, 1])
+        values = tf.gather_nd(compensated, indices)
+        sent = tf.scatter_nd(indices, values, [self.numel])
+        self.memory.update(self.key, compensated, sent, self.codec.beta)
+        total = hvd.allreduce(self.meter.hand(values), op=hvd.Sum, name=name,
+                              ignore_name_scope=True)
+        return tf.scatter_nd(indices, divide(tf.cast(total, tf.float32), self.count),
+                             [self.numel])
+
+
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
+SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
 
 
 def make_exchange(name, codec, numel, world_size, meter, count, server=None):
     """The exchange called ``name`` for ``codec``."""
     cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
     return cls(codec, numel, world_size, meter, count, server)
+
+
+def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step):
+    """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``."""
+    return SPARSE_EXCHANGES[name](codec, plan.numel, world_size, meter, count, memory, plan,
+                                  step)

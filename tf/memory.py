@@ -39,9 +39,13 @@ class ErrorFeedback(tf.Module):
     def compensate(self, name, vector, ratio=1.0):
         return vector + self.residuals[name] * ratio
 
-    def update(self, name, compensated, sent):
-        """Proposes ``compensated - sent`` as the new residual."""
-        self.proposed[name] = compensated - sent
+    def update(self, name, compensated, sent, beta=1.0):
+        """Proposes ``compensated - sent`` as the new residual; with ``beta`` < 1 a low-pass
+        filtered one, (1 - beta) residual + beta (compensated - sent) (ScaleCom)."""
+        residual = compensated - sent
+        if beta != 1.0:
+            residual = self.residuals[name] * (1.0 - beta) + residual * beta
+        self.proposed[name] = residual
 
     def commit(self, keep):
         for name, residual in self.proposed.items():

@@ -6,6 +6,7 @@ wrappers so that ``DistributedGradientTape``, the Keras ``DistributedOptimizer``
 drive the same code. It is a ``tf.Module``: its step counter and error-feedback residuals
 are variables, so it runs inside ``tf.function`` and ``tf.train.Checkpoint`` saves it.
 """
+import collections
 import dataclasses
 import re
 
@@ -18,7 +19,7 @@ from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_choice, check_float, check_int
 
-from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange
+from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange
 from .memory import ErrorFeedback
 
 UNCOMPRESSED = "allreduce (uncompressed)"
@@ -32,6 +33,7 @@ class TensorPlan:
     numel: int
     exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
     reason: str    # why it is, or is not, compressed
+    layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
 
 
 def uniforms(seed, rank, step, index, shape):
@@ -83,20 +85,35 @@ class CompressionPipeline(tf.Module):
         # Keras 3 variables give their shape as a tuple and their dtype as a string.
         self.shapes = [tf.TensorShape(variable.shape) for _, variable in named_variables]
         self.dtypes = [tf.as_dtype(variable.dtype) for _, variable in named_variables]
-        self.plans = [self._plan(name, index, shape, dtype, exchange, name in uncompressed)
-                      for index, ((name, _), shape, dtype)
-                      in enumerate(zip(named_variables, self.shapes, self.dtypes))]
+        self.plans = [dataclasses.replace(
+            self._plan(name, index, shape, dtype, exchange, name in uncompressed),
+            layer=codec.layer_kind(name, tuple(shape)))
+            for index, ((name, _), shape, dtype)
+            in enumerate(zip(named_variables, self.shapes, self.dtypes))]
         count = self.world_size if average else 1
-        self.exchanges = {plan.name: make_exchange(plan.exchange, codec, plan.numel,
-                                                   self.world_size, self.meter, count)
-                          for plan in self.plans if plan.exchange != UNCOMPRESSED}
+        compressed = [plan for plan in self.plans if plan.exchange != UNCOMPRESSED]
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.last_step_bytes = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                name="last_step_bytes")
+            # Per variable, in the order of ``plans``: the last step's bytes handed to
+            # Horovod and the elements this worker sent (``layer_stats``).
+            self.last_tensor_bytes = tf.Variable(tf.zeros([len(self.plans)], tf.int64),
+                                                 trainable=False, name="last_tensor_bytes")
+            self.last_sent_elements = tf.Variable(tf.zeros([len(self.plans)], tf.int64),
+                                                  trainable=False, name="last_sent_elements")
         self.worker_memory = ErrorFeedback(
-            {name: exchange.numel for name, exchange in self.exchanges.items()},
+            {plan.name: plan.numel for plan in compressed},
             name="worker") if error_feedback else None
+        if codec.sparse:
+            # The exchange selects from the worker's memory, and updates it, itself.
+            self.exchanges = {plan.name: make_sparse_exchange(
+                plan.exchange, codec, plan, self.world_size, self.meter, count,
+                self.worker_memory, self.step) for plan in compressed}
+        else:
+            self.exchanges = {plan.name: make_exchange(plan.exchange, codec, plan.numel,
+                                                       self.world_size, self.meter, count)
+                              for plan in compressed}
         self.server_memory = ErrorFeedback(
             {name: exchange.server_numel(self.rank) for name, exchange in self.exchanges.items()},
             name="server") if codec.two_way else None
@@ -132,20 +149,28 @@ class CompressionPipeline(tf.Module):
             raise ValueError(f"CompressionPipeline: got {len(grads)} gradients for "
                              f"{len(self.plans)} variables")
         outputs = []
+        sent_elements = []
         for plan, shape, dtype, grad in zip(self.plans, self.shapes, self.dtypes, grads):
             if grad is None:
                 grad = tf.zeros(shape, dtype)
             if plan.exchange == UNCOMPRESSED or isinstance(grad, tf.IndexedSlices):
                 # Sparse gradients (embeddings) go through Horovod's sparse allreduce unless
                 # sparse_as_dense densified them.
-                outputs.append(self._plain(plan, grad))
+                with self.meter.charging(plan.name):
+                    outputs.append(self._plain(plan, grad))
+                sent_elements.append(plan.numel)
             else:
-                outputs.append(tf.cast(tf.reshape(self._compressed(plan, grad, ratio), shape),
-                                       grad.dtype))
+                with self.meter.charging(plan.name):
+                    decoded = self._compressed(plan, grad, ratio)
+                outputs.append(tf.cast(tf.reshape(decoded, shape), grad.dtype))
+                sent_elements.append(self.exchanges[plan.name].sent_elements)
         if self.step_state:
             keep = self.all_finite(outputs)
             for state in self.step_state:
                 state.commit(keep)
+        self.last_tensor_bytes.assign(tf.stack(
+            [tf.cast(self.meter.by_tensor.get(plan.name, 0), tf.int64) for plan in self.plans]))
+        self.last_sent_elements.assign(tf.stack([tf.cast(n, tf.int64) for n in sent_elements]))
         self.last_step_bytes.assign(self.meter.take())
         self.step.assign_add(1)
         return outputs
@@ -170,6 +195,8 @@ class CompressionPipeline(tf.Module):
     def _compressed(self, plan, grad, ratio):
         name = collective_name(plan)
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
+        if self.codec.sparse:
+            return self.exchanges[plan.name](vector, ratio, f"{name}.codes")
         if self.worker_memory is not None:
             vector = self.worker_memory.compensate(plan.name, vector, ratio)
         if self.codec.two_way:
@@ -194,9 +221,16 @@ class CompressionPipeline(tf.Module):
     def expected_bytes(self):
         """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
         total = 0
+        sent_elements = self.last_sent_elements.numpy()
         for plan, dtype in zip(self.plans, self.dtypes):
             if plan.exchange == UNCOMPRESSED:
                 total += cost.uncompressed_traffic(plan.numel, self.world_size, dtype.size).handed
+            elif self.codec.sparse and not self.codec.summable:
+                # Variable-length messages: the formula of the last step's message sizes.
+                nbytes = self.codec.message_nbytes(
+                    plan.numel, self.codec.bin_length(plan.name, plan.layer),
+                    int(sent_elements[plan.index]))
+                total += cost.allgather_with_sizes_traffic(nbytes, self.world_size).handed
             else:
                 total += cost.compressed_traffic(self.codec, plan.numel, self.world_size,
                                                  plan.exchange, TF_ALLREDUCE_DTYPES).handed
@@ -218,7 +252,28 @@ class CompressionPipeline(tf.Module):
             "compression_ratio": uncompressed / sent if sent else float("nan"),
             "tensors": [(plan.name, plan.numel, plan.exchange, plan.reason)
                         for plan in self.plans],
+            "layers": self.layer_stats(),
         }
+
+    def layer_stats(self):
+        """Per layer kind (``TensorPlan.layer``), the last step's bytes handed to Horovod
+        against a plain allreduce's, and the density: the fraction of the elements that
+        this worker sent (quantized or whole)."""
+        totals = collections.defaultdict(collections.Counter)
+        tensor_bytes = self.last_tensor_bytes.numpy()
+        sent_elements = self.last_sent_elements.numpy()
+        for plan, dtype in zip(self.plans, self.dtypes):
+            kind = totals[plan.layer]
+            kind["bytes_handed"] += int(tensor_bytes[plan.index])
+            kind["bytes_uncompressed"] += plan.numel * dtype.size
+            kind["elements"] += plan.numel
+            kind["sent"] += int(sent_elements[plan.index])
+        return {layer: {"bytes_handed": t["bytes_handed"],
+                        "bytes_uncompressed": t["bytes_uncompressed"],
+                        "compression_ratio": t["bytes_uncompressed"] / t["bytes_handed"]
+                        if t["bytes_handed"] else float("nan"),
+                        "density": t["sent"] / t["elements"] if t["elements"] else float("nan")}
+                for layer, t in totals.items()}
 
 
 def variable_name(variable):
@@ -250,6 +305,9 @@ def check_options(owner, compression, classes, *, op, gradient_predivide_factor,
                          f"they can by {cost.exchanges_for(codec)} or 'auto'")
     if error_feedback is None:
         error_feedback = codec.error_feedback_default
+    if codec.sparse and not error_feedback:
+        raise ValueError(f"{owner}: {codec.name} selects what to send from its "
+                         f"error-feedback memory; it cannot run with error_feedback=False")
     return codec, dict(exchange=exchange, average=op == hvd.Average,
                        seed=check_int(owner, "seed", seed, low=0),
                        prescale_factor=1.0 / predivide, postscale_factor=predivide,

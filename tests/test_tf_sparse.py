@@ -1,0 +1,320 @@
+"""The TensorFlow ports of the sparse codecs, AdaComp and ScaleCom's CLT-k: AdaComp's messages
+byte for byte against the numpy reference and the PyTorch port, CLT-k's exact top-k, layer
+kinds of a Keras model, and real Horovod jobs of 2 and 4 processes where a
+``DistributedGradientTape`` loop keeps every rank bitwise equal after every step and matches
+the numpy reference replayed from every rank's local gradients.
+
+Every TensorFlow body runs in child processes only (see ``test_tf_codecs``): this module
+imports neither framework at module level, and the PyTorch side is imported inside the tests.
+"""
+import numpy as np
+import pytest
+
+import hvd_compress
+
+from .harness import run_parallel
+
+pytestmark = pytest.mark.multiprocess
+
+# (numel, L_T, step with a NaN or an Inf in the gradient or None); step 0 has zero bins.
+ADACOMP_CASES = [(1234, 50, None), (5000, 500, None), (7, 50, None), (1, 1, None),
+                 (100, 7, None), (512, 64, None), (3000, 9, 4), (777, 100, 2)]
+ADACOMP_STEPS = 8
+TOP_K_CASES = [(1000, 10), (1000, 1), (7, 7), (513, 100), (20_000, 400)]
+
+
+def _gradients(numel, steps, seed, bad_step):
+    """Gradients with a trend and noise, a zero stretch (whole zero bins) at first, and a NaN
+    (odd seeds) or an Inf at ``bad_step``."""
+    rng = np.random.default_rng(seed)
+    trend = rng.standard_normal(numel).astype(np.float32)
+    grads = [(trend + rng.standard_normal(numel)).astype(np.float32) for _ in range(steps)]
+    grads[0][: min(numel, 120)] = 0
+    if bad_step is not None:
+        grads[bad_step][numel // 3] = np.nan if seed % 2 else np.inf
+    return grads
+
+
+def _adacomp_inputs():
+    return [(numel, bin_length, _gradients(numel, ADACOMP_STEPS, numel + bin_length, bad))
+            for numel, bin_length, bad in ADACOMP_CASES]
+
+
+def _top_k_inputs(numel, k):
+    rng = np.random.default_rng(numel + k)
+    return [values.astype(np.float32) for values in (
+        rng.standard_normal(numel), np.round(rng.standard_normal(numel)),
+        np.where(rng.random(numel) < 0.01, np.nan, rng.standard_normal(numel)))]
+
+
+def _tf_cases(adacomp_inputs, top_k_cases):
+    """In TensorFlow, eager and traced: AdaComp's residue loop (messages and sent values of
+    every step), CLT-k's indices, layer kinds and misuse errors."""
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    hvd.init()
+    codec, clt = htf.AdaComp(), htf.CyclicLocalTopK()
+    results = {"adacomp": [], "top_k": [], "errors": []}
+    for numel, bin_length, grads in adacomp_inputs:
+        def step(compensated, grad, bin_length=bin_length, numel=numel):
+            selected = codec.select(compensated, grad, bin_length)
+            message = codec.encode_message(compensated, selected, bin_length)
+            return message, codec.decode_message(message, numel, bin_length)
+
+        runs = {}
+        for mode, run in (("eager", step), ("traced", tf.function(step))):
+            residue, steps = tf.zeros([numel]), []
+            for grad in grads:
+                compensated = residue + grad
+                message, sent = run(compensated, tf.constant(grad))
+                residue = compensated - sent
+                steps.append((message.numpy(), sent.numpy()))
+            runs[mode] = steps
+        results["adacomp"].append(runs)
+    for numel, k in top_k_cases:
+        traced = tf.function(lambda values, k=k: clt.top_k(values, k))
+        results["top_k"].append([{"eager": clt.top_k(tf.constant(v), k).numpy(),
+                                  "traced": traced(tf.constant(v)).numpy()}
+                                 for v in _top_k_inputs(numel, k)])
+
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Embedding(30, 8),
+                              keras.layers.Conv1D(4, 3), keras.layers.GRU(6),
+                              keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+    adacomp = htf.AdaComp.for_model(model, min_size=0)
+    optimizer = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=adacomp)
+    optimizer.build(model.trainable_variables)
+    results["kinds"] = adacomp.layers
+    results["plans"] = {plan.name: plan.layer for plan in optimizer._hvdc_pipeline.plans}
+    misuse = [lambda: htf.AdaComp().compress(tf.zeros(3)),
+              lambda: htf.CyclicLocalTopK().compress(tf.zeros(3)),
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="adacomp",
+                                                  error_feedback=False),
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="clt-k",
+                                                  exchange="allgather")]
+    for call in misuse:
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            results["errors"].append(str(error))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tf_results():
+    return run_parallel(_tf_cases, 1, _adacomp_inputs(), TOP_K_CASES, timeout=600)[0]
+
+
+@pytest.mark.parametrize("case", range(len(ADACOMP_CASES)),
+                         ids=[f"{n}/{b}/{bad}" for n, b, bad in ADACOMP_CASES])
+def test_adacomp_messages_equal_numpy_and_pytorch(tf_results, case):
+    import torch
+
+    import hvd_compress.pt as hc
+
+    from .test_adacomp import _run_reference
+
+    numel, bin_length, grads = _adacomp_inputs()[case]
+    reference, port = hvd_compress.AdaComp(), hc.AdaComp()
+    _, steps = _run_reference(reference, grads, bin_length)
+    residue = torch.zeros(numel)
+    for step, (grad, (compensated, _, selected, message, sent)) in enumerate(zip(grads, steps)):
+        grad = torch.from_numpy(grad)
+        torch_compensated = residue + grad
+        torch_message = port.encode_message(
+            torch_compensated, port.select(torch_compensated, grad, bin_length), bin_length)
+        residue = torch_compensated - port.decode_message(torch_message, numel, bin_length)
+        np.testing.assert_array_equal(torch_message.numpy(), message)
+        for mode, got in tf_results["adacomp"][case].items():
+            got_message, got_sent = got[step]
+            np.testing.assert_array_equal(got_message, message, err_msg=f"{mode} step {step}")
+            np.testing.assert_array_equal(got_sent, sent, err_msg=f"{mode} step {step}")
+    # The cases cover zero bins (which send nothing) and non-finite messages.
+    assert not steps[0][2][: min(numel, 120)].any()
+    if ADACOMP_CASES[case][2] is not None:
+        assert np.isnan(steps[-1][4]).all()
+
+
+@pytest.mark.parametrize("case", range(len(TOP_K_CASES)),
+                         ids=[f"{n}/{k}" for n, k in TOP_K_CASES])
+def test_top_k_equals_numpy_and_pytorch(tf_results, case):
+    import torch
+
+    import hvd_compress.pt as hc
+
+    numel, k = TOP_K_CASES[case]
+    reference, port = hvd_compress.CyclicLocalTopK(), hc.CyclicLocalTopK()
+    for values, got in zip(_top_k_inputs(numel, k), tf_results["top_k"][case]):
+        want = reference.top_k(values, k)
+        np.testing.assert_array_equal(port.top_k(torch.from_numpy(values), k).numpy(), want)
+        for mode, indices in got.items():
+            assert indices.dtype == np.int32
+            np.testing.assert_array_equal(indices, want, err_msg=mode)
+
+
+def test_layer_kinds_of_a_keras_model_and_misuse(tf_results):
+    kinds = tf_results["kinds"]
+    by_layer = {}
+    for name, kind in kinds.items():
+        by_layer.setdefault(name.split("/")[1], set()).add(kind)
+    assert by_layer == {"embedding": {"embedding"}, "conv1d": {"conv"}, "gru": {"recurrent"},
+                        "layer_normalization": {"other"}, "dense": {"linear"}}, kinds
+    assert len(kinds) == 1 + 2 + 3 + 2 + 2
+    # The names are those of the wrappers' plans, so the kinds reach them.
+    assert tf_results["plans"] == kinds
+    compress, compress_clt, no_memory, exchange = tf_results["errors"]
+    assert "AdaComp cannot run inside Horovod's own DistributedOptimizer" in compress
+    assert "compression='clt-k'" in compress_clt
+    assert "adacomp selects what to send from its error-feedback memory" in no_memory
+    assert "clt-k codes cannot travel by exchange='allgather'" in exchange
+
+
+# ----- real Horovod jobs -----
+
+SHAPES = {"hidden/kernel": (64, 160), "hidden/bias": (160,), "middle/kernel": (160, 12),
+          "middle/bias": (12,), "out/kernel": (12, 10), "out/bias": (10,)}
+LR = 0.1
+ADACOMP = hvd_compress.AdaComp(named_bin_lengths={"middle/kernel:0": 64},
+                               bin_lengths={"other": 20}, min_size=0)
+CLT_K = hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, min_size=0)
+
+
+def _tape_loop(codec, steps, traced):
+    """Trains a 3-layer perceptron of plain variables with a ``DistributedGradientTape``
+    and ``codec`` on random data of this rank; records per step the local gradients, the
+    exchanged ones, the weights and the byte accounting, and at the end the worker memory."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+    from hvd_compress.tf.pipeline import variable_name
+
+    hvd.init()
+    init = np.random.default_rng(hvd.rank())  # different on every rank until broadcast
+    variables = [tf.Variable(init.standard_normal(shape).astype(np.float32) * 0.3, name=name)
+                 for name, shape in SHAPES.items()]
+    hvd.broadcast_variables(variables, root_rank=0)
+    names = [variable_name(v) for v in variables]  # TensorFlow's: "hidden/kernel:0"
+
+    def step(x, y):
+        with tf.GradientTape(persistent=True) as tape:
+            h = tf.nn.relu(x @ variables[0] + variables[1])
+            h = tf.nn.relu(h @ variables[2] + variables[3])
+            logits = h @ variables[4] + variables[5]
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+        local = tape.gradient(loss, variables)
+        distributed = htf.DistributedGradientTape(tape, compression=codec,
+                                                  uncompressed=names[4:] if traced else ())
+        exchanged = distributed.gradient(loss, variables)
+        for v, g in zip(variables, exchanged):
+            v.assign_sub(LR * g)
+        return local, exchanged
+
+    step = tf.function(step) if traced else step
+    data = np.random.default_rng(100 + hvd.rank())
+    records = []
+    for _ in range(steps):
+        x = data.standard_normal((8, 64)).astype(np.float32)
+        y = data.integers(0, 10, 8).astype(np.int32)
+        local, exchanged = step(tf.constant(x), tf.constant(y))
+        pipeline = htf.tape._PIPELINES[next(k for k in htf.tape._PIPELINES
+                                            if k[0][0] == id(variables[0]))][1]
+        stats = pipeline.compression_stats()
+        records.append({"local": {n: g.numpy() for n, g in zip(names, local)},
+                        "exchanged": {n: g.numpy() for n, g in zip(names, exchanged)},
+                        "params": np.concatenate([v.numpy().ravel() for v in variables]),
+                        "bytes": stats["bytes_handed"], "layers": stats["layers"],
+                        "expected": pipeline.expected_bytes()})
+    return {"records": records, "tensors": stats["tensors"],
+            "kinds": {plan.name: plan.layer for plan in pipeline.plans},
+            "memory": {name: r.numpy() for name, r in pipeline.worker_memory.residuals.items()}}
+
+
+def _assert_ranks_agree(results):
+    for step, first in enumerate(results[0]["records"]):
+        for other in results[1:]:
+            record = other["records"][step]
+            np.testing.assert_array_equal(record["params"], first["params"],
+                                          err_msg=f"ranks differ at step {step}")
+            for name, grad in record["exchanged"].items():
+                np.testing.assert_array_equal(grad, first["exchanged"][name],
+                                              err_msg=f"{name} at step {step}")
+
+
+def _compressed(results):
+    return [name for name, _, _, reason in results[0]["tensors"] if reason == "compressed"]
+
+
+def _check_adacomp(results):
+    """Replays AdaComp in numpy from every rank's local gradients."""
+    world = len(results)
+    kinds = results[0]["kinds"]
+    names = _compressed(results)
+    residues = {(rank, n): 0 for rank in range(world) for n in names}
+    for step, first in enumerate(results[0]["records"]):
+        for name in names:
+            bin_length = ADACOMP.bin_length(name, kinds[name])
+            total = 0
+            for rank, r in enumerate(results):
+                grad = r["records"][step]["local"][name].ravel()
+                compensated = residues[rank, name] + grad
+                selected = ADACOMP.select(compensated, grad, bin_length)
+                sent = ADACOMP.decode_message(
+                    ADACOMP.encode_message(compensated, selected, bin_length), grad.size,
+                    bin_length)
+                residues[rank, name] = compensated - sent
+                total = total + sent
+            np.testing.assert_allclose(first["exchanged"][name].ravel(), total / world,
+                                       rtol=1e-6, atol=1e-9, err_msg=f"{name} step {step}")
+        for r in results:
+            record = r["records"][step]
+            assert record["bytes"] == record["expected"]
+            layers = record["layers"]
+            assert sum(layer["bytes_handed"] for layer in layers.values()) == record["bytes"]
+            assert 0 < layers["linear"]["density"] < 0.5
+    for rank, r in enumerate(results):
+        for name in names:
+            np.testing.assert_allclose(r["memory"][name], residues[rank, name], rtol=1e-6,
+                                       atol=1e-9)
+
+
+def _check_clt_k(results):
+    """Replays CLT-k in numpy (``test_scalecom``'s reference) from every rank's local
+    gradients; the leader's indices must have been used."""
+    import torch
+
+    from .test_scalecom import _check_against_reference
+
+    names = _compressed(results)
+    as_torch = [{"records": [{"local": {n: torch.from_numpy(record["local"][n]) for n in names},
+                              "exchanged": {n: torch.from_numpy(g)
+                                            for n, g in record["exchanged"].items()},
+                              "params": torch.from_numpy(record["params"]),
+                              "bytes": record["bytes"], "expected": record["expected"]}
+                             for record in r["records"]],
+                 "memory": {n: torch.from_numpy(r["memory"][n]) for n in names}}
+                for r in results]
+    world = len(results)
+    chosen = _check_against_reference(as_torch, CLT_K)
+    for step, indices in enumerate(chosen):
+        assert any(not np.array_equal(own[step % world], own[(step + 1) % world])
+                   for own in indices.values())
+    for r in results:
+        for record in r["records"]:
+            assert record["layers"]["linear"]["density"] == pytest.approx(0.1, abs=0.01)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("codec,check", [(ADACOMP, _check_adacomp), (CLT_K, _check_clt_k)],
+                         ids=["adacomp", "clt-k"])
+def test_tape_loop_ranks_agree_and_match_reference(world, codec, check):
+    for traced in (True, False) if world == 2 else (True,):
+        results = run_parallel(_tape_loop, world, codec, 2 * world, traced, timeout=800)
+        names = _compressed(results)
+        assert "hidden/kernel:0" in names and ("out/kernel:0" in names) != traced
+        _assert_ranks_agree(results)
+        check(results)
