@@ -37,3 +37,18 @@ def _check_range(owner, name, value, low, high):
         else:
             allowed = f"in [{low}, {high}]"
         raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}")
+
+
+def check_error_feedback(owner, codec, error_feedback):
+    """``error_feedback`` resolved against the codec's default (None), refused for codecs
+    that are unsound without it."""
+    if error_feedback is None:
+        error_feedback = codec.error_feedback_default
+    if codec.two_way and not error_feedback:
+        raise ValueError(f"{owner}: {codec.name} compresses on the workers and again on the "
+                         f"server, which is only sound with error feedback on both; it cannot "
+                         f"run with error_feedback=False")
+    if codec.sparse and not error_feedback:
+        raise ValueError(f"{owner}: {codec.name} selects what to send from its error-feedback "
+                         f"memory; it cannot run with error_feedback=False")
+    return bool(error_feedback)

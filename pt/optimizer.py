@@ -9,7 +9,7 @@ import torch
 
 from hvd_compress.cost import EXCHANGES, exchanges_for
 from hvd_compress.registry import resolve
-from hvd_compress.validation import check_choice, check_float, check_int
+from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
 
 from . import CODECS
 from .momentum import WorkerMomentum
@@ -203,15 +203,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         raise ValueError(f"DistributedOptimizer: {codec.name} codes cannot travel by "
                          f"exchange={exchange!r}; they can by {exchanges_for(codec)} or 'auto'")
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
-    if error_feedback is None:
-        error_feedback = codec.error_feedback_default
-    if codec.two_way and not error_feedback:
-        raise ValueError(f"DistributedOptimizer: {codec.name} compresses on the workers and "
-                         f"again on the server, which is only sound with error feedback on "
-                         f"both; it cannot run with error_feedback=False")
-    if codec.sparse and not error_feedback:
-        raise ValueError(f"DistributedOptimizer: {codec.name} selects what to send from its "
-                         f"error-feedback memory; it cannot run with error_feedback=False")
+    error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)
     if worker_momentum is None:
         worker_momentum = codec.two_way and isinstance(optimizer, torch.optim.SGD) and \
             any(group["momentum"] > 0 for group in optimizer.param_groups)
@@ -232,7 +224,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     pipeline = CompressionPipeline(
         named, codec, exchange=exchange, average=op == hvd.Average, seed=seed,
         uncompressed=whole, prescale_factor=1.0 / predivide, postscale_factor=predivide,
-        error_feedback=bool(error_feedback))
+        error_feedback=error_feedback)
 
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer)
     wrapped._hvdc_setup(optimizer.__class__, pipeline, passes, bool(worker_momentum))

@@ -70,7 +70,11 @@ def _tf_cases(codecs, packing_cases):
               lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="ef-sign",
                                                   exchange="allreduce"),
               lambda: htf.DistributedOptimizer(object(), compression="terngrad"),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="top-k")]
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="top-k"),
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="ef-sign",
+                                                  error_feedback=False),
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="adacomp",
+                                                  error_feedback=False)]
     for call in misuse:
         try:
             call()
@@ -149,10 +153,13 @@ def test_packing_round_trip_at_every_width(tf_results, case):
 
 
 def test_misuse_errors_say_what_to_do(tf_results):
-    codes, exchange, optimizer, missing = tf_results["errors"]
+    codes, exchange, optimizer, missing, two_way, sparse = tf_results["errors"]
     assert "cannot run inside Horovod's own DistributedOptimizer" in codes
     assert "hvd_compress.tf.DistributedOptimizer(optimizer, compression='terngrad')" in codes
     assert "ef-sign codes cannot travel by exchange='allreduce'" in exchange
     assert "optimizer must be a keras.optimizers.Optimizer, got object" in optimizer
     assert "compression must be one of" in missing and "got 'top-k'" in missing
+    assert "ef-sign compresses on the workers and again on the server" in two_way
+    assert "adacomp selects what to send from its error-feedback memory" in sparse
+    assert all("cannot run with error_feedback=False" in e for e in (two_way, sparse))
     assert tf_results["fp16_in_horovods_hook"] == "float16"

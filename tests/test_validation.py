@@ -49,6 +49,14 @@ def test_wrapping_something_that_is_not_an_optimizer():
         hc.DistributedOptimizer(model, compression="terngrad")
 
 
+def test_two_way_codec_refuses_to_run_without_error_feedback():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="ef-sign compresses on the workers and again on the "
+                                         "server.*cannot run with error_feedback=False"):
+        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                compression="ef-sign", error_feedback=False)
+
+
 def test_codecs_are_rebuilt_across_ports_and_compare_by_value():
     port = resolve(hvd_compress.TernGrad(clip=1.5), hc.CODECS)
     assert isinstance(port, hc.TernGrad) and port == hc.TernGrad(clip=1.5)

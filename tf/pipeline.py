@@ -17,7 +17,7 @@ from hvd_compress import cost
 from hvd_compress.registry import resolve
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
-from hvd_compress.validation import check_choice, check_float, check_int
+from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
 
 from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange
 from .memory import ErrorFeedback
@@ -303,15 +303,10 @@ def check_options(owner, compression, classes, *, op, gradient_predivide_factor,
             exchange not in cost.exchanges_for(codec):
         raise ValueError(f"{owner}: {codec.name} codes cannot travel by exchange={exchange!r}; "
                          f"they can by {cost.exchanges_for(codec)} or 'auto'")
-    if error_feedback is None:
-        error_feedback = codec.error_feedback_default
-    if codec.sparse and not error_feedback:
-        raise ValueError(f"{owner}: {codec.name} selects what to send from its "
-                         f"error-feedback memory; it cannot run with error_feedback=False")
     return codec, dict(exchange=exchange, average=op == hvd.Average,
                        seed=check_int(owner, "seed", seed, low=0),
                        prescale_factor=1.0 / predivide, postscale_factor=predivide,
-                       error_feedback=bool(error_feedback))
+                       error_feedback=check_error_feedback(owner, codec, error_feedback))
 
 
 def make_pipeline(owner, named_variables, codec, uncompressed, options):
