@@ -7,7 +7,6 @@ Rank 0 prints the test accuracy, the bytes handed to Horovod per worker per step
 compression ratio, the median step time and which tensors were compressed; ``--out`` also
 writes them as JSON, with the same keys as ``mnist1d_torch.py``.
 """
-import argparse
 import os
 import time
 
@@ -20,6 +19,7 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_compress.tf as hc  # noqa: E402
 from hvd_compress.datasets import load_mnist1d  # noqa: E402
+from hvd_compress.example_args import cnn_parser  # noqa: E402
 from hvd_compress.report import RunRecord, publish  # noqa: E402
 from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback  # noqa: E402
 
@@ -52,20 +52,7 @@ class StepRecorder(keras.callbacks.Callback):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compression", default="terngrad",
-                        help="codec name, with optional hyperparameters: terngrad, "
-                             "ef-sign:max_block_size=256, ...")
-    parser.add_argument("--exchange", default="auto")
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
-    parser.add_argument("--optimizer", choices=("adam", "sgd", "nesterov"), default="sgd",
-                        help="Adam, or SGD with momentum 0.9 (heavy-ball or Nesterov)")
-    parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
-    parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="write the results of rank 0 as JSON here")
-    args = parser.parse_args(argv)
+    args = cnn_parser(__doc__.splitlines()[0]).parse_args(argv)
 
     hvd.init()
     gpus = tf.config.list_physical_devices("GPU")

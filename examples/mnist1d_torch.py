@@ -6,7 +6,6 @@ Rank 0 prints the test accuracy, the bytes handed to Horovod per worker per step
 compression ratio (also per layer type, with the density of sparse codecs), the median step
 time and which tensors were compressed; ``--out`` also writes them as JSON.
 """
-import argparse
 import time
 
 import horovod.torch as hvd
@@ -15,6 +14,7 @@ from torch import nn
 
 import hvd_compress.pt as hc
 from hvd_compress.datasets import load_mnist1d
+from hvd_compress.example_args import cnn_parser
 from hvd_compress.report import RunRecord, publish
 
 
@@ -40,20 +40,7 @@ class CNN(nn.Module):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compression", default="terngrad",
-                        help="codec name, with optional hyperparameters: terngrad, "
-                             "ef-sign:max_block_size=256, ...")
-    parser.add_argument("--exchange", default="auto")
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
-    parser.add_argument("--optimizer", choices=("adam", "sgd", "nesterov"), default="sgd",
-                        help="Adam, or SGD with momentum 0.9 (heavy-ball or Nesterov)")
-    parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
-    parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="write the results of rank 0 as JSON here")
-    args = parser.parse_args(argv)
+    args = cnn_parser(__doc__.splitlines()[0]).parse_args(argv)
 
     hvd.init()
     torch.manual_seed(args.seed)
