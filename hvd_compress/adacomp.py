@@ -43,9 +43,9 @@ where the text was not available:
 * Layer types: convolution kernels get L_T = 50; fully connected, recurrent and embedding
   weights 500; vectors ("other": biases, norms, when the model is not known) 50. The kind
   comes from the module that owns each parameter when the codec is built with
-  ``hvd_compress.pt.AdaComp.for_model(model)``; otherwise from the parameter's name and
-  shape (``codec.layer_kind``), which gives the same bin lengths but cannot tell embeddings
-  from linear layers.
+  ``hvd_compress.pt.AdaComp.for_model(model)`` (or ``hvd_compress.tf.AdaComp.for_model`` for
+  a Keras model); otherwise from the parameter's name and shape (``codec.layer_kind``), which
+  gives the same bin lengths but cannot tell embeddings from linear layers.
 * Tensors under 1024 elements (biases, norms) are sent whole by default, the classifier is
   compressed. On the MNIST-1D CNN (2 workers, 3000 steps) compressing every tensor, biases
   included, ended at 94.40% against 96.70% uncompressed; they are 0.3% of the elements.
@@ -75,7 +75,7 @@ class AdaComp(Codec):
         named_bin_lengths (dict or None): L_T for single parameters by name; these win over
             ``bin_lengths``.
         layers (dict or None): the layer kind of each parameter name. Built from the model by
-            ``hvd_compress.pt.AdaComp.for_model(model)``; parameters missing from it are
+            ``AdaComp.for_model(model)`` of either port; parameters missing from it are
             classified by name and shape.
         min_size (int): tensors with fewer elements are sent whole. Default 1024: biases
             and norms, a small share of the bytes that cost accuracy when compressed.
