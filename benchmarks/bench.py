@@ -140,7 +140,12 @@ def run_job(hosts, spec, timeout, shape, progress, events):
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         log_path = os.path.join(workdir, "workers.log")
-        env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout))}
+        # One job runs every method and replays each one's collectives under new names, so
+        # it meets several times the ~500 names of a training job: with Horovod's default
+        # response cache of 1024 names the later methods paid for evictions (a full
+        # negotiation through rank 0) that training alone would not.
+        env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout)),
+               "HOROVOD_CACHE_CAPACITY": "16384"}
         with open(log_path, "w") as log, HorovodJob(
                 hosts, [sys.executable, "-m", "benchmarks.worker", spec_path], env=env,
                 rank0_pipes=True, log=log) as job:
