@@ -138,7 +138,7 @@ class PowerSGDTrainer(DDPTrainer):
         self.state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=POWERSGD_RANK,
             start_powerSGD_iter=POWERSGD_START)
-        super().__init__(model, world_size, lr, powerSGD_hook.powerSGD_hook, self.state)
+        super().__init__(model, world_size, lr, _one_bucket_at_a_time, self.state)
         self._counted = 0
         self._last = 0
 
@@ -151,6 +151,18 @@ class PowerSGDTrainer(DDPTrainer):
         if self.state.iter <= POWERSGD_START:
             return _gradient_bytes(self.module, 4)  # still allreducing whole gradients
         return 4 * self._last
+
+
+def _one_bucket_at_a_time(state, bucket):
+    """``powerSGD_hook``, finished before the next bucket's hook starts. Gloo matches
+    collectives by the order each rank submits them, and the hook submits its Q allreduce from
+    a callback of its P allreduce, which can come before or after the next bucket's P
+    allreduce depending on thread timing: on the 25M-parameter model (several buckets) a rank
+    received another collective's data and Gloo aborted. Waiting costs the overlap of a
+    bucket's exchange with the rest of the backward pass, a small part of a step here."""
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
 
 
 METHODS = {
