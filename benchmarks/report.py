@@ -4,9 +4,11 @@ Per model, N, link rate and method (one row):
 
 - ``communication`` = step - compute: everything the exchange adds to a step (encode,
   collectives, decode), with ``compute`` the same step with no exchange at all.
-- ``codec`` (hvd_compress codecs only) = step - compute - time blocked in
+- ``codec`` (hvd_compress codecs only) = mean step - compute - mean time blocked in
   ``hvd.synchronize``: the codec's own work (scales, random draws, encode, pack, unpack,
-  decode, the server's second compression) on the main thread.
+  decode, the server's second compression) on the main thread. Means on both sides: the
+  blocked time is only known as a total, and a median step against a mean wait goes
+  negative when a few slow steps (CPU contention) carry most of the waiting.
 - ``predicted`` = compute + codec + sent x 8 / rate: the cost model's step time, with
   ``sent`` the bytes ``hvd_compress.cost`` says a worker puts on the network.
 - ``wire_over_sent``: bytes the worker's interface transmitted per step over ``sent``; and
@@ -17,6 +19,8 @@ Per model, N, link rate and method (one row):
   collectives replayed bare (same sizes, no encode or decode): ``of_ceiling`` is the
   fraction of the bare collectives' speed-up the method reaches.
 """
+import statistics
+
 from .network import parse_rate
 
 BASELINE, FP16_BASELINE = "hvd-none", "hvd-fp16"
@@ -46,7 +50,8 @@ def rows(events):
     for (workers, model, rate, method), e in steps.items():
         c = compute[workers, model]
         bits = _rate_bits(rate)
-        codec = e["seconds"] - c - e["wait_seconds"] if "wait_seconds" in e else None
+        codec = statistics.fmean(e["step_seconds"]) - c - e["wait_seconds"] \
+            if "wait_seconds" in e else None
         base = steps.get((workers, model, rate, BASELINE))
         fp16 = steps.get((workers, model, rate, FP16_BASELINE))
         exchanges = bare.get((workers, model, rate), {})
