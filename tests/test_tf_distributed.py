@@ -12,6 +12,7 @@ import hvd_compress
 from hvd_compress import simulate
 
 from .harness import run_parallel
+from .tf_perceptron import tape_steps
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,51 +32,21 @@ CONFIGS = [
     (hvd_compress.BlockSign(min_size=0), "allgather", True),
     (hvd_compress.BlockSign(max_block_size=300, min_size=0), "sharded", True),
 ]
-SHAPES = {"hidden/kernel": (64, 160), "hidden/bias": (160,), "middle/kernel": (160, 12),
-          "middle/bias": (12,), "out/kernel": (12, 10), "out/bias": (10,)}
-LR = 0.1
 
 
 def _tape_loop(configs, steps=3):
-    """Trains a 3-layer perceptron of plain variables with a DistributedGradientTape per
-    config, on random data of this rank; records per step the local gradients, the
+    """Trains the perceptron once per config; records per step the local gradients, the
     exchanged ones, the weights and the uniforms drawn."""
     import horovod.tensorflow as hvd
-    import tensorflow as tf
 
-    import hvd_compress.tf as htf
     from hvd_compress.tf.pipeline import UNCOMPRESSED, uniforms
 
     hvd.init()
     runs = []
     for codec, exchange, traced in configs:
-        init = np.random.default_rng(hvd.rank())  # different on every rank until broadcast
-        variables = [tf.Variable(init.standard_normal(shape).astype(np.float32) * 0.3,
-                                 name=name) for name, shape in SHAPES.items()]
-        hvd.broadcast_variables(variables, root_rank=0)
-
-        def step(x, y, variables=variables, codec=codec, exchange=exchange):
-            with tf.GradientTape(persistent=True) as tape:
-                h = tf.nn.relu(x @ variables[0] + variables[1])
-                h = tf.nn.relu(h @ variables[2] + variables[3])
-                logits = h @ variables[4] + variables[5]
-                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-            local = tape.gradient(loss, variables)
-            tape = htf.DistributedGradientTape(tape, compression=codec, exchange=exchange)
-            exchanged = tape.gradient(loss, variables)
-            for v, g in zip(variables, exchanged):
-                v.assign_sub(LR * g)
-            return local, exchanged
-
-        step = tf.function(step) if traced else step
-        data = np.random.default_rng(100 + hvd.rank())
         records = []
-        for t in range(steps):
-            x = data.standard_normal((8, 64)).astype(np.float32)
-            y = data.integers(0, 10, 8).astype(np.int32)
-            local, exchanged = step(tf.constant(x), tf.constant(y))
-            pipeline = htf.tape._PIPELINES[next(k for k in htf.tape._PIPELINES
-                                                if k[0][0] == id(variables[0]))][1]
+        for t, (local, exchanged, variables, pipeline) in enumerate(
+                tape_steps(steps, traced, compression=codec, exchange=exchange)):
             draws = {plan.name: uniforms(0, hvd.rank(), t, plan.index, [plan.numel]).numpy()
                      for plan in pipeline.plans if plan.exchange != UNCOMPRESSED}
             records.append({"local": [g.numpy() for g in local],

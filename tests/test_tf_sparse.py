@@ -13,6 +13,7 @@ import pytest
 import hvd_compress
 
 from .harness import run_parallel
+from .tf_perceptron import tape_steps
 
 pytestmark = pytest.mark.multiprocess
 
@@ -174,54 +175,25 @@ def test_layer_kinds_of_a_keras_model_and_misuse(tf_results):
 
 # ----- real Horovod jobs -----
 
-SHAPES = {"hidden/kernel": (64, 160), "hidden/bias": (160,), "middle/kernel": (160, 12),
-          "middle/bias": (12,), "out/kernel": (12, 10), "out/bias": (10,)}
-LR = 0.1
 ADACOMP = hvd_compress.AdaComp(named_bin_lengths={"middle/kernel:0": 64},
                                bin_lengths={"other": 20}, min_size=0)
 CLT_K = hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, min_size=0)
 
 
 def _tape_loop(codec, steps, traced):
-    """Trains a 3-layer perceptron of plain variables with a ``DistributedGradientTape``
-    and ``codec`` on random data of this rank; records per step the local gradients, the
-    exchanged ones, the weights and the byte accounting, and at the end the worker memory."""
+    """Trains the perceptron with ``codec`` (its output layer sent whole when ``traced``);
+    records per step the local gradients, the exchanged ones, the weights and the byte
+    accounting, and at the end the worker memory."""
     import horovod.tensorflow as hvd
-    import tensorflow as tf
 
-    import hvd_compress.tf as htf
     from hvd_compress.tf.pipeline import variable_name
 
     hvd.init()
-    init = np.random.default_rng(hvd.rank())  # different on every rank until broadcast
-    variables = [tf.Variable(init.standard_normal(shape).astype(np.float32) * 0.3, name=name)
-                 for name, shape in SHAPES.items()]
-    hvd.broadcast_variables(variables, root_rank=0)
-    names = [variable_name(v) for v in variables]  # TensorFlow's: "hidden/kernel:0"
-
-    def step(x, y):
-        with tf.GradientTape(persistent=True) as tape:
-            h = tf.nn.relu(x @ variables[0] + variables[1])
-            h = tf.nn.relu(h @ variables[2] + variables[3])
-            logits = h @ variables[4] + variables[5]
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-        local = tape.gradient(loss, variables)
-        distributed = htf.DistributedGradientTape(tape, compression=codec,
-                                                  uncompressed=names[4:] if traced else ())
-        exchanged = distributed.gradient(loss, variables)
-        for v, g in zip(variables, exchanged):
-            v.assign_sub(LR * g)
-        return local, exchanged
-
-    step = tf.function(step) if traced else step
-    data = np.random.default_rng(100 + hvd.rank())
     records = []
-    for _ in range(steps):
-        x = data.standard_normal((8, 64)).astype(np.float32)
-        y = data.integers(0, 10, 8).astype(np.int32)
-        local, exchanged = step(tf.constant(x), tf.constant(y))
-        pipeline = htf.tape._PIPELINES[next(k for k in htf.tape._PIPELINES
-                                            if k[0][0] == id(variables[0]))][1]
+    for local, exchanged, variables, pipeline in tape_steps(
+            steps, traced, compression=codec,
+            uncompressed=("out/kernel", "out/bias") if traced else ()):
+        names = [variable_name(v) for v in variables]  # TensorFlow's: "hidden/kernel:0"
         stats = pipeline.compression_stats()
         records.append({"local": {n: g.numpy() for n, g in zip(names, local)},
                         "exchanged": {n: g.numpy() for n, g in zip(names, exchanged)},
