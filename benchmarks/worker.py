@@ -125,6 +125,10 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
         before = interface_bytes(interface)
         with HorovodProbe() as probe:
             seconds = _timed_steps(trainer, batches, count)
+        # A rank's last step can return while its final send still waits in its link's tbf
+        # queue; the barrier's bytes queue behind it, so once every rank has passed the barrier
+        # the step's bytes have been counted.
+        driver.barrier()
         tx, rx = _difference(interface_bytes(interface), before, count)
         result = dict(model=work.name, method=method, rate=rate, step_seconds=seconds,
                       seconds=statistics.median(seconds), handed=trainer.handed(),
