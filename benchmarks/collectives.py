@@ -4,8 +4,9 @@ the same collectives replayed bare (no encode, no decode): the ceiling a codec c
 ``HorovodProbe`` wraps the entry points of ``horovod.torch`` that ``hvd_compress.pt``
 calls through the module (``hvd.allgather_async(...)``), for the duration of a ``with``
 block: it records every collective (kind, shape, dtype, op) and adds up the time the
-caller spends blocked in ``hvd.synchronize``, so that a step's time splits into compute,
-waiting for the network, and the codec's own work.
+caller spends blocked in ``hvd_compress.pt.exchange.wait`` (the pipeline's only way of
+waiting for a collective), so that a step's time splits into compute, waiting for the
+network, and the codec's own work.
 """
 import dataclasses
 import math
@@ -15,6 +16,8 @@ import horovod.torch as hvd
 import torch
 
 from hvd_compress import cost
+from hvd_compress.pt import exchange, pipeline
+from hvd_compress.pt.exchange import wait
 
 COLLECTIVES = ("allreduce_async", "allreduce_async_", "allgather_async", "alltoall_async")
 
@@ -50,17 +53,20 @@ class HorovodProbe:
         self._originals = {}
 
     def __enter__(self):
-        for kind in COLLECTIVES + ("synchronize",):
-            self._originals[kind] = getattr(hvd, kind)
         for kind in COLLECTIVES:
-            setattr(hvd, kind, self._recording(kind, self._originals[kind]))
-        setattr(hvd, "synchronize", self._timed(self._originals["synchronize"]))
+            self._replace(hvd, kind, self._recording(kind, getattr(hvd, kind)))
+        for module in (exchange, pipeline):
+            self._replace(module, "wait", self._timed(wait))
         return self
 
     def __exit__(self, *exc):
-        for kind, original in self._originals.items():
-            setattr(hvd, kind, original)
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
         self._originals.clear()
+
+    def _replace(self, module, name, replacement):
+        self._originals[module, name] = getattr(module, name)
+        setattr(module, name, replacement)
 
     def _recording(self, kind, original):
         def record(tensor, *args, **kwargs):
@@ -70,13 +76,13 @@ class HorovodProbe:
         return record
 
     def _timed(self, original):
-        def synchronize(handle):
+        def timed_wait(handle):
             start = time.perf_counter()
             try:
                 return original(handle)
             finally:
                 self.wait_seconds += time.perf_counter() - start
-        return synchronize
+        return timed_wait
 
 
 def replay(collectives, tag):
@@ -96,7 +102,7 @@ def replay(collectives, tag):
         else:
             handles.append(hvd.alltoall_async(tensor, name=name))
     for handle in handles:
-        hvd.synchronize(handle)
+        wait(handle)
     return time.perf_counter() - start
 
 

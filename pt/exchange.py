@@ -16,6 +16,7 @@ collectives.
 """
 import collections
 import contextlib
+import time
 
 import horovod.torch as hvd
 import torch
@@ -26,6 +27,24 @@ from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 from . import elias
 from .buckets import per_bucket_
 from .packing import pack, unpack
+
+
+# Bounds of the sleeps between polls in ``wait``: short enough that a small collective's
+# latency hardly grows, long enough that a waiting rank leaves its core to the others.
+_FIRST_SLEEP, _LONGEST_SLEEP = 20e-6, 1e-3
+
+
+def wait(handle):
+    """``hvd.synchronize(handle)`` without its busy wait. Horovod's synchronize polls in a
+    loop that only yields the core, so a rank waiting for the network keeps a core busy;
+    with more ranks than cores (4 on 2 in this project's benchmarks) the spinning ranks took
+    the CPU the encoding ranks and Horovod's background threads needed, and a step at N = 4
+    took 2.7x as long. Sleeps that double from 20 us to 1 ms free the core instead."""
+    sleep = _FIRST_SLEEP
+    while not hvd.poll(handle):
+        time.sleep(sleep)
+        sleep = min(2 * sleep, _LONGEST_SLEEP)
+    return hvd.synchronize(handle)
 
 
 class Meter:
@@ -71,8 +90,8 @@ def _allgather_with_sizes(payload, name, meter):
 
 def _gathered_payloads(handles):
     """Every worker's payload, in rank order, from ``_allgather_with_sizes``."""
-    data = hvd.synchronize(handles[0])
-    return torch.split(data, hvd.synchronize(handles[1]).tolist())
+    data = wait(handles[0])
+    return torch.split(data, wait(handles[1]).tolist())
 
 
 def _sum_rows(rows):
@@ -105,7 +124,7 @@ class Allreduce(_Exchange):
 
     def finish(self, pending):
         handle, scale = pending
-        total = hvd.synchronize(handle)
+        total = wait(handle)
         if not total.is_floating_point():
             total = total.to(torch.int32)
         return self.codec.decode(total, scale, self.count)
@@ -145,7 +164,7 @@ class Allgather(_Exchange):
             codes = torch.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in chunks])
             heads = torch.stack([c[:self.scale_bytes] for c in chunks])
         else:
-            data = hvd.synchronize(handles[0])
+            data = wait(handles[0])
             codes = unpack(data[:, self.scale_bytes:], self.codec.code_space, self.numel)
             heads = data[:, :self.scale_bytes]
         return codes, _floats(heads)
@@ -187,14 +206,14 @@ class Sharded(_Exchange):
 
     def advance(self, pending):
         handle, scale, name = pending
-        received, _ = hvd.synchronize(handle)
+        received, _ = wait(handle)
         values = self.codec.values(unpack(received, self.codec.code_space, self.length))
         payload = self.meter.hand(pack(_sum_rows(values).reshape(1, -1), self.total_space))
         return hvd.allgather_async(payload, name=f"{name}.sum"), scale
 
     def finish(self, pending):
         handle, scale = pending
-        rows = hvd.synchronize(handle)
+        rows = wait(handle)
         total = unpack(rows, self.total_space, self.length).reshape(-1)[: self.numel]
         return self.codec.decode(total, scale, self.count)
 
@@ -228,7 +247,7 @@ class ShardedServer(_Exchange):
 
     def advance(self, pending):
         handle, name = pending
-        received, _ = hvd.synchronize(handle)
+        received, _ = wait(handle)
         rank = hvd.rank()
         scales = _floats(received[:, :self.scale_bytes])
         signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
@@ -249,7 +268,7 @@ class ShardedServer(_Exchange):
         return hvd.allgather_async(self.meter.hand(payload.reshape(1, -1)), name=f"{name}.server")
 
     def finish(self, handle):
-        rows = hvd.synchronize(handle)
+        rows = wait(handle)
         scales = _floats(rows[:, :self.server_scale_bytes])
         signs = unpack(rows[:, self.server_scale_bytes:], self.codec.code_space, self.length)
         # All servers' shards at once: a shard's blocks (bucket_length of its valid length)
@@ -330,7 +349,7 @@ class LeaderAllreduce(_Exchange):
 
     def advance(self, pending):
         handle, compensated, name = pending
-        indices = hvd.synchronize(handle).to(torch.int64)
+        indices = wait(handle).to(torch.int64)
         values = compensated[indices]
         sent = torch.zeros_like(compensated)
         sent[indices] = values
@@ -339,7 +358,7 @@ class LeaderAllreduce(_Exchange):
 
     def finish(self, pending):
         handle, indices = pending
-        total = hvd.synchronize(handle)
+        total = wait(handle)
         average = torch.zeros(self.numel, dtype=torch.float32, device=total.device)
         average[indices] = total.to(torch.float32) / self.count
         return average

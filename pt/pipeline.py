@@ -15,7 +15,7 @@ from hvd_compress import agreement, cost
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 
-from .exchange import Meter, make_exchange, make_sparse_exchange
+from .exchange import Meter, make_exchange, make_sparse_exchange, wait
 from .memory import ErrorFeedback
 
 
@@ -168,15 +168,15 @@ class CompressionPipeline:
                                     prescale_factor=self.prescale_factor,
                                     postscale_factor=self.postscale_factor)
 
-    def _start_ready_codes(self, wait=False):
+    def _start_ready_codes(self, block=False):
         """Encodes and hands over the codes of every tensor whose shared scale has arrived."""
         for flight in self._in_flight.values():
             if flight.stage != "scale":
                 continue
             if flight.handle is not None:
-                if not wait and not hvd.poll(flight.handle):
+                if not block and not hvd.poll(flight.handle):
                     continue
-                flight.scale = hvd.synchronize(flight.handle)
+                flight.scale = wait(flight.handle)
             self._start_codes(flight)
 
     def _start_codes(self, flight):
@@ -204,14 +204,14 @@ class CompressionPipeline:
         """
         for param in missing:
             self.launch(param)
-        self._start_ready_codes(wait=True)
+        self._start_ready_codes(block=True)
         for flight in self._in_flight.values():
             if flight.stage == "codes":
                 with self.meter.charging(flight.plan.name):
                     flight.handle = flight.exchange.advance(flight.handle)
         for param, flight in self._in_flight.items():
             if flight.stage == "plain":
-                output = hvd.synchronize(flight.handle) if isinstance(flight.handle, int) \
+                output = wait(flight.handle) if isinstance(flight.handle, int) \
                     else flight.handle()
                 if output.is_sparse:
                     param.grad = output
