@@ -2,8 +2,11 @@
 # `make bench` runs the bandwidth-limited benchmark matrix (needs root for the namespaces).
 # Each sets up the environment first (idempotent; the Horovod build is cached).
 PY := .venv/bin/python
+# What launch/worker_env.sh gives workers (one thread each; glibc keeps freed memory).
 export OMP_NUM_THREADS := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
+export MALLOC_MMAP_THRESHOLD_ := 1073741824
+export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
 .PHONY: setup demo test bench
 

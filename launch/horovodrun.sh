@@ -4,8 +4,8 @@
 #   launch/horovodrun.sh [-n N] [-H host1:slots,host2:slots] [--mpi] script.py [args...]
 #
 # Gloo is the default controller (no MPI needed at run time); --mpi uses OpenMPI instead.
-# Each worker gets OMP_NUM_THREADS (default 1) so that N workers on few cores do not fight
-# over threads; set it higher on machines with cores to spare.
+# Each worker gets the environment of launch/worker_env.sh (one thread, glibc keeping freed
+# memory).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${HVD_COMPRESS_VENV:-$REPO/.venv}"
@@ -20,6 +20,6 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ $# -ge 1 ] || { echo "usage: $0 [-n N] [-H hosts] [--mpi|--gloo] script.py [args...]" >&2; exit 2; }
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+source "$REPO/launch/worker_env.sh"
 exec "$VENV/bin/horovodrun" -np "$NP" -H "${HOSTS:-localhost:$NP}" "$CONTROLLER" \
     "$VENV/bin/python" "$@"

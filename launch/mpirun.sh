@@ -17,13 +17,14 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ $# -ge 1 ] || { echo "usage: $0 [-n N] [--hostfile FILE] script.py [args...]" >&2; exit 2; }
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+source "$REPO/launch/worker_env.sh"
 FLAGS=(
     -np "$NP"
     --bind-to none        # let each worker's OMP threads use any core
     --map-by slot         # fill each host's slots in order
     --oversubscribe       # allow more ranks than cores (tests on small machines)
     -x OMP_NUM_THREADS -x TF_CPP_MIN_LOG_LEVEL -x PATH -x LD_LIBRARY_PATH
+    -x MALLOC_MMAP_THRESHOLD_ -x MALLOC_TRIM_THRESHOLD_   # launch/worker_env.sh
     -x NCCL_DEBUG         # forwarded when set, for GPU runs
     --mca pml ob1 --mca btl self,tcp   # TCP between ranks; drop on InfiniBand clusters
 )

@@ -17,7 +17,7 @@ if [ "$(id -u)" != 0 ]; then
     echo "launch/netns.sh: network namespaces and tc need root (CAP_NET_ADMIN); run it as root" >&2
     exit 1
 fi
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+source "$REPO/launch/worker_env.sh"
 cd "$REPO"
 # The Python side tears down on its own exit; this covers it being killed outright.
 trap '"$VENV/bin/python" -m benchmarks.network --teardown' EXIT
