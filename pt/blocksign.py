@@ -14,8 +14,10 @@ class BlockSign(reference.BlockSign, Codec):
         p = grad.detach().reshape(-1)
         n = self.buckets(p.numel())
         d = self.bucket_length(p.numel())
-        # Converted before the sum: a float64 sum of float32 converting as it goes is slower.
-        sums = reduce(p.abs().to(torch.float64), d, "sum")
+        # Converted before the sum (a float64 sum of float32 converting as it goes is
+        # slower), and before abs, which then runs in place on the copy (copy=True: a float64
+        # gradient must not be changed): one temporary instead of two.
+        sums = reduce(p.to(torch.float64, copy=True).abs_(), d, "sum")
         sizes = torch.clamp(p.numel() - d * torch.arange(n, device=p.device), max=d)
         scale = (sums / sizes).to(torch.float32)
         # Sums propagate NaN and Inf: a non-finite scale marks the whole tensor.
