@@ -27,7 +27,7 @@ from hvd_compress.registry import resolve
 from hvd_compress.validation import check_choice, check_float, check_int
 
 from . import CODECS
-from .exchange import Meter
+from .exchange import Meter, wait
 from .optimizer import STATE_KEY, _classifier_names, _named_parameters, wrap_in_subclass
 from .pipeline import CompressionPipeline
 
@@ -100,7 +100,8 @@ class _LocalClipSGD:
         # Every rank must hand over the same tensors, also for parameters without a gradient.
         grads = [self._hvdc_meter.hand(torch.zeros_like(p) if p.grad is None else p.grad)
                  for _, p in self._hvdc_named]
-        averaged = hvd.grouped_allreduce(grads, op=hvd.Average, name="hvdc.local_sgd.gradients")
+        averaged = wait(hvd.grouped_allreduce_async(grads, op=hvd.Average,
+                                                    name="hvdc.local_sgd.gradients"))
         return float(torch.nn.utils.get_total_norm(averaged))
 
     @contextlib.contextmanager
@@ -125,12 +126,14 @@ class _LocalClipSGD:
         floating-point buffers by another."""
         if self._hvdc_pipeline is None:
             parameters = [self._hvdc_meter.hand(p.detach()) for _, p in self._hvdc_named]
-            hvd.grouped_allreduce_(parameters, op=hvd.Average, name="hvdc.local_sgd.parameters")
+            wait(hvd.grouped_allreduce_async_(parameters, op=hvd.Average,
+                                              name="hvdc.local_sgd.parameters"))
         else:
             self._hvdc_exchange_moves()
         if self._hvdc_buffers:
-            hvd.grouped_allreduce_([self._hvdc_meter.hand(b) for b in self._hvdc_buffers],
-                                   op=hvd.Average, name="hvdc.local_sgd.buffers")
+            wait(hvd.grouped_allreduce_async_(
+                [self._hvdc_meter.hand(b) for b in self._hvdc_buffers], op=hvd.Average,
+                name="hvdc.local_sgd.buffers"))
         self.syncs += 1
 
     def _hvdc_exchange_moves(self):

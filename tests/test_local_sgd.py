@@ -40,7 +40,8 @@ def _batch(rank, step):
 def _counting_calls(hvd):
     """Counts the calls of Horovod's grouped allreduces by the name they are given."""
     calls = collections.Counter()
-    originals = {name: getattr(hvd, name) for name in ("grouped_allreduce", "grouped_allreduce_")}
+    originals = {name: getattr(hvd, name)
+                 for name in ("grouped_allreduce_async", "grouped_allreduce_async_")}
 
     def counted(real):
         def call(tensors, **kwargs):

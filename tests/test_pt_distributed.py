@@ -297,3 +297,26 @@ def test_misuse_errors_and_sparse_gradients():
     before = torch.nn.Embedding(50, 8, sparse=True).weight.detach()
     changed = (results[0][1] != before).any(1).nonzero().reshape(-1).tolist()
     assert changed == [0, 1, 3, 7, 8]
+
+
+def _wait_for_late_rank():
+    import time
+
+    import horovod.torch as hvd
+    from hvd_compress.pt.exchange import wait
+    hvd.init()
+    if hvd.rank() == 1:
+        time.sleep(1.0)
+    handle = hvd.allreduce_async(torch.ones(4), op=hvd.Sum, name="late")
+    cpu, start = time.thread_time(), time.perf_counter()
+    total = wait(handle)
+    return time.thread_time() - cpu, time.perf_counter() - start, total.tolist()
+
+
+def test_waiting_for_a_late_rank_leaves_the_core_free():
+    # Horovod's synchronize would spend about the whole second on rank 0's core; with more
+    # ranks than cores that CPU is taken from the ranks still encoding.
+    (cpu, waited, total), _ = run_parallel(_wait_for_late_rank, 2, timeout=120)
+    assert total == [2.0] * 4
+    assert waited > 0.5
+    assert cpu < 0.1 * waited, (cpu, waited)
