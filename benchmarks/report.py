@@ -6,9 +6,9 @@ Per model, N, link rate and method (one row):
   collectives, decode), with ``compute`` the same step with no exchange at all.
 - ``codec`` (hvd_compress codecs only) = mean step - compute - mean time blocked in
   ``hvd_compress.pt.exchange.wait``: the codec's own work (scales, random draws, encode,
-  pack, unpack, decode, the server's second compression) on the main thread. Means on both sides: the
-  blocked time is only known as a total, and a median step against a mean wait goes
-  negative when a few slow steps (CPU contention) carry most of the waiting.
+  pack, unpack, decode, the server's second compression) on the main thread. Means on both
+  sides: the blocked time is only known as a total, and a median step against a mean wait
+  goes negative when a few slow steps (CPU contention) carry most of the waiting.
 - ``predicted`` = compute + codec + sent x 8 / rate: the cost model's step time, with
   ``sent`` the bytes ``hvd_compress.cost`` says a worker puts on the network.
 - ``wire_over_sent``: bytes the worker's interface transmitted per step over ``sent``; and
