@@ -238,9 +238,7 @@ class ShardedServer(_Exchange):
         self.server_scale_bytes = 4 * codec.buckets(self.length)
 
     def start(self, codes, scale, name):
-        padded = codes.new_ones(self.world_size * self.length)
-        padded[: self.numel] = codes.reshape(-1)
-        shards = pack(padded.reshape(self.world_size, self.length), self.codec.code_space)
+        shards = self._shards(codes, self.world_size)
         heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
         payload = torch.cat([heads.expand(self.world_size, -1), shards], dim=1)
         return hvd.alltoall_async(self.meter.hand(payload), name=name), name
@@ -260,11 +258,7 @@ class ShardedServer(_Exchange):
         codes, server_scale, _ = self.server(self.codec, average)
         padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
         padded_scale[: server_scale.numel()] = server_scale
-        padded_codes = codes.new_ones(self.length)
-        padded_codes[:valid] = codes
-        payload = torch.cat([padded_scale.view(torch.uint8),
-                             pack(padded_codes.reshape(1, -1), self.codec.code_space)
-                             .reshape(-1)])
+        payload = torch.cat([padded_scale.view(torch.uint8), self._shards(codes, 1).reshape(-1)])
         return hvd.allgather_async(self.meter.hand(payload.reshape(1, -1)), name=f"{name}.server")
 
     def finish(self, handle):
@@ -276,6 +270,14 @@ class ShardedServer(_Exchange):
         # elements past the valid ones are cut off.
         decoded = self.codec.decode(signs, scales, 1).reshape(-1)
         return decoded[: self.numel]
+
+    def _shards(self, codes, count):
+        """``codes`` packed as ``count`` shards (rows) of ``self.length`` codes. Shards start
+        on byte boundaries, so the codes are packed once and the bytes padded with zero
+        bits: codes +1 past the tensor's end, which every receiver cuts off."""
+        packed = pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
+        nbytes = count * self.length // self.codec.code_space.codes_per_byte
+        return torch.nn.functional.pad(packed, (0, nbytes - packed.numel())).reshape(count, -1)
 
     def _valid(self, rank):
         return max(0, min(self.length, self.numel - rank * self.length))
