@@ -17,7 +17,7 @@ demo: setup
 	$(PY) -m hvd_compress.cli demo
 
 test: setup
-	$(PY) -m pytest -ra -q tests
+	$(PY) -m pytest -ra -q --durations=15 tests
 
 bench: setup
 	$(PY) -m hvd_compress.cli bench
