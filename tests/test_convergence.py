@@ -9,7 +9,7 @@ heavy-ball codecs, seeds 0-3 on CI's machine type: mean gaps -0.7 to +0.1 points
 -1.4 to +0.8; README, Results), and a 1-point bound on one seed failed 3 of those 20 runs.
 
 CI runs every default run of ``make demo`` except the 4-worker CNN pair: four workers sharing
-2 cores take 15 of the demo's 40 minutes, and CI's whole run must stay under 45 minutes. The
+2 cores take 8 of the demo's 30 minutes, and CI's whole run must stay under 45 minutes. The
 README's table, from a full ``make demo``, has them.
 """
 import json
