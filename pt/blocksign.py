@@ -3,27 +3,8 @@ import torch
 
 from hvd_compress import blocksign as reference
 
-from .buckets import pieces, rescale
+from .buckets import float64_sums, rescale
 from .codec import Codec
-
-# Elements converted to float64 at a time for the block sums on a CPU: a cache-sized
-# buffer made the scale of a 25M-parameter model's gradients 3x cheaper than one
-# gradient-sized float64 copy. A GPU converts the whole tensor in one launch instead.
-_CPU_CHUNK = 1 << 17
-
-
-def block_l1(p, d):
-    """sum |p_i| over each block of ``d`` elements of the 1-D ``p``, in float64."""
-    numel = p.numel()
-    chunk = _CPU_CHUNK if p.device.type == "cpu" else max(numel, 1)
-    sums = torch.zeros(-(-numel // d), dtype=torch.float64, device=p.device)
-    buffer = torch.empty(min(chunk, numel), dtype=torch.float64, device=p.device)
-    for start in range(0, numel, chunk):
-        stop = min(start + chunk, numel)
-        magnitude = buffer[: stop - start].copy_(p[start:stop]).abs_()
-        for elements, rows, blocks in pieces(start, stop, d):
-            sums[blocks] += magnitude[elements].reshape(rows, -1).sum(dim=1)
-    return sums
 
 
 class BlockSign(reference.BlockSign, Codec):
@@ -33,7 +14,7 @@ class BlockSign(reference.BlockSign, Codec):
         p = grad.detach().reshape(-1)
         n = self.buckets(p.numel())
         d = self.bucket_length(p.numel())
-        sums = block_l1(p, d)
+        sums = float64_sums(p, d, torch.Tensor.abs_)
         sizes = torch.clamp(p.numel() - d * torch.arange(n, device=p.device), max=d)
         scale = (sums / sizes).to(torch.float32)
         # Sums propagate NaN and Inf: a non-finite scale marks the whole tensor.

@@ -54,6 +54,28 @@ def reduce(values, bucket_size, reduction):
     return out
 
 
+# Elements converted to float64 at a time for block sums on a CPU: a cache-sized buffer made
+# the block scales of a 25M-parameter model's gradients 3x cheaper than one gradient-sized
+# float64 copy. A GPU converts the whole tensor in one launch instead.
+_CPU_CHUNK = 1 << 17
+
+
+def float64_sums(values, bucket_size, transform):
+    """sum of ``transform(v)`` over each bucket of the 1-D ``values``, in float64;
+    ``transform`` is an in-place tensor method (``torch.Tensor.abs_``,
+    ``torch.Tensor.square_``) applied to float64 copies of the elements."""
+    numel = values.shape[-1]
+    chunk = _CPU_CHUNK if values.device.type == "cpu" else max(numel, 1)
+    sums = torch.zeros(count(numel, bucket_size), dtype=torch.float64, device=values.device)
+    buffer = torch.empty(min(chunk, numel), dtype=torch.float64, device=values.device)
+    for start in range(0, numel, chunk):
+        stop = min(start + chunk, numel)
+        converted = transform(buffer[: stop - start].copy_(values[start:stop]))
+        for elements, rows, buckets in pieces(start, stop, bucket_size):
+            sums[buckets] += converted[elements].reshape(rows, -1).sum(dim=1)
+    return sums
+
+
 def _float32(scale, device):
     scale = torch.as_tensor(scale, dtype=torch.float32, device=device)
     return scale.reshape(scale.shape or (1,))

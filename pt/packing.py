@@ -1,7 +1,7 @@
 """PyTorch packing of codes; mirrors ``hvd_compress.packing`` (wire formats: ``codes.py``).
 
-Only shifts, masks and sums of integer tensors, and views of their bytes: the same code
-runs on CPU and CUDA tensors.
+Only shifts, masks, sums and table lookups of integer tensors, and views of their bytes:
+the same code runs on CPU and CUDA tensors.
 """
 import functools
 

@@ -3,7 +3,7 @@ import torch
 
 from hvd_compress import qsgd as reference
 
-from .buckets import normalized, reduce, rescale
+from .buckets import float64_sums, normalized, reduce, rescale
 from .codec import Codec
 from .quantizer import UniformQuantizer
 
@@ -12,8 +12,8 @@ def _local_norms(quantizer, grad, norm):
     g = grad.detach().reshape(-1)
     d = quantizer.bucket_length(g.numel())
     if norm == "l2":
-        squares = g.to(torch.float32).to(torch.float64).square_()
-        scale = reduce(squares, d, "sum").sqrt().to(torch.float32)
+        squares = float64_sums(g.to(torch.float32), d, torch.Tensor.square_)
+        scale = squares.sqrt().to(torch.float32)
     else:
         # |g| in g's own dtype is exact, and rounding to float32 keeps the maximum.
         scale = reduce(g.abs(), d, "amax").to(torch.float32)
