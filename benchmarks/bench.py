@@ -38,12 +38,13 @@ LOCALHOST = "localhost"
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def timed_steps(model, rate):
+def timed_steps(model):
     """Timed steps per configuration, sized so that the default matrix fits in 20 minutes
-    on 2 cores: the 25M-parameter model's uncompressed step takes ~12 s at 100 Mbit/s."""
-    if model == "cnn":
-        return 20
-    return 3 if rate == LOCALHOST or network.parse_rate(rate) < 1e9 else 5
+    on 2 cores (the 25M-parameter model's uncompressed step takes ~14 s at 100 Mbit/s and
+    4 workers). In the run of 2026-11-23 the medians of the first 3 (CNN: 10) of 5 (20)
+    steps were 5% (6%) from the full medians on average, 54% (32%) at most, in CPU-bound
+    configurations whose step times spread as widely between runs."""
+    return 10 if model == "cnn" else 3
 
 
 def _list(kind, choices=None, convert=str):
@@ -90,8 +91,8 @@ def add_arguments(parser):
                         default=list(DEFAULT_METHODS),
                         help=f"methods (default {','.join(DEFAULT_METHODS)})")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per configuration (default: 20 for cnn; 3 below "
-                             "1 Gbit/s and 5 from 1 Gbit/s for resnet50)")
+                        help="timed steps per configuration (default: 10 for cnn, 3 for "
+                             "resnet50)")
     parser.add_argument("--bare-repeats", type=int, default=2,
                         help="replays of the bare collectives per configuration (default 2)")
     parser.add_argument("--accuracy-methods", type=_list("--accuracy-methods", METHODS),
@@ -120,9 +121,9 @@ def _spec(args, rates):
                 "every": max(1, args.accuracy_steps // 10), "lr": 0.1}
     return {
         "models": args.models, "methods": args.methods, "rates": rates, "seed": args.seed,
-        "steps": {m: {r: args.steps or timed_steps(m, r) for r in rates + [accuracy_rate]}
+        "steps": {m: {r: args.steps or timed_steps(m) for r in rates + [accuracy_rate]}
                   for m in args.models},
-        "compute_steps": {m: args.steps or timed_steps(m, rates[-1]) for m in args.models},
+        "compute_steps": {m: args.steps or timed_steps(m) for m in args.models},
         "bare_repeats": args.bare_repeats, "accuracy": accuracy,
     }
 
