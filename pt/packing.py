@@ -1,7 +1,7 @@
 """PyTorch packing of codes; mirrors ``hvd_compress.packing`` (wire formats: ``codes.py``).
 
-Only shifts, masks, sums and table lookups of integer tensors, and views of their bytes:
-the same code runs on CPU and CUDA tensors.
+Only shifts, masks, sums, products and table lookups of integer tensors, and views of
+their bytes: the same code runs on CPU and CUDA tensors.
 """
 import functools
 
@@ -70,7 +70,7 @@ def _pack_unsigned(unsigned, width, pad):
     return _merge_fields(unsigned.contiguous(), width)
 
 
-# Fields narrower than a byte are merged a few bytes at a time, as the bytes of one integer
+# Fields of 2 and 4 bits are merged a few bytes at a time, as the bytes of one integer
 # word: shifts, ors and masks of whole contiguous words instead of one strided pass per
 # field. Words of at most 32 bits: x86 has no vector arithmetic shift of 64-bit
 # integers. A word's bytes are read little-endian, the byte order of the CPUs and GPUs
@@ -78,11 +78,20 @@ def _pack_unsigned(unsigned, width, pad):
 _WORDS = {2: torch.int16, 4: torch.int32}
 
 
+# One-bit fields are merged by one multiplication per eight of them: field i of an int64
+# word (bit 8 i) times 2^(56 - 7 i) lands on bit 56 + i, the other 56 partial products
+# fall on distinct bits below 56 or wrap away above 63, so nothing carries into the top
+# byte. Twice as fast on a CPU as the doubling runs, which remain for 2 and 4 bits.
+_GATHER_BITS = 0x0102040810204080
+
+
 def _merge_fields(fields, width):
     """uint8 ``fields`` of ``width`` bits (last axis a multiple of 8 // width), merged
     little-endian into bytes."""
     if fields.numel() == 0:  # an empty tensor's strides may not allow a view
         return fields.new_empty(*fields.shape[:-1], fields.shape[-1] * width // 8)
+    if width == 1:
+        return ((fields.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
     while width < 8:
         per_word = min(8 // width, 4)
         words = fields.view(_WORDS[per_word])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hvd_compress import packing
-from hvd_compress.codes import FloatCodes, IntCodes, shard_length
+from hvd_compress.codes import FieldCodes, FloatCodes, IntCodes, SignCodes, shard_length
 from hvd_compress.pt import packing as pt_packing
 
 LENGTHS = [0, 1, 3, 4, 5, 1_000_003]
@@ -22,6 +22,23 @@ def test_round_trip_and_ports_agree(numel, bound):
     packed_pt = pt_packing.pack(torch.from_numpy(codes), space)
     np.testing.assert_array_equal(packed_pt.numpy(), packed)
     np.testing.assert_array_equal(pt_packing.unpack(packed_pt, space, numel).numpy(), codes)
+
+
+@pytest.mark.parametrize("numel", LENGTHS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_bit_fields_ports_agree(numel, rows):
+    # Signs (from int8 codes, as BlockSign makes them, and from int64) and one-bit fields
+    # take the port's eight-fields-per-multiplication path.
+    rng = np.random.default_rng(numel + rows)
+    signs = rng.choice(np.array([-1, 1]), (rows, numel))
+    bits = rng.integers(0, 2, (rows, numel))
+    for codes, space in ((signs, SignCodes()), (bits, FieldCodes(1))):
+        packed = packing.pack(codes, space)
+        assert packed.shape == (rows, space.packed_nbytes(numel))
+        for dtype in (torch.int8, torch.int64):
+            packed_pt = pt_packing.pack(torch.from_numpy(codes).to(dtype), space)
+            np.testing.assert_array_equal(packed_pt.numpy(), packed)
+        np.testing.assert_array_equal(pt_packing.unpack(packed_pt, space, numel).numpy(), codes)
 
 
 def test_ternary_layout_is_four_codes_per_byte_little_endian():
