@@ -121,9 +121,8 @@ def _spec(args, rates):
                 "every": max(1, args.accuracy_steps // 10), "lr": 0.1}
     return {
         "models": args.models, "methods": args.methods, "rates": rates, "seed": args.seed,
-        "steps": {m: {r: args.steps or timed_steps(m) for r in rates + [accuracy_rate]}
-                  for m in args.models},
-        "compute_steps": {m: args.steps or timed_steps(m) for m in args.models},
+        # Timed steps per model, for its compute baseline and at every rate alike.
+        "steps": {m: args.steps or timed_steps(m) for m in args.models},
         "bare_repeats": args.bare_repeats, "accuracy": accuracy,
     }
 

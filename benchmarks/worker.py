@@ -121,20 +121,19 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
                 _timed_steps(trainer, batches, 1)
             recorded = probe.collectives if method in CODEC_METHODS else None
             driver.barrier()
-        count = steps[work.name][str(rate)]
         before = interface_bytes(interface)
         with HorovodProbe() as probe:
-            seconds = _timed_steps(trainer, batches, count)
+            seconds = _timed_steps(trainer, batches, steps)
         # A rank's last step can return while its final send still waits in its link's tbf
         # queue; the barrier's bytes queue behind it, so once every rank has passed the barrier
         # the step's bytes have been counted.
         driver.barrier()
-        tx, rx = _difference(interface_bytes(interface), before, count)
+        tx, rx = _difference(interface_bytes(interface), before, steps)
         result = dict(model=work.name, method=method, rate=rate, step_seconds=seconds,
                       seconds=statistics.median(seconds), handed=trainer.handed(),
                       sent=trainer.sent(), wire_tx=tx, wire_rx=rx)
         if method in CODEC_METHODS:
-            result["wait_seconds"] = probe.wait_seconds / count
+            result["wait_seconds"] = probe.wait_seconds / steps
             result["bare_seconds"] = statistics.median(
                 replay(recorded, method) for _ in range(repeats))
             result["bare_sent"] = sum(c.sent(hvd.size()) for c in recorded)
@@ -182,10 +181,10 @@ def main(spec_path):
     for model in spec["models"]:
         work = workload(model, hvd.rank(), hvd.size(), spec["seed"])
         batches = work.batches(spec["seed"] * 1000 + hvd.rank())
-        measure_compute(driver, work, batches, spec["compute_steps"][model])
+        measure_compute(driver, work, batches, spec["steps"][model])
         measure_bare(driver, work, spec["rates"], spec["bare_repeats"])
         for method in spec["methods"]:
-            measure_method(driver, work, batches, method, spec["rates"], spec["steps"],
+            measure_method(driver, work, batches, method, spec["rates"], spec["steps"][model],
                            spec["bare_repeats"], interface)
 
     accuracy = spec["accuracy"]
