@@ -1,10 +1,10 @@
 """The program every rank of a benchmark job runs: ``python -m benchmarks.worker SPEC``.
 
 ``SPEC`` is the JSON the driver (``benchmarks.bench``) writes: models, methods, link rates,
-step counts. For each model the ranks measure the local compute (forward, backward and SGD
-step with no exchange), replay Horovod's bare collectives at every rate, then run every
-method at every rate: warm-up steps at the first (fastest) rate, then timed steps after the
-driver reshaped the links. Rank 0 reports each measurement to the driver as one line
+step counts. For each model the ranks replay Horovod's bare collectives at every rate, then
+for every method measure the local compute (forward, backward and SGD step with no
+exchange) and run the method at every rate: warm-up steps at the first (fastest) rate, then
+timed steps after the driver reshaped the links. Rank 0 reports each measurement to the driver as one line
 ``@@bench {json}`` on its standard output; to change the link rate it prints a ``shape``
 event and waits for the driver's reply on its standard input, and every rank waits for it
 at a barrier. Optionally, the MNIST-1D CNN is then trained with each method at one rate,
@@ -82,13 +82,16 @@ def _timed_steps(trainer, batches, steps):
     return seconds
 
 
-def measure_compute(driver, work, batches, steps):
+def measure_compute(driver, work, batches, steps, method):
+    """The step with no exchange, measured just before ``method``'s steps: communication is
+    a method's step minus this, so a compute time disturbed by the machine (one run measured
+    1,128 ms against 324-338 in the others) shifts one method's numbers, not all of them."""
     model = work.build()
     trainer = Trainer(model, sgd(model, TIMING_LR), hvd.size())  # no exchange at all
     _timed_steps(trainer, batches, 2)
     driver.barrier()
     seconds = _timed_steps(trainer, batches, steps)
-    driver.emit("compute", model=work.name, seconds=statistics.median(seconds))
+    driver.emit("compute", model=work.name, method=method, seconds=statistics.median(seconds))
 
 
 def measure_bare(driver, work, rates, repeats):
@@ -181,9 +184,9 @@ def main(spec_path):
     for model in spec["models"]:
         work = workload(model, hvd.rank(), hvd.size(), spec["seed"])
         batches = work.batches(spec["seed"] * 1000 + hvd.rank())
-        measure_compute(driver, work, batches, spec["steps"][model])
         measure_bare(driver, work, spec["rates"], spec["bare_repeats"])
         for method in spec["methods"]:
+            measure_compute(driver, work, batches, spec["steps"][model], method)
             measure_method(driver, work, batches, method, spec["rates"], spec["steps"][model],
                            spec["bare_repeats"], interface)
 
