@@ -121,7 +121,7 @@ def _spec(args, rates):
                 "every": max(1, args.accuracy_steps // 10), "lr": 0.1}
     return {
         "models": args.models, "methods": args.methods, "rates": rates, "seed": args.seed,
-        # Timed steps per model, for its compute baseline and at every rate alike.
+        # Timed steps per model, at every rate alike.
         "steps": {m: args.steps or timed_steps(m) for m in args.models},
         "bare_repeats": args.bare_repeats, "accuracy": accuracy,
     }
@@ -129,7 +129,8 @@ def _spec(args, rates):
 
 def _units(spec, workers):
     """Events that advance the progress bar in one job."""
-    per_model = 1 + len(spec["rates"]) + len(spec["methods"]) * len(spec["rates"])
+    # The bare replays at every rate; per method, its compute baseline and every rate.
+    per_model = len(spec["rates"]) + len(spec["methods"]) * (1 + len(spec["rates"]))
     accuracy = len(spec["accuracy"]["methods"]) if workers == spec["accuracy"]["workers"] else 0
     return 1 + len(spec["models"]) * per_model + accuracy  # 1: the idle traffic
 

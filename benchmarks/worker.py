@@ -27,6 +27,9 @@ from .models import workload
 EVENT = "@@bench "
 # Learning rate of the timed steps (what is measured does not depend on it).
 TIMING_LR = 0.01
+# Timed steps of each compute baseline, whatever the model: a step without exchange is
+# cheap (0.3 s for the 25M-parameter model at N = 4), and its median steadies with more.
+COMPUTE_STEPS = 10
 # Seconds of idle traffic counted to measure Horovod's control messages.
 IDLE_SECONDS = 2.0
 
@@ -82,15 +85,20 @@ def _timed_steps(trainer, batches, steps):
     return seconds
 
 
-def measure_compute(driver, work, batches, steps, method):
+def measure_compute(driver, work, batches, method):
     """The step with no exchange, measured just before ``method``'s steps: communication is
     a method's step minus this, so a compute time disturbed by the machine (one run measured
     1,128 ms against 324-338 in the others) shifts one method's numbers, not all of them."""
     model = work.build()
     trainer = Trainer(model, sgd(model, TIMING_LR), hvd.size())  # no exchange at all
     _timed_steps(trainer, batches, 2)
-    driver.barrier()
-    seconds = _timed_steps(trainer, batches, steps)
+    seconds = []
+    for _ in range(COMPUTE_STEPS):
+        # Started together, as a method's exchange lines its steps up: ranks left to drift
+        # overlap on the cores by chance (the 25M-parameter model at N = 4 took 142-686 ms
+        # per step, and medians of 10 steps 270-400 ms; 250-310 ms with the barrier).
+        driver.barrier()
+        seconds += _timed_steps(trainer, batches, 1)
     driver.emit("compute", model=work.name, method=method, seconds=statistics.median(seconds))
 
 
@@ -186,7 +194,7 @@ def main(spec_path):
         batches = work.batches(spec["seed"] * 1000 + hvd.rank())
         measure_bare(driver, work, spec["rates"], spec["bare_repeats"])
         for method in spec["methods"]:
-            measure_compute(driver, work, batches, spec["steps"][model], method)
+            measure_compute(driver, work, batches, method)
             measure_method(driver, work, batches, method, spec["rates"], spec["steps"][model],
                            spec["bare_repeats"], interface)
 
