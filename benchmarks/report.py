@@ -3,8 +3,10 @@
 Per model, N, link rate and method (one row):
 
 - ``communication`` = step - compute: everything the exchange adds to a step (encode,
-  collectives, decode), with ``compute`` the same step with no exchange at all, measured
-  in the same job just before the method's steps.
+  collectives, decode), with ``compute`` the same step with no exchange at all: the median
+  of the baselines measured in the same job before each method's steps. One baseline per
+  method moved with the slot it ran in: at N = 4 the one after qsgd-inf's run read 0.78 and
+  0.81 s in two runs, 0.24-0.35 s the others; a single one per N once read 1,128 ms.
 - ``codec`` (hvd_compress codecs only) = mean step - compute - mean time blocked in
   ``hvd_compress.pt.exchange.wait``: the codec's own work (scales, random draws, encode,
   pack, unpack, decode, the server's second compression) on the main thread. Means on both
@@ -15,12 +17,12 @@ Per model, N, link rate and method (one row):
 - ``wire_over_sent``: bytes the worker's interface transmitted per step over ``sent``; and
   ``unexplained``, the same after removing Horovod's control messages (the idle rate the
   interface showed before the measurements, times the step time).
-- ``comm_speedup`` = communication of ``hvd-none`` / communication of the method (each
-  with its own compute), against
+- ``comm_speedup`` = communication of ``hvd-none`` / communication of the method, against
   ``ceiling`` = Horovod's bare fp32 allreduce of the gradients / the method's own
   collectives replayed bare (same sizes, no encode or decode): ``of_ceiling`` is the
   fraction of the bare collectives' speed-up the method reaches.
 """
+import collections
 import statistics
 
 from .network import parse_rate
@@ -42,8 +44,11 @@ def _ratio(numerator, denominator):
 
 
 def rows(events):
-    compute = {(e["workers"], e["model"], e["method"]): e["seconds"]
-               for e in events if e["kind"] == "compute"}
+    baselines = collections.defaultdict(list)
+    for e in events:
+        if e["kind"] == "compute":
+            baselines[e["workers"], e["model"]].append(e["seconds"])
+    compute = {key: statistics.median(seconds) for key, seconds in baselines.items()}
     idle = {e["workers"]: e["tx_per_second"] for e in events if e["kind"] == "idle"}
     bare = {(e["workers"], e["model"], e["rate"]): e["exchanges"]
             for e in events if e["kind"] == "bare"}
@@ -51,7 +56,7 @@ def rows(events):
              for e in events if e["kind"] == "step"}
     result = []
     for (workers, model, rate, method), e in steps.items():
-        c = compute[workers, model, method]
+        c = compute[workers, model]
         bits = _rate_bits(rate)
         codec = statistics.fmean(e["step_seconds"]) - c - e["wait_seconds"] \
             if "wait_seconds" in e else None
@@ -73,8 +78,7 @@ def rows(events):
             "predicted": c + (codec or 0.0) + e["sent"] * 8 / bits if bits else None,
             "speedup": _ratio(base and base["seconds"], e["seconds"]),
             "speedup_fp16": _ratio(fp16 and fp16["seconds"], e["seconds"]),
-            "comm_speedup": _ratio(base and base["seconds"] - compute[workers, model, BASELINE],
-                                   e["seconds"] - c),
+            "comm_speedup": _ratio(base and base["seconds"] - c, e["seconds"] - c),
             "ceiling": _ratio(exchanges.get("fp32 allreduce", {}).get("seconds"), own_bare),
             "bare": own_bare,
         }

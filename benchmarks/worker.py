@@ -86,9 +86,8 @@ def _timed_steps(trainer, batches, steps):
 
 
 def measure_compute(driver, work, batches, method):
-    """The step with no exchange, measured just before ``method``'s steps: communication is
-    a method's step minus this, so a compute time disturbed by the machine (one run measured
-    1,128 ms against 324-338 in the others) shifts one method's numbers, not all of them."""
+    """The step with no exchange, measured again before each method's steps: the report
+    takes the median of these baselines, which no single disturbed measurement moves."""
     model = work.build()
     trainer = Trainer(model, sgd(model, TIMING_LR), hvd.size())  # no exchange at all
     _timed_steps(trainer, batches, 2)
