@@ -4,11 +4,11 @@
 step counts. For each model the ranks replay Horovod's bare collectives at every rate, then
 for every method measure the local compute (forward, backward and SGD step with no
 exchange) and run the method at every rate: warm-up steps at the first (fastest) rate, then
-timed steps after the driver reshaped the links. Rank 0 reports each measurement to the driver as one line
-``@@bench {json}`` on its standard output; to change the link rate it prints a ``shape``
-event and waits for the driver's reply on its standard input, and every rank waits for it
-at a barrier. Optionally, the MNIST-1D CNN is then trained with each method at one rate,
-recording test accuracy against training time.
+timed steps after the driver reshaped the links. Rank 0 reports each measurement to the
+driver as one line ``@@bench {json}`` on its standard output; to change the link rate it
+prints a ``shape`` event and waits for the driver's reply on its standard input, and every
+rank waits for it at a barrier. Optionally, the MNIST-1D CNN is then trained with each
+method at one rate, recording test accuracy against training time.
 """
 import gc
 import json

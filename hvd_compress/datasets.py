@@ -24,15 +24,18 @@ def cache_dir():
 def load_mnist1d(seed=42):
     """Returns ``(x_train, y_train, x_test, y_test)`` as float32 ``(n, 40)`` and int64."""
     try:
-        from mnist1d.data import get_dataset_args, make_dataset
-    except ImportError as error:
+        version = importlib.metadata.version("mnist1d")
+    except importlib.metadata.PackageNotFoundError as error:
         raise ImportError("MNIST-1D needs the mnist1d package: pip install mnist1d") from error
-    path = cache_dir() / f"mnist1d-{importlib.metadata.version('mnist1d')}-seed{seed}.npz"
+    path = cache_dir() / f"mnist1d-{version}-seed{seed}.npz"
     try:
         with np.load(path) as cached:
             return tuple(cached[name] for name in _NAMES)
     except (OSError, KeyError, ValueError):
         pass  # absent or unreadable: generated again, and the file replaced
+    # Imported only to generate: mnist1d.data loads matplotlib and takes 1.5 s, half of
+    # what the cache saves.
+    from mnist1d.data import get_dataset_args, make_dataset
     args = get_dataset_args()
     args.seed = seed
     data = make_dataset(args)
