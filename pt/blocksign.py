@@ -3,7 +3,7 @@ import torch
 
 from hvd_compress import blocksign as reference
 
-from .buckets import float64_sums, rescale
+from .buckets import l1_sums, rescale
 from .codec import Codec
 
 
@@ -12,14 +12,18 @@ class BlockSign(reference.BlockSign, Codec):
 
     def local_scale(self, grad):
         p = grad.detach().reshape(-1)
-        n = self.buckets(p.numel())
-        d = self.bucket_length(p.numel())
-        sums = float64_sums(p, d, torch.Tensor.abs_)
-        sizes = torch.clamp(p.numel() - d * torch.arange(n, device=p.device), max=d)
-        scale = (sums / sizes).to(torch.float32)
-        # Sums propagate NaN and Inf: a non-finite scale marks the whole tensor.
-        finite = torch.isfinite(scale).all()
-        return torch.where(finite, scale, torch.full_like(scale, float("inf")))
+        numel = p.numel()
+        d = self.bucket_length(numel)
+        sums = l1_sums(p, d)
+        scale = sums / d
+        if numel % d:  # the last block is shorter
+            scale[-1] = sums[-1] / (numel % d)
+        scale = scale.to(torch.float32)
+        # Sums propagate NaN and Inf: a non-finite scale marks the whole tensor. (Sums of
+        # |p| are never -inf, so one block only has NaN to turn into inf.)
+        if scale.numel() == 1:
+            return scale.nan_to_num_(nan=float("inf"), posinf=float("inf"))
+        return torch.where(torch.isfinite(scale).all(), scale, float("inf"))
 
     def encode(self, grad, scale, uniforms):
         # 2 [g >= 0] - 1 in int8 (a NaN compares false: -1, as the reference); a bool
