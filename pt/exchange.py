@@ -26,7 +26,7 @@ from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
 from . import elias
 from .buckets import per_bucket_
-from .packing import pack, unpack
+from .packing import pack, unpack, unpack_scaled_signs
 
 
 # Bounds of the sleeps between polls in ``wait``: short enough that a small collective's
@@ -248,12 +248,18 @@ class ShardedServer(_Exchange):
         received, _ = wait(handle)
         rank = hvd.rank()
         scales = _floats(received[:, :self.scale_bytes])
-        signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
         shard = self.shard(rank)
         valid = shard.stop - shard.start
         # Every worker's signs times its scales of the blocks this shard's elements are in.
-        scaled = per_bucket_(signs[:, :valid].to(torch.float32), "mul_", scales,
-                             self.codec.bucket_length(self.numel), start=shard.start)
+        block_length = self.codec.bucket_length(self.numel)
+        first_block = shard.start // block_length
+        if valid and (shard.stop - 1) // block_length == first_block:
+            scaled = unpack_scaled_signs(received[:, self.scale_bytes:],
+                                         scales[:, first_block], valid)
+        else:
+            signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, valid)
+            scaled = per_bucket_(signs.to(torch.float32), "mul_", scales, block_length,
+                                 start=shard.start)
         average = scaled.sum(dim=0) / self.count
         codes, server_scale, _ = self.server(self.codec, average)
         padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
@@ -264,7 +270,10 @@ class ShardedServer(_Exchange):
     def finish(self, handle):
         rows = wait(handle)
         scales = _floats(rows[:, :self.server_scale_bytes])
-        signs = unpack(rows[:, self.server_scale_bytes:], self.codec.code_space, self.length)
+        packed = rows[:, self.server_scale_bytes:]
+        if scales.shape[1] == 1:  # one block per shard
+            return unpack_scaled_signs(packed, scales, self.length).reshape(-1)[: self.numel]
+        signs = unpack(packed, self.codec.code_space, self.length)
         # All servers' shards at once: a shard's blocks (bucket_length of its valid length)
         # are those of the whole padded row, as blocks start at the row's start and the
         # elements past the valid ones are cut off.
