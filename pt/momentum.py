@@ -53,7 +53,8 @@ class WorkerMomentum:
         buffer = None
         if mu > 0:
             buffer = self.momentum.get(name)
-            buffer = grad.clone() if buffer is None else buffer * mu + grad
+            # mu m + g in one pass (a new tensor: the old m stays until ``commit``).
+            buffer = grad.clone() if buffer is None else torch.add(grad, buffer, alpha=mu)
             if group["nesterov"]:
                 grad.add_(buffer, alpha=mu)
             else:

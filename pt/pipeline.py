@@ -142,7 +142,8 @@ class CompressionPipeline:
         if plan.exchange == UNCOMPRESSED or grad.is_sparse:
             # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
             # unless sparse_as_dense densified them.
-            self._in_flight[param] = _InFlight(plan, param, "plain", self._launch_plain(plan, grad))
+            self._in_flight[param] = _InFlight(plan, param, "plain",
+                                               self._launch_plain(plan, grad))
         elif self.codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
             flight = _InFlight(plan, param, "codes")
