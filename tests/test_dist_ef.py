@@ -32,6 +32,29 @@ def test_compressor_identity(block):
     assert decoded[3] > 0 and decoded[500] > 0  # sign(0) = +1
 
 
+@pytest.mark.parametrize("block", [None, 256, 4096, 5000])
+def test_port_scales_match_the_float64_reference(block):
+    # The port sums |p| in float32 runs of 4,096 added in float64; the reference sums in
+    # float64. Lengths around a run's and a block's end, half-precision inputs, and a NaN
+    # or Inf that marks every block.
+    import hvd_compress.pt as hc
+    port, reference = hc.BlockSign(block), hvd_compress.BlockSign(block)
+    rng = np.random.default_rng(0)
+    for numel in (1024, 4095, 4097, 12_289, 1_000_003):
+        g = (rng.standard_normal(numel) * 1e3).astype(np.float32)
+        for dtype in (torch.float32, torch.float16, torch.float64):
+            x = torch.from_numpy(g).to(dtype)
+            want = reference.local_scale(x.numpy())
+            got = port.local_scale(x)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            np.testing.assert_allclose(got.numpy(), want, rtol=3e-7)
+        for bad in (np.nan, np.inf, -np.inf):
+            x = g.copy()
+            x[numel // 3] = bad
+            np.testing.assert_array_equal(port.local_scale(torch.from_numpy(x)).numpy(),
+                                          reference.local_scale(x))
+
+
 def _train_ef(exchange, steps=50, drop_at=25, codec=None, momentum=0.9, nesterov=True,
               weight_decay=0.0):
     """Momentum SGD with error feedback on random data (by default dist-EF-blockSGDM with

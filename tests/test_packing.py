@@ -6,6 +6,7 @@ import torch
 from hvd_compress import packing
 from hvd_compress.codes import FieldCodes, FloatCodes, IntCodes, SignCodes, shard_length
 from hvd_compress.pt import packing as pt_packing
+from hvd_compress.pt.buckets import rescale
 
 LENGTHS = [0, 1, 3, 4, 5, 1_000_003]
 BOUNDS = [1, 2, 7, 100, 2048, 40000]  # widths 2, 4, 4, 8, 16, 32
@@ -39,6 +40,23 @@ def test_one_bit_fields_ports_agree(numel, rows):
             packed_pt = pt_packing.pack(torch.from_numpy(codes).to(dtype), space)
             np.testing.assert_array_equal(packed_pt.numpy(), packed)
         np.testing.assert_array_equal(pt_packing.unpack(packed_pt, space, numel).numpy(), codes)
+
+
+@pytest.mark.parametrize("numel", LENGTHS)
+def test_scaled_signs_are_rescaled_unpacked_signs(numel):
+    # The sharded server's shortcut: one gather of +-scale per row, NaN where the scale is
+    # not finite, bit for bit what unpacking and ``rescale`` give.
+    rng = np.random.default_rng(numel)
+    signs = rng.choice(np.array([-1, 1], dtype=np.int8), (4, numel))
+    packed = pt_packing.pack(torch.from_numpy(signs), SignCodes())
+    scale = torch.tensor([[0.25], [3e-30], [float("inf")], [float("nan")]])
+    for length in {numel, max(numel - 3, 0)}:
+        got = pt_packing.unpack_scaled_signs(packed, scale, length)
+        want = rescale(pt_packing.unpack(packed, SignCodes(), length), scale, max(length, 1), 1)
+        assert got.dtype == torch.float32 and got.shape == want.shape == (4, length)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert got[2:].isnan().all()
 
 
 def test_ternary_layout_is_four_codes_per_byte_little_endian():
