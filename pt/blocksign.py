@@ -28,7 +28,7 @@ class BlockSign(reference.BlockSign, Codec):
     def encode(self, grad, scale, uniforms):
         # 2 [g >= 0] - 1 in int8 (a NaN compares false: -1, as the reference); a bool
         # tensor's bytes are 0 or 1, so it is read as int8 without a conversion pass.
-        return (grad >= 0).view(torch.int8).mul(2).sub_(1)
+        return (grad >= 0).view(torch.int8).mul_(2).sub_(1)
 
     def decode(self, total, scale, count):
         return rescale(total, scale, self.bucket_length(total.shape[-1]), count)
