@@ -100,7 +100,8 @@ class Codec:
         """The hyperparameters, as keyword arguments that rebuild this codec."""
         names = [name for cls in type(self).__mro__ if "__init__" in vars(cls)
                  for name, p in inspect.signature(cls.__init__).parameters.items()
-                 if p.kind is p.KEYWORD_ONLY or (name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)]
+                 if p.kind is p.KEYWORD_ONLY
+                 or (name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)]
         return {name: getattr(self, name) for name in dict.fromkeys(names)}
 
     def __repr__(self):

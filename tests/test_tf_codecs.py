@@ -95,7 +95,8 @@ def _tf_cases(codecs, packing_cases):
     for numel, bound in packing_cases:
         space = IntCodes(bound)
         packed = tf_packing.pack(tf.constant(_rows(numel, bound)), space)
-        results["packing"].append((packed.numpy(), tf_packing.unpack(packed, space, numel).numpy()))
+        unpacked = tf_packing.unpack(packed, space, numel)
+        results["packing"].append((packed.numpy(), unpacked.numpy()))
     return results
 
 
