@@ -130,9 +130,8 @@ def _split_bytes(packed, width, numel, multiplier=1, offset=0):
 
 @functools.lru_cache(maxsize=None)
 def _sign_table(device):
-    """Row b: the eight signs of byte b (bit set: -1) as float32."""
-    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
-    return (1 - 2 * bits).to(torch.float32).to(device)
+    """Row b: the eight signs of byte b as float32, as ``unpack`` reads them."""
+    return _byte_table(1, -2, 1, device).view(torch.int8).reshape(256, 8).to(torch.float32)
 
 
 def unpack_scaled_signs(packed, scale, numel):

@@ -69,5 +69,5 @@ def test_codecs_are_rebuilt_across_ports_and_compare_by_value():
 def test_every_hyperparameter_is_documented():
     for cls in hvd_compress.CODECS.values():
         for name in hvd_compress.resolve(cls.name).params():
-            documented = (cls.__doc__ or "") + hvd_compress.Codec.__doc__
+            documented = "\n".join([cls.__doc__ or "", hvd_compress.Codec.__doc__])
             assert f"{name} (" in documented, f"{cls.__name__} does not document {name}"
