@@ -185,7 +185,9 @@ def main(argv=None):
     run.add_argument("--runs", type=_parse_runs, default=_parse_runs(",".join(DEFAULT_RUNS)),
                      help="comma-separated [model/]workers:codec runs, in order "
                           f"(default {','.join(DEFAULT_RUNS)})")
-    run.add_argument("--steps", type=int, default=3000)
+    run.add_argument("--steps", type=int, default=3000,
+                     help="training steps of the CNN runs (default 3000); the GRU runs the "
+                          "2000 of its example's schedule")
     run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS,
                      help="for the CNN runs without @optimizer: SGD with heavy-ball (sgd, "
                           "default) or Nesterov momentum 0.9, or Adam")
