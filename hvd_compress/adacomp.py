@@ -121,7 +121,10 @@ class AdaComp(Codec):
         """The selection rule on the flattened residue G (``compensated``, which already
         includes ``grad``, dW): a boolean mask of the elements to send."""
         residue = compensated.ravel()
-        threshold = residue + grad.ravel()
+        # In float16, H = G + dW may overflow to inf. That changes no selection: an exact |H|
+        # past float16's largest value is above every (finite) bin max as well.
+        with np.errstate(over="ignore"):
+            threshold = residue + grad.ravel()
         bin_max = buckets.reduce(np.abs(residue), bin_length, np.max)
         return (np.abs(threshold) >= buckets.expand(bin_max, residue.size, bin_length)) & \
             (residue != 0)
