@@ -27,6 +27,13 @@ from .models import SyntheticResNet50
 STAGES = ("scale", "random draws", "encode", "pack", "unpack", "values", "decode")
 
 
+def compressed_shapes(codec, named_parameters):
+    """The shapes of the parameters ``codec`` compresses (the others are sent whole)."""
+    whole = set() if codec.compress_classifier else _classifier_names(named_parameters)
+    return [p.shape for n, p in named_parameters
+            if codec.compresses(p.numel()) and n not in whole]
+
+
 def profile(codec, shapes, repeats=2):
     """Seconds per stage (best of ``repeats``) for gradients of ``shapes``."""
     best = dict.fromkeys(STAGES, float("inf"))
@@ -57,14 +64,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default="terngrad,qsgd-inf,ef-sign")
     args = parser.parse_args(argv)
-    model = SyntheticResNet50()
-    named = list(model.named_parameters())
+    named = list(SyntheticResNet50().named_parameters())
     rows = ["| codec | elements compressed | " + " | ".join(STAGES) + " | total |",
             "|" + "---|" * (len(STAGES) + 3)]
     for name in args.codecs.split(","):
         codec = resolve(name, hc.CODECS)
-        whole = set() if codec.compress_classifier else _classifier_names(named)
-        shapes = [p.shape for n, p in named if codec.compresses(p.numel()) and n not in whole]
+        shapes = compressed_shapes(codec, named)
         seconds = profile(codec, shapes)
         numel = sum(torch.Size(s).numel() for s in shapes)
         rows.append(f"| {name} | {numel:,} | " +
