@@ -12,9 +12,12 @@ class BlockSign(reference.BlockSign, Codec):
 
     def local_scale(self, grad):
         p = grad.detach().reshape(-1)
-        numel = p.numel()
+        return self.scale_from_sums(l1_sums(p, self.bucket_length(p.numel())), p.numel())
+
+    def scale_from_sums(self, sums, numel):
+        """The float32 block scales of ``numel`` elements from their float64 sums of |p|
+        per block (``local_scale``'s, or those a fused kernel accumulated)."""
         d = self.bucket_length(numel)
-        sums = l1_sums(p, d)
         scale = sums / d
         if numel % d:  # the last block is shorter
             scale[-1] = sums[-1] / (numel % d)

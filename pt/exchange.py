@@ -24,7 +24,7 @@ import torch
 from hvd_compress.codes import shard_length
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
-from . import elias
+from . import elias, fused
 from .buckets import per_bucket_
 from .packing import pack, unpack, unpack_scaled_signs
 
@@ -146,10 +146,12 @@ class Allgather(_Exchange):
         self.elias = codec.wire == "elias"
 
     def start(self, codes, scale, name):
-        if self.elias:
-            payload = elias.encode(codes)
-        else:
-            payload = pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
+        payload = elias.encode(codes) if self.elias else \
+            pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
+        return self.start_packed(payload, scale, name)
+
+    def start_packed(self, payload, scale, name):
+        """``start`` for codes already packed (``fused``)."""
         if self.own_scale:
             payload = torch.cat([scale.to(torch.float32).reshape(-1).view(torch.uint8), payload])
         if self.elias:
@@ -238,7 +240,11 @@ class ShardedServer(_Exchange):
         self.server_scale_bytes = 4 * codec.buckets(self.length)
 
     def start(self, codes, scale, name):
-        shards = self._shards(codes, self.world_size)
+        return self.start_packed(self._packed(codes), scale, name)
+
+    def start_packed(self, packed, scale, name):
+        """``start`` for codes already packed (``fused``)."""
+        shards = self._shards(packed, self.world_size)
         heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
         payload = torch.cat([heads.expand(self.world_size, -1), shards], dim=1)
         return hvd.alltoall_async(self.meter.hand(payload), name=name), name
@@ -253,18 +259,24 @@ class ShardedServer(_Exchange):
         # Every worker's signs times its scales of the blocks this shard's elements are in.
         block_length = self.codec.bucket_length(self.numel)
         first_block = shard.start // block_length
-        if valid and (shard.stop - 1) // block_length == first_block:
-            scaled = unpack_scaled_signs(received[:, self.scale_bytes:],
-                                         scales[:, first_block], valid)
+        bits = received[:, self.scale_bytes:]
+        one_block = valid and (shard.stop - 1) // block_length == first_block
+        if one_block and fused.applies(self.codec, scales[:, first_block]):
+            packed, server_scale = fused.server_step(self.server, self.codec, bits,
+                                                     scales[:, first_block], self.count, valid)
         else:
-            signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, valid)
-            scaled = per_bucket_(signs.to(torch.float32), "mul_", scales, block_length,
-                                 start=shard.start)
-        average = scaled.sum(dim=0) / self.count
-        codes, server_scale, _ = self.server(self.codec, average)
+            if one_block:
+                scaled = unpack_scaled_signs(bits, scales[:, first_block], valid)
+            else:
+                signs = unpack(bits, self.codec.code_space, valid)
+                scaled = per_bucket_(signs.to(torch.float32), "mul_", scales, block_length,
+                                     start=shard.start)
+            average = scaled.sum(dim=0) / self.count
+            codes, server_scale, _ = self.server(self.codec, average)
+            packed = self._packed(codes)
         padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
         padded_scale[: server_scale.numel()] = server_scale
-        payload = torch.cat([padded_scale.view(torch.uint8), self._shards(codes, 1).reshape(-1)])
+        payload = torch.cat([padded_scale.view(torch.uint8), self._shards(packed, 1).reshape(-1)])
         return hvd.allgather_async(self.meter.hand(payload.reshape(1, -1)), name=f"{name}.server")
 
     def finish(self, handle):
@@ -272,7 +284,9 @@ class ShardedServer(_Exchange):
         scales = _floats(rows[:, :self.server_scale_bytes])
         packed = rows[:, self.server_scale_bytes:]
         if scales.shape[1] == 1:  # one block per shard
-            return unpack_scaled_signs(packed, scales, self.length).reshape(-1)[: self.numel]
+            unpack_signs = fused.scaled_signs if fused.applies(self.codec, scales) else \
+                unpack_scaled_signs
+            return unpack_signs(packed, scales, self.length).reshape(-1)[: self.numel]
         signs = unpack(packed, self.codec.code_space, self.length)
         # All servers' shards at once: a shard's blocks (bucket_length of its valid length)
         # are those of the whole padded row, as blocks start at the row's start and the
@@ -280,11 +294,13 @@ class ShardedServer(_Exchange):
         decoded = self.codec.decode(signs, scales, 1).reshape(-1)
         return decoded[: self.numel]
 
-    def _shards(self, codes, count):
-        """``codes`` packed as ``count`` shards (rows) of ``self.length`` codes. Shards start
+    def _packed(self, codes):
+        return pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
+
+    def _shards(self, packed, count):
+        """Packed codes as ``count`` shards (rows) of ``self.length`` codes. Shards start
         on byte boundaries, so the codes are packed once and the bytes padded with zero
         bits: codes +1 past the tensor's end, which every receiver cuts off."""
-        packed = pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
         nbytes = count * self.length // self.codec.code_space.codes_per_byte
         return torch.nn.functional.pad(packed, (0, nbytes - packed.numel())).reshape(count, -1)
 

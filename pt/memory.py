@@ -39,6 +39,11 @@ class ErrorFeedback:
             previous = self.residuals.get(name)
             residual = residual * beta if previous is None else \
                 previous * (1.0 - beta) + residual * beta
+        self.propose(name, residual)
+
+    def propose(self, name, residual):
+        """Proposes ``residual`` itself, made by a caller that fused the compensation,
+        the message and the subtraction (``fused``)."""
         self.proposed[name] = residual
 
     def commit(self, keep):

@@ -16,6 +16,8 @@ import contextlib
 
 import torch
 
+from . import fused
+
 
 class WorkerMomentum:
     def __init__(self, optimizer, pipeline):
@@ -53,12 +55,16 @@ class WorkerMomentum:
         buffer = None
         if mu > 0:
             buffer = self.momentum.get(name)
-            # mu m + g in one pass (a new tensor: the old m stays until ``commit``).
-            buffer = grad.clone() if buffer is None else torch.add(grad, buffer, alpha=mu)
-            if group["nesterov"]:
-                grad.add_(buffer, alpha=mu)
+            # New tensors for m: the old one stays until ``commit``.
+            if buffer is not None and grad.is_contiguous() and \
+                    fused.applies(self.pipeline.codec, grad):
+                buffer = fused.momentum(grad, buffer, mu, group["nesterov"])
             else:
-                grad.copy_(buffer)
+                buffer = grad.clone() if buffer is None else torch.add(grad, buffer, alpha=mu)
+                if group["nesterov"]:
+                    grad.add_(buffer, alpha=mu)
+                else:
+                    grad.copy_(buffer)
         self.proposed[name] = (buffer, lr)
         return self.learning_rate.get(name, lr) / lr
 

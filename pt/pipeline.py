@@ -15,6 +15,7 @@ from hvd_compress import agreement, cost
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 
+from . import fused
 from .exchange import Meter, make_exchange, make_sparse_exchange, wait
 from .memory import ErrorFeedback
 
@@ -39,6 +40,7 @@ class _InFlight:
     vector: torch.Tensor = None  # the flattened gradient, plus the worker residual
     scale: torch.Tensor = None
     exchange: object = None
+    fused: bool = False          # worker error feedback by ``fused``'s kernels
 
 
 UNCOMPRESSED = "allreduce (uncompressed)"
@@ -155,7 +157,13 @@ class CompressionPipeline:
             self._in_flight[param] = flight
         else:
             flight = _InFlight(plan, param, "scale", vector=grad.reshape(-1))
-            if self.worker_memory is not None:
+            flight.fused = self.worker_memory is not None and \
+                fused.applies(self.codec, flight.vector)
+            if flight.fused:
+                flight.vector, flight.scale = fused.compensated_scale(
+                    self.codec, flight.vector, self.worker_memory.residuals.get(plan.name),
+                    ratio)
+            elif self.worker_memory is not None:
                 flight.vector = self.worker_memory.compensate(plan.name, flight.vector, ratio)
             server = None
             if self.codec.two_way:
@@ -164,7 +172,8 @@ class CompressionPipeline:
                 plan.exchange, self.codec, plan.numel, self.world_size, self.meter, count,
                 server)
             if self.codec.scaled:
-                flight.scale = self.codec.local_scale(flight.vector)
+                if not flight.fused:
+                    flight.scale = self.codec.local_scale(flight.vector)
                 if self.codec.shares_scale(plan.exchange):
                     flight.handle = hvd.allreduce_async(self.meter.hand(flight.scale), op=hvd.Max,
                                                         name=f"hvdc.{plan.name}.scale")
@@ -192,19 +201,25 @@ class CompressionPipeline:
             self._start_codes(flight)
 
     def _start_codes(self, flight):
-        vector = flight.vector
-        uniforms = None
-        if self.codec.stochastic:
-            generator = torch.Generator(device=vector.device)
-            generator.manual_seed(stream_seed(self.seed, self.rank, self.step, flight.plan.index))
-            uniforms = torch.rand(vector.shape, generator=generator, device=vector.device)
-        codes = self.codec.encode(vector, flight.scale, uniforms)
-        if self.worker_memory is not None:
-            sent = self.codec.decode(self.codec.values(codes), flight.scale, 1)
-            self.worker_memory.update(flight.plan.name, vector, sent)
-        with self.meter.charging(flight.plan.name):
-            flight.handle = flight.exchange.start(codes, flight.scale,
-                                                  f"hvdc.{flight.plan.name}.codes")
+        vector, name = flight.vector, flight.plan.name
+        if flight.fused:
+            packed, residual = fused.signs_with_feedback(self.codec, vector, flight.scale)
+            self.worker_memory.propose(name, residual)
+            start, codes = flight.exchange.start_packed, packed
+        else:
+            uniforms = None
+            if self.codec.stochastic:
+                generator = torch.Generator(device=vector.device)
+                generator.manual_seed(stream_seed(self.seed, self.rank, self.step,
+                                                  flight.plan.index))
+                uniforms = torch.rand(vector.shape, generator=generator, device=vector.device)
+            codes = self.codec.encode(vector, flight.scale, uniforms)
+            if self.worker_memory is not None:
+                sent = self.codec.decode(self.codec.values(codes), flight.scale, 1)
+                self.worker_memory.update(name, vector, sent)
+            start = flight.exchange.start
+        with self.meter.charging(name):
+            flight.handle = start(codes, flight.scale, f"hvdc.{name}.codes")
         flight.stage = "codes"
 
     def synchronize(self, missing):
