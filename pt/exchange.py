@@ -101,6 +101,10 @@ def _sum_rows(rows):
 
 
 class _Exchange:
+    # Whether the last result of ``finish`` is all finite, where the exchange knows it
+    # without reading the result; None where it does not.
+    finite = None
+
     def __init__(self, codec, numel, world_size, meter, count, server=None):
         self.codec, self.numel, self.world_size = codec, numel, world_size
         self.meter, self.count, self.server = meter, count, server
@@ -284,6 +288,8 @@ class ShardedServer(_Exchange):
         scales = _floats(rows[:, :self.server_scale_bytes])
         packed = rows[:, self.server_scale_bytes:]
         if scales.shape[1] == 1:  # one block per shard
+            # Every value is +-its server's scale, NaN for a non-finite one.
+            self.finite = bool(torch.isfinite(scales).all())
             unpack_signs = fused.scaled_signs if fused.applies(self.codec, scales) else \
                 unpack_scaled_signs
             return unpack_signs(packed, scales, self.length).reshape(-1)[: self.numel]

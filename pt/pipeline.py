@@ -236,6 +236,7 @@ class CompressionPipeline:
             if flight.stage == "codes":
                 with self.meter.charging(flight.plan.name):
                     flight.handle = flight.exchange.advance(flight.handle)
+        known = {}  # param -> whether its gradient is finite, as its exchange knows
         for param, flight in self._in_flight.items():
             if flight.stage == "plain":
                 output = wait(flight.handle) if isinstance(flight.handle, int) \
@@ -243,9 +244,13 @@ class CompressionPipeline:
                 if output.is_sparse:
                     param.grad = output
                 continue
-            _write_grad(param, flight.exchange.finish(flight.handle))
+            decoded = flight.exchange.finish(flight.handle)
+            _write_grad(param, decoded)
+            # A copy into another dtype could overflow: only an adopted result is known.
+            if flight.exchange.finite is not None and param.grad.dtype == decoded.dtype:
+                known[param] = flight.exchange.finite
         if self.step_state:
-            keep = self.all_finite()
+            keep = all(known.values()) and self.all_finite(skip=known)
             for state in self.step_state:
                 state.commit(keep)
         self.last_sent_elements = {flight.plan.name: flight.exchange.sent_elements
@@ -255,11 +260,11 @@ class CompressionPipeline:
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
         self.step += 1
 
-    def all_finite(self):
-        """Whether every exchanged gradient of this step is finite; the same answer on
-        every rank, since they all hold the same averages."""
+    def all_finite(self, skip=()):
+        """Whether every exchanged gradient of this step, but those of ``skip``, is finite;
+        the same answer on every rank, since they all hold the same averages."""
         grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-                 for p in self._in_flight]
+                 for p in self._in_flight if p not in skip]
         # A tensor is finite iff its min and max are (both propagate NaN); aminmax is one
         # vectorized pass, ~15x cheaper on CPU than isfinite(g).all(), which was the
         # largest single cost of a codec's step on a 25M-parameter model.

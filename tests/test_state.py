@@ -20,14 +20,15 @@ CASES = [("none", "none", {}, None), ("fp16", "fp16", {}, None),
          ("adacomp", "adacomp", {}, None), ("clt-k", "clt-k", {}, None)]
 
 
-def _setup(name, params, error_feedback):
+def _setup(name, params, error_feedback, exchange="auto"):
     import hvd_compress.pt as hc
     torch.manual_seed(0)
     model = Net()
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     optimizer = hc.DistributedOptimizer(base, model.named_parameters(),
                                         compression=hc.CODECS[name](**params),
-                                        error_feedback=error_feedback, seed=3)
+                                        error_feedback=error_feedback, seed=3,
+                                        exchange=exchange)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     return model, optimizer, schedule
 
@@ -102,11 +103,11 @@ def test_resumed_runs_continue_bitwise_identically(tmp_path):
                     (label, rank, save_at + offset)
 
 
-def _poisoned_step(name, params, error_feedback, steps, poison_at):
+def _poisoned_step(name, params, error_feedback, exchange, steps, poison_at):
     """Rank 1's loss is NaN at ``poison_at``; the usual GradScaler loop around our optimizer."""
     import horovod.torch as hvd
     hvd.init()
-    model, optimizer, schedule = _setup(name, params, error_feedback)
+    model, optimizer, schedule = _setup(name, params, error_feedback, exchange)
     hvd.broadcast_parameters(model.state_dict(), 0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     records = []
@@ -129,12 +130,18 @@ def _flatten(state):
     return {}
 
 
-@pytest.mark.parametrize("label,name,params,error_feedback",
-                         [case for case in CASES if case[0] in ("terngrad+ef", "ef-sign")])
+# ef-sign's sharded server knows its result's finiteness from the server scales
+# (``_Exchange.finite``); the replicated one decodes every message.
+@pytest.mark.parametrize("label,name,params,error_feedback,exchange",
+                         [case + ("auto",) for case in CASES
+                          if case[0] in ("terngrad+ef", "ef-sign")] +
+                         [("ef-sign", "ef-sign", {"min_size": 0}, None, "sharded")])
 def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace(label, name, params,
-                                                                        error_feedback):
+                                                                        error_feedback,
+                                                                        exchange):
     poison_at = 3
-    results = run_parallel(_poisoned_step, 2, name, params, error_feedback, 6, poison_at)
+    results = run_parallel(_poisoned_step, 2, name, params, error_feedback, exchange, 6,
+                           poison_at)
     for records in results:
         before, skipped = records[poison_at - 1], records[poison_at]
         assert torch.equal(skipped["params"], before["params"])
