@@ -28,35 +28,47 @@ def _jit(function=None, **options):
 
 
 @_jit
+def _momentum_at(grad, buffer, mu, nesterov):
+    """dist-EF-blockSGDM's worker momentum of one element: (m, u) with m = grad + mu buffer
+    and u = grad + mu m (Nesterov) or m; ``mu`` is the float32 momentum as a float64. Each
+    is rounded once to float32 from float64, where the product of two float32 values is
+    exact: what the eager ``torch.add(..., alpha=mu)``'s fused multiply-add gives, but
+    where the float64 sum falls within half a float64 unit of a float32 rounding boundary
+    (~2^-29 of elements)."""
+    m = np.float32(np.float64(grad) + np.float64(buffer) * mu)
+    return m, np.float32(np.float64(grad) + np.float64(m) * mu) if nesterov else m
+
+
+@_jit
 def momentum(grad, buffer, mu, nesterov, out):
-    """dist-EF-blockSGDM's worker momentum in one pass: out = grad + mu buffer (the new
-    buffer m), then grad = grad + mu m (Nesterov) or m. Each result is rounded once to
-    float32 from float64, where the product of two float32 values is exact: what the
-    eager ``torch.add(..., alpha=mu)``'s fused multiply-add gives, but where the float64
-    sum falls within half a float64 unit of a float32 rounding boundary (~2^-29 of
-    elements)."""
+    """The worker momentum in one pass: out = m, and grad becomes u (``_momentum_at``)."""
     mu = np.float64(np.float32(mu))
     for i in range(grad.size):
-        m = np.float32(np.float64(grad[i]) + np.float64(buffer[i]) * mu)
-        out[i] = m
-        grad[i] = np.float32(np.float64(grad[i]) + np.float64(m) * mu) if nesterov else m
+        out[i], grad[i] = _momentum_at(grad[i], buffer[i], mu, nesterov)
 
 
 # reassoc lets the float64 sums of |p| run in vector lanes (3x faster; they stay within
 # float64 rounding of the reference's). It reorders nothing else: each kernel's float32
 # arithmetic is one operation per element, rounded as the eager op rounds it.
 @_jit(fastmath={"reassoc"})
-def compensated_block_l1(vector, residual, ratio, block, out, sums):
-    """out = vector + residual * ratio (float32), and sums[b] = sum of |out| over block b
-    (float64). An empty ``residual`` means none: out is not written, sums are of vector.
-    ``out`` may be ``vector`` itself."""
-    ratio = np.float32(ratio)
-    compensate = residual.size > 0
+def compensated_block_l1(vector, buffer, mu, nesterov, new_buffer, residual, ratio, block,
+                         out, sums):
+    """out = u + residual * ratio (float32), and sums[b] = sum of |out| over block b
+    (float64). u is ``vector``, or with a momentum ``buffer`` the u of ``_momentum_at``,
+    whose m goes to ``new_buffer``. Empty ``buffer`` and ``residual`` mean none; with
+    neither, out is not written and the sums are of ``vector``. ``out`` may be
+    ``vector`` itself."""
+    ratio, mu = np.float32(ratio), np.float64(np.float32(mu))
+    accelerate, compensate = buffer.size > 0, residual.size > 0
     for b in range(sums.size):
         total = 0.0
         for i in range(b * block, min(vector.size, (b + 1) * block)):
-            value = vector[i] + residual[i] * ratio if compensate else vector[i]
+            value = vector[i]
+            if accelerate:
+                new_buffer[i], value = _momentum_at(value, buffer[i], mu, nesterov)
             if compensate:
+                value = value + residual[i] * ratio
+            if accelerate or compensate:
                 out[i] = value
             total += abs(np.float64(value))
         sums[b] = total

@@ -43,23 +43,29 @@ def momentum(grad, buffer, mu, nesterov):
     contiguous ``grad``, which becomes u; returns the new m."""
     out = torch.empty_like(grad)
     _kernels().momentum(grad.view(-1).numpy(), buffer.reshape(-1).numpy(), mu, nesterov,
-                     out.view(-1).numpy())
+                        out.view(-1).numpy())
     return out
 
 
-def compensated_scale(codec, vector, residual, ratio, out=None):
+def compensated_scale(codec, vector, residual, ratio, out=None, momentum=None):
     """``ErrorFeedback.compensate`` and ``BlockSign.local_scale`` in one pass: (p, scale),
-    p = vector + residual * ratio (``vector`` itself without a residual), written into
-    ``out`` if given (which may be ``vector``)."""
+    p = u + residual * ratio, written into ``out`` if given (which may be ``vector``). u is
+    ``vector``, or with a ``momentum`` (``WorkerMomentum.Deferred``) the direction of
+    ``WorkerMomentum.before_exchange``, whose new buffer is written in the same pass.
+    Without either, p is ``vector`` itself."""
     numel = vector.numel()
     sums = torch.empty(codec.buckets(numel), dtype=torch.float64)
-    if residual is None:
+    if residual is None and momentum is None:
         p = vector
     else:
         p = torch.empty_like(vector) if out is None else out
-    _kernels().compensated_block_l1(vector.detach().numpy(), _NONE if residual is None else
-                                 residual.numpy(), ratio, codec.bucket_length(numel),
-                                 p.detach().numpy(), sums.numpy())
+    accelerate = (_NONE, 0.0, False, _NONE) if momentum is None else \
+        (momentum.buffer.reshape(-1).numpy(), momentum.mu, momentum.nesterov,
+         momentum.out.view(-1).numpy())
+    _kernels().compensated_block_l1(vector.detach().numpy(), *accelerate,
+                                    _NONE if residual is None else residual.numpy(), ratio,
+                                    codec.bucket_length(numel), p.detach().numpy(),
+                                    sums.numpy())
     return p, codec.scale_from_sums(sums, numel)
 
 
@@ -69,8 +75,8 @@ def signs_with_feedback(codec, p, scale):
     packed = torch.empty(-(-p.numel() // 8), dtype=torch.uint8)
     residual = torch.empty_like(p)
     _kernels().signs_with_feedback(p.detach().numpy(), scale.numpy(),
-                                codec.bucket_length(p.numel()), packed.numpy(),
-                                residual.numpy())
+                                   codec.bucket_length(p.numel()), packed.numpy(),
+                                   residual.numpy())
     return packed, residual
 
 

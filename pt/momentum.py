@@ -13,6 +13,7 @@ runs with momentum and weight decay switched off, so nothing is applied twice. L
 changes from any scheduler are seen through the parameter groups.
 """
 import contextlib
+import dataclasses
 
 import torch
 
@@ -20,6 +21,15 @@ from . import fused
 
 
 class WorkerMomentum:
+    @dataclasses.dataclass
+    class Deferred:
+        """One gradient's momentum step, left to the pipeline's fused compensation
+        (``fused.compensated_scale``), which writes the new m into ``out``."""
+        buffer: torch.Tensor  # m
+        mu: float
+        nesterov: bool
+        out: torch.Tensor
+
     def __init__(self, optimizer, pipeline):
         self.optimizer = optimizer
         self.pipeline = pipeline
@@ -47,16 +57,22 @@ class WorkerMomentum:
     def _name(self, param):
         return self.pipeline.plans[param].name
 
-    def before_exchange(self, param):
-        """Turns ``param.grad`` into the momentum direction u; returns eta_{t-1} / eta_t."""
+    def before_exchange(self, param, defer=False):
+        """Turns ``param.grad`` into the momentum direction u; returns (eta_{t-1} / eta_t,
+        None). With ``defer`` (the pipeline compensates ``param`` in a fused kernel), a
+        step with a momentum buffer leaves ``param.grad`` as it is and returns
+        (eta_{t-1} / eta_t, ``Deferred``) for the pipeline to apply."""
         group = self.optimizer.param_groups[self.group_index[param]]
         name, mu, lr = self._name(param), group["momentum"], group["lr"]
         grad = param.grad
-        buffer = None
+        buffer = deferred = None
         if mu > 0:
             buffer = self.momentum.get(name)
             # New tensors for m: the old one stays until ``commit``.
-            if buffer is not None and grad.is_contiguous() and \
+            if buffer is not None and defer:
+                deferred = self.Deferred(buffer, mu, group["nesterov"], torch.empty_like(grad))
+                buffer = deferred.out
+            elif buffer is not None and grad.is_contiguous() and \
                     fused.applies(self.pipeline.codec, grad):
                 buffer = fused.momentum(grad, buffer, mu, group["nesterov"])
             else:
@@ -66,7 +82,7 @@ class WorkerMomentum:
                 else:
                     grad.copy_(buffer)
         self.proposed[name] = (buffer, lr)
-        return self.learning_rate.get(name, lr) / lr
+        return self.learning_rate.get(name, lr) / lr, deferred
 
     def commit(self, keep):
         if keep:

@@ -45,10 +45,11 @@ class _DistributedOptimizer:
         self._hvdc_delay[param] -= 1
         if self._hvdc_delay[param] == 0:
             self._hvdc_launched.add(param)
-            ratio = 1.0
+            ratio, momentum = 1.0, None
             if self._hvdc_momentum is not None:
-                ratio = self._hvdc_momentum.before_exchange(param)
-            self._hvdc_pipeline.launch(param, ratio)
+                ratio, momentum = self._hvdc_momentum.before_exchange(
+                    param, defer=self._hvdc_pipeline.fuses(param))
+            self._hvdc_pipeline.launch(param, ratio, momentum)
 
     def synchronize(self):
         """Waits for every gradient exchange of this step and writes the averaged

@@ -126,9 +126,19 @@ class CompressionPipeline:
     def in_flight(self):
         return bool(self._in_flight)
 
-    def launch(self, param, ratio=1.0):
+    def fuses(self, param):
+        """Whether ``param``'s worker error feedback runs in ``fused``'s kernels, which can
+        also take its momentum step (``WorkerMomentum.Deferred``)."""
+        grad = param.grad
+        return self.worker_memory is not None and self.plans[param].exchange != UNCOMPRESSED \
+            and not self.codec.sparse and grad is not None and not grad.is_sparse and \
+            grad.is_contiguous() and fused.applies(self.codec, grad)
+
+    def launch(self, param, ratio=1.0, momentum=None):
         """Starts the exchange of ``param.grad``; called once per parameter per step.
-        ``ratio`` (eta_{t-1} / eta_t) rescales residuals kept in gradient units."""
+        ``ratio`` (eta_{t-1} / eta_t) rescales residuals kept in gradient units; a
+        ``momentum`` (``WorkerMomentum.Deferred``, only where ``fuses``) is applied to the
+        gradient on the way."""
         if not self._in_flight:
             self._follow_world()
         plan = self.plans[param]
@@ -136,10 +146,10 @@ class CompressionPipeline:
             param.grad = torch.zeros_like(param)
         grad = param.grad
         with self.meter.charging(plan.name):
-            self._launch(plan, param, grad, ratio)
+            self._launch(plan, param, grad, ratio, momentum)
         self._start_ready_codes()
 
-    def _launch(self, plan, param, grad, ratio):
+    def _launch(self, plan, param, grad, ratio, momentum):
         count = self.world_size if self.average else 1
         if plan.exchange == UNCOMPRESSED or grad.is_sparse:
             # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
@@ -156,13 +166,12 @@ class CompressionPipeline:
                                                   f"hvdc.{plan.name}.codes")
             self._in_flight[param] = flight
         else:
-            flight = _InFlight(plan, param, "scale", vector=grad.reshape(-1))
-            flight.fused = self.worker_memory is not None and \
-                fused.applies(self.codec, flight.vector)
+            flight = _InFlight(plan, param, "scale", vector=grad.reshape(-1),
+                               fused=self.fuses(param))
             if flight.fused:
                 flight.vector, flight.scale = fused.compensated_scale(
                     self.codec, flight.vector, self.worker_memory.residuals.get(plan.name),
-                    ratio)
+                    ratio, momentum=momentum)
             elif self.worker_memory is not None:
                 flight.vector = self.worker_memory.compensate(plan.name, flight.vector, ratio)
             server = None

@@ -100,17 +100,43 @@ def test_scaled_signs_are_the_eager_table_gather(numel):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
+def _eager_momentum(grad, buffer, mu, nesterov):
+    """``WorkerMomentum.before_exchange``'s eager ops: (new m, u)."""
+    u = grad.clone()
+    m = torch.add(u, buffer, alpha=mu)
+    if nesterov:
+        u.add_(m, alpha=mu)
+    else:
+        u.copy_(m)
+    return m, u
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_momentum_is_the_eager_momentum(nesterov):
     grad, buffer = _vector(1_000_003, 4), _vector(1_000_003, 5)
-    want_grad = grad.clone()
-    want_buffer = torch.add(want_grad, buffer, alpha=0.9)
-    if nesterov:
-        want_grad.add_(want_buffer, alpha=0.9)
-    else:
-        want_grad.copy_(want_buffer)
+    want_buffer, want_grad = _eager_momentum(grad, buffer, 0.9, nesterov)
     got_buffer = fused.momentum(grad, buffer, 0.9, nesterov)
     assert torch.equal(got_buffer, want_buffer) and torch.equal(grad, want_grad)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("block", [None, 7, 4096])
+def test_deferred_momentum_is_the_eager_momentum_then_compensation(nesterov, block):
+    from hvd_compress.pt.momentum import WorkerMomentum
+    codec, reference = hc.BlockSign(block), hvd_compress.BlockSign(block)
+    grad, buffer = _vector(100_003, 6), _vector(100_003, 7)
+    want_buffer, u = _eager_momentum(grad, buffer, 0.9, nesterov)
+    for residual, ratio in ((None, 1.0), (_vector(100_003, 8) / 10, 0.7)):
+        memory = ErrorFeedback()
+        if residual is not None:
+            memory.residuals["x"] = residual
+        want = memory.compensate("x", u, ratio)
+        deferred = WorkerMomentum.Deferred(buffer, 0.9, nesterov, torch.empty_like(grad))
+        before = grad.clone()
+        p, scale = fused.compensated_scale(codec, grad, residual, ratio, momentum=deferred)
+        assert torch.equal(grad, before)  # u is not written back
+        assert torch.equal(deferred.out, want_buffer) and torch.equal(p, want)
+        np.testing.assert_array_equal(scale.numpy(), reference.local_scale(want.numpy()))
 
 
 def test_kernels_are_only_for_cpu_float32_blocksign():
@@ -121,6 +147,8 @@ def test_kernels_are_only_for_cpu_float32_blocksign():
 
 _FUSED = ("momentum", "compensated_scale", "signs_with_feedback", "server_step",
           "scaled_signs")
+# compensated_scale with a ``WorkerMomentum.Deferred``: momentum and compensation in one pass.
+_DEFERRED = "compensated_scale+momentum"
 
 
 def _train_counting_kernels(enabled, exchange):
@@ -133,7 +161,7 @@ def _train_counting_kernels(enabled, exchange):
     calls = collections.Counter()
     for name in _FUSED:
         def counted(*args, _original=getattr(fused, name), _name=name, **kwargs):
-            calls[_name] += 1
+            calls[_name if kwargs.get("momentum") is None else _DEFERRED] += 1
             return _original(*args, **kwargs)
         setattr(fused, name, counted)
     return _train_ef(exchange, steps=20)["params"][-1], dict(calls)
@@ -145,8 +173,12 @@ def test_optimizer_runs_the_kernels_and_trains_as_the_eager_calls(world, exchang
     with_kernels = run_parallel(_train_counting_kernels, world, True, exchange)
     eager = run_parallel(_train_counting_kernels, world, False, exchange)
     used = set(with_kernels[0][1])
-    # The replicated server (allgather) decodes every worker's message eagerly.
-    want = set(_FUSED) - ({"server_step", "scaled_signs"} if exchange == "allgather" else set())
+    # Every tensor is compressed, so its momentum is deferred to the compensation (the
+    # momentum kernel of its own is for tensors sent whole); the replicated server
+    # (allgather) decodes every worker's message eagerly.
+    want = set(_FUSED) - {"momentum"} | {_DEFERRED}
+    if exchange == "allgather":
+        want -= {"server_step", "scaled_signs"}
     assert used == want, used
     assert not eager[0][1]
     for (params, _), (eager_params, _) in zip(with_kernels, eager):
