@@ -7,7 +7,8 @@ compensation, scales and second compression ~100 bytes per element of its shard.
 ranks than cores (4 on 2 in the benchmarks) that traffic, not the network, bounded the step.
 Each kernel here is one or two passes that produce exactly what the eager ops produce
 (same float32 operations in the same order; block sums in float64, as the reference), so
-the ports use them for CPU tensors and keep the eager ops, which run anywhere, for others.
+the PyTorch port uses them for CPU tensors and keeps the eager ops, which run anywhere, for
+others. The TensorFlow port runs its steps inside ``tf.function`` graphs, where these do not.
 
 Signs follow ``codes.SignCodes``: bit k of byte j is element 8 j + k, set for -1, and
 -1 is every element that is not >= 0 (NaN included), as ``BlockSign.encode``.
