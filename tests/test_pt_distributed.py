@@ -124,7 +124,8 @@ def test_terngrad_ranks_agree_and_match_reference(world, exchange):
     assert tensors["out.weight"][1] == "excluded"  # the classifier
     assert tensors["hidden.bias"][1].endswith("< min_size 1000")
     if exchange == "auto":
-        assert tensors["hidden.weight"][0] == ("allgather" if world == 2 else "sharded")
+        # 10240 elements: at N = 4 sharded would save 1.9 kB, less than its alltoall costs.
+        assert tensors["hidden.weight"][0] == "allgather"
     _check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
 
 
