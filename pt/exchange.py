@@ -177,14 +177,27 @@ class Allgather(_Exchange):
 
     def finish(self, pending):
         handles, scale = pending
+        if self.server is not None:  # two-way codecs pack at a fixed width
+            return self._serve(wait(handles[0]))
         codes, own_scales = self._codes(handles)
         values = self.codec.values(codes)
         if not self.own_scale:
             return self.codec.decode(_sum_rows(values), scale, self.count)
-        average = self.codec.decode(values, own_scales, self.count).sum(dim=0)
-        if self.server is None:
-            return average
-        # Replicated server: every rank runs the same server step on the same inputs.
+        return self.codec.decode(values, own_scales, self.count).sum(dim=0)
+
+    def _serve(self, rows):
+        """The replicated server: every rank runs the same server step on every worker's
+        message, averaged as the sharded server averages its shard (sum, then divide)."""
+        own_scales = _floats(rows[:, :self.scale_bytes])
+        bits = rows[:, self.scale_bytes:]
+        if own_scales.shape[1] == 1 and fused.applies(self.codec, own_scales):
+            packed, server_scale = fused.server_step(self.server, self.codec, bits,
+                                                     own_scales[:, 0], self.count, self.numel)
+            # Every value is +-the server's scale, NaN for a non-finite one.
+            self.finite = bool(torch.isfinite(server_scale).all())
+            return fused.scaled_signs(packed.reshape(1, -1), server_scale, self.numel)[0]
+        values = self.codec.values(unpack(bits, self.codec.code_space, self.numel))
+        average = self.codec.decode(values, own_scales, 1).sum(dim=0) / self.count
         return self.server(self.codec, average)[2]
 
 

@@ -175,10 +175,8 @@ def test_optimizer_runs_the_kernels_and_trains_as_the_eager_calls(world, exchang
     used = set(with_kernels[0][1])
     # Every tensor is compressed, so its momentum is deferred to the compensation (the
     # momentum kernel of its own is for tensors sent whole); the replicated server
-    # (allgather) decodes every worker's message eagerly.
+    # (allgather) and the sharded one both run the server's kernels.
     want = set(_FUSED) - {"momentum"} | {_DEFERRED}
-    if exchange == "allgather":
-        want -= {"server_step", "scaled_signs"}
     assert used == want, used
     assert not eager[0][1]
     for (params, _), (eager_params, _) in zip(with_kernels, eager):

@@ -160,10 +160,12 @@ class Allgather(_Exchange):
         values = self.codec.values(codes)
         if not self.own_scale:
             return self.codec.decode(_sum_rows(values), scale, self.count)
-        average = tf.reduce_sum(self.codec.decode(values, own_scales, self.count), axis=0)
         if self.server is None:
-            return average
-        # Replicated server: every rank runs the same server step on the same inputs.
+            return tf.reduce_sum(self.codec.decode(values, own_scales, self.count), axis=0)
+        # Replicated server: every rank runs the same server step on every worker's message,
+        # averaged as the sharded server averages its shard (sum, then divide).
+        average = divide(tf.reduce_sum(self.codec.decode(values, own_scales, 1), axis=0),
+                         self.count)
         return self.server(self.codec, average)[2]
 
 
