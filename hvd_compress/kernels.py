@@ -200,8 +200,9 @@ def _average_at(tables, bits, count, i):
 @_jit
 def averaged_signs(bits, scales, count, out):
     """out = (sum over rows r of sign_r scales[r]) / count for the first out.size signs of
-    each row of ``bits``, summed in row order as the eager sum over rows: the sharded
-    server's average of its workers' messages when its shard lies in one block of each."""
+    each row of ``bits``, summed in row order as the eager sum over rows: a server's
+    average of its workers' messages when what it serves (its shard, or the replicated
+    server's whole tensor) lies in one block of each."""
     tables = _sign_tables(scales)
     count = np.float32(count)
     # Whole bytes in a loop of fixed length, which is unrolled.

@@ -81,10 +81,10 @@ def signs_with_feedback(codec, p, scale):
 
 
 def server_step(server, codec, bits, scales, count, numel):
-    """``ServerStep`` of a sharded server whose workers each sent their ``numel`` signs of
-    the shard (rows of ``bits``) under one scale each (``scales``): the average, the
-    server residual and the second compression. Returns (packed signs, scale) and proposes
-    the new server residual."""
+    """``ServerStep`` of a server (of one shard, or replicated over a whole tensor) whose
+    workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
+    (``scales``): the average, the server residual and the second compression. Returns
+    (packed signs, scale) and proposes the new server residual."""
     average = torch.empty(numel, dtype=torch.float32)
     _kernels().averaged_signs(bits.numpy(), scales.contiguous().numpy(), count, average.numpy())
     p, scale = compensated_scale(codec, average, server.memory.residuals.get(server.key),
