@@ -90,6 +90,36 @@ def test_server_step_is_the_eager_server_step(block, numel, rows):
 
 
 @pytest.mark.parametrize("numel", LENGTHS)
+@pytest.mark.parametrize("bad", [None, float("nan")])
+def test_replicated_server_is_the_eager_server_step(numel, bad):
+    from hvd_compress.pt.exchange import Allgather, Meter
+    from hvd_compress.pt.packing import unpack
+    codec, reference = hc.BlockSign(), hvd_compress.BlockSign()
+    bits, scales = _server_inputs(4, numel, numel)
+    if bad is not None:
+        scales[2] = bad
+    # The gathered rows: each worker's scale as raw bytes, then its packed signs.
+    rows = torch.cat([scales.reshape(4, 1).view(torch.uint8), bits], dim=1)
+    residual = _vector(numel, 5) / 10
+    memory = ErrorFeedback()
+    memory.residuals["t"] = residual
+    exchange = Allgather(codec, numel, 4, Meter(), 4, ServerStep(memory, "t", 0.5))
+    got = exchange._serve(rows)
+    # The eager replicated server: every message decoded, summed, divided, compensated.
+    values = codec.values(unpack(bits, SignCodes(), numel))
+    average = codec.decode(values, scales.reshape(4, 1), 1).sum(dim=0) / 4
+    eager_memory = ErrorFeedback()
+    eager_memory.residuals["t"] = residual
+    p = eager_memory.compensate("t", average, 0.5)
+    scale = torch.from_numpy(np.asarray(reference.local_scale(p.numpy()), dtype=np.float32))
+    _, want_kept = _eager_message(codec, p, scale)
+    sent = codec.decode(codec.values(codec.encode(p, scale, None)), scale, 1)
+    np.testing.assert_array_equal(got.numpy(), sent.numpy())
+    np.testing.assert_array_equal(memory.proposed["t"].numpy(), want_kept.numpy())
+    assert exchange.finite is (bad is None)
+
+
+@pytest.mark.parametrize("numel", LENGTHS)
 def test_scaled_signs_are_the_eager_table_gather(numel):
     bits, _ = _server_inputs(4, numel, numel)
     scales = torch.tensor([[0.25], [3e-30], [float("inf")], [float("nan")]])

@@ -130,8 +130,8 @@ def _flatten(state):
     return {}
 
 
-# ef-sign's sharded server knows its result's finiteness from the server scales
-# (``_Exchange.finite``); the replicated one decodes every message.
+# ef-sign's servers know their result's finiteness from the server scales
+# (``_Exchange.finite``): the replicated one at N = 2 ("auto"), the sharded one.
 @pytest.mark.parametrize("label,name,params,error_feedback,exchange",
                          [case + ("auto",) for case in CASES
                           if case[0] in ("terngrad+ef", "ef-sign")] +
