@@ -16,7 +16,7 @@ import horovod.torch as hvd
 import torch
 
 from hvd_compress import cost
-from hvd_compress.pt import exchange, pipeline
+from hvd_compress.pt import exchange, fusion, pipeline
 from hvd_compress.pt.exchange import wait
 
 COLLECTIVES = ("allreduce_async", "allreduce_async_", "allgather_async", "alltoall_async")
@@ -55,7 +55,7 @@ class HorovodProbe:
     def __enter__(self):
         for kind in COLLECTIVES:
             self._replace(hvd, kind, self._recording(kind, getattr(hvd, kind)))
-        for module in (exchange, pipeline):
+        for module in (exchange, fusion, pipeline):
             self._replace(module, "wait", self._timed(wait))
         return self
 

@@ -91,18 +91,26 @@ def compressed_traffic(codec, numel, world_size, exchange,
     if exchange == "allgather":
         nbytes = codec.code_space.packed_nbytes(numel) + (0 if shared else scale_bytes)
         return scale + Traffic(nbytes, (world_size - 1) * nbytes, 1)
+    phase1, phase2 = _sharded_phases(codec, numel, world_size)
+    sent = (world_size - 1) / world_size * phase1 + (world_size - 1) * phase2
+    return scale + Traffic(phase1 + phase2, sent, 2)
+
+
+def _sharded_phases(codec, numel, world_size):
+    """Bytes a worker hands to the sharded exchange's alltoall, then to its allgather."""
     if codec.two_way:
         # Each shard carries the worker's block scales; the server sends its own back.
         length = shard_length(numel, world_size, codec.code_space)
-        phase1 = world_size * (scale_bytes + codec.code_space.packed_nbytes(length))
-        phase2 = 4 * codec.buckets(length) + codec.code_space.packed_nbytes(length)
-    else:
-        total = codec.value_space.summed(world_size)
-        length = shard_length(numel, world_size, codec.code_space, total)
-        phase1 = world_size * codec.code_space.packed_nbytes(length)
-        phase2 = total.packed_nbytes(length)
-    sent = (world_size - 1) / world_size * phase1 + (world_size - 1) * phase2
-    return scale + Traffic(phase1 + phase2, sent, 2)
+        phase1 = world_size * (4 * codec.buckets(numel) + codec.code_space.packed_nbytes(length))
+        return phase1, 4 * codec.buckets(length) + codec.code_space.packed_nbytes(length)
+    total = codec.value_space.summed(world_size)
+    length = shard_length(numel, world_size, codec.code_space, total)
+    return world_size * codec.code_space.packed_nbytes(length), total.packed_nbytes(length)
+
+
+def alltoall_nbytes(codec, numel, world_size):
+    """Bytes a worker hands to the alltoall of a tensor's ``sharded`` exchange."""
+    return _sharded_phases(codec, numel, world_size)[0]
 
 
 def exchanges_for(codec):

@@ -3,7 +3,9 @@
 Every exchange delivers the same decoded gradient to every rank. Each runs in up to three
 calls so that many tensors are in flight at once: ``start`` hands the first collective to
 Horovod, ``advance`` waits for it and hands over the second one (sharded only), ``finish``
-waits and decodes. The byte-count model of each is in ``hvd_compress.cost``.
+waits and decodes. A sharded exchange's alltoall goes through an ``AlltoallFusion``
+(``hvd_compress.pt.fusion``), with those of other tensors. The byte-count model of each is in
+``hvd_compress.cost``.
 
 Summing exchanges (``Allreduce``, ``Sharded``) need summable codes under one scale for all
 workers; ``Allgather`` also carries each worker's own scales (prefixed to its packed codes as
@@ -105,9 +107,11 @@ class _Exchange:
     # without reading the result; None where it does not.
     finite = None
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None):
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
         self.codec, self.numel, self.world_size = codec, numel, world_size
         self.meter, self.count, self.server = meter, count, server
+        # The ``AlltoallFusion`` that carries the alltoall of a sharded exchange.
+        self.fusion = fusion
         # Elements this worker sends (a tensor, for sparse codecs: known once it selected).
         self.sent_elements = numel
 
@@ -143,8 +147,8 @@ class Allgather(_Exchange):
 
     name = "allgather"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None):
-        super().__init__(codec, numel, world_size, meter, count, server)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion)
         self.own_scale = codec.scaled and not codec.shares_scale(self.name)
         self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
         self.elias = codec.wire == "elias"
@@ -212,8 +216,8 @@ class Sharded(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None):
-        super().__init__(codec, numel, world_size, meter, count, server)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion)
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
@@ -221,11 +225,11 @@ class Sharded(_Exchange):
         padded = codes.new_zeros(self.world_size * self.length)
         padded[: self.numel] = codes.reshape(-1)
         shards = pack(padded.reshape(self.world_size, self.length), self.codec.code_space)
-        return hvd.alltoall_async(self.meter.hand(shards), name=name), scale, name
+        return self.fusion.send(name, self.meter.hand(shards)), scale, name
 
     def advance(self, pending):
-        handle, scale, name = pending
-        received, _ = wait(handle)
+        fusion, scale, name = pending
+        received = fusion.receive(name)
         values = self.codec.values(unpack(received, self.codec.code_space, self.length))
         payload = self.meter.hand(pack(_sum_rows(values).reshape(1, -1), self.total_space))
         return hvd.allgather_async(payload, name=f"{name}.sum"), scale
@@ -250,8 +254,8 @@ class ShardedServer(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None):
-        super().__init__(codec, numel, world_size, meter, count, server)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion)
         self.length = shard_length(numel, world_size, codec.code_space)
         self.scale_bytes = 4 * codec.buckets(numel)
         self.server_scale_bytes = 4 * codec.buckets(self.length)
@@ -264,11 +268,11 @@ class ShardedServer(_Exchange):
         shards = self._shards(packed, self.world_size)
         heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
         payload = torch.cat([heads.expand(self.world_size, -1), shards], dim=1)
-        return hvd.alltoall_async(self.meter.hand(payload), name=name), name
+        return self.fusion.send(name, self.meter.hand(payload)), name
 
     def advance(self, pending):
-        handle, name = pending
-        received, _ = wait(handle)
+        fusion, name = pending
+        received = fusion.receive(name)
         rank = hvd.rank()
         scales = _floats(received[:, :self.scale_bytes])
         shard = self.shard(rank)
@@ -414,10 +418,10 @@ EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
 SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
 
 
-def make_exchange(name, codec, numel, world_size, meter, count, server=None):
-    """The exchange called ``name`` for ``codec``."""
+def make_exchange(name, codec, numel, world_size, meter, count, server=None, fusion=None):
+    """The exchange called ``name`` for ``codec``; a sharded one sends through ``fusion``."""
     cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
-    return cls(codec, numel, world_size, meter, count, server)
+    return cls(codec, numel, world_size, meter, count, server, fusion)
 
 
 def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step):

@@ -11,12 +11,13 @@ import dataclasses
 import horovod.torch as hvd
 import torch
 
-from hvd_compress import agreement, cost
+from hvd_compress import agreement, cost, fusion
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 
 from . import fused
 from .exchange import Meter, make_exchange, make_sparse_exchange, wait
+from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
 
 
@@ -44,6 +45,11 @@ class _InFlight:
 
 
 UNCOMPRESSED = "allreduce (uncompressed)"
+
+
+def _codes_name(name):
+    """The name of the collective, or fusion group member, of parameter ``name``'s codes."""
+    return f"hvdc.{name}.codes"
 
 
 def _write_grad(param, decoded):
@@ -91,6 +97,7 @@ class CompressionPipeline:
         self.meter = Meter()
         self.last_step_bytes = 0
         self._in_flight = {}
+        self._fusions = {}  # name of a sharded tensor -> its AlltoallFusion of this step
         uncompressed = set(uncompressed)
         self.plans = {}
         for index, (name, p) in enumerate(named_parameters):
@@ -141,6 +148,7 @@ class CompressionPipeline:
         gradient on the way."""
         if not self._in_flight:
             self._follow_world()
+            self._fusions = self._fusion_groups()
         plan = self.plans[param]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
@@ -156,6 +164,8 @@ class CompressionPipeline:
             # unless sparse_as_dense densified them.
             self._in_flight[param] = _InFlight(plan, param, "plain",
                                                self._launch_plain(plan, grad))
+            if plan.name in self._fusions:
+                self._fusions[plan.name].withdraw(_codes_name(plan.name))
         elif self.codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
             flight = _InFlight(plan, param, "codes")
@@ -163,7 +173,7 @@ class CompressionPipeline:
                 plan.exchange, self.codec, plan, self.world_size, self.meter, count,
                 self.worker_memory, self.step)
             flight.handle = flight.exchange.start(grad.reshape(-1), ratio,
-                                                  f"hvdc.{plan.name}.codes")
+                                                  _codes_name(plan.name))
             self._in_flight[param] = flight
         else:
             flight = _InFlight(plan, param, "scale", vector=grad.reshape(-1),
@@ -179,7 +189,7 @@ class CompressionPipeline:
                 server = ServerStep(self.server_memory, plan.name, ratio)
             flight.exchange = make_exchange(
                 plan.exchange, self.codec, plan.numel, self.world_size, self.meter, count,
-                server)
+                server, self._fusions.get(plan.name))
             if self.codec.scaled:
                 if not flight.fused:
                     flight.scale = self.codec.local_scale(flight.vector)
@@ -187,6 +197,17 @@ class CompressionPipeline:
                     flight.handle = hvd.allreduce_async(self.meter.hand(flight.scale), op=hvd.Max,
                                                         name=f"hvdc.{plan.name}.scale")
             self._in_flight[param] = flight
+
+    def _fusion_groups(self):
+        """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``)."""
+        sharded = [(plan.name, plan.numel) for plan in self.plans.values()
+                   if plan.exchange == "sharded"]
+        groups = {}
+        for index, members in enumerate(fusion.alltoall_groups(self.codec, sharded,
+                                                                self.world_size)):
+            group = AlltoallFusion([_codes_name(m) for m in members], f"hvdc.alltoall.{index}")
+            groups.update(dict.fromkeys(members, group))
+        return groups
 
     def _launch_plain(self, plan, grad):
         name = f"hvdc.{plan.name}"
@@ -228,7 +249,7 @@ class CompressionPipeline:
                 self.worker_memory.update(name, vector, sent)
             start = flight.exchange.start
         with self.meter.charging(name):
-            flight.handle = start(codes, flight.scale, f"hvdc.{name}.codes")
+            flight.handle = start(codes, flight.scale, _codes_name(name))
         flight.stage = "codes"
 
     def synchronize(self, missing):

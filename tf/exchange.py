@@ -1,12 +1,14 @@
 """How one tensor's codes cross the network, built only from Horovod's TensorFlow collectives.
 
 Mirrors ``hvd_compress.pt.exchange``. Every exchange delivers the same decoded gradient to
-every rank. Where the PyTorch port splits each exchange into ``start`` / ``advance`` /
-``finish`` around Horovod's handles, here an exchange is one call that builds its collectives
-as TensorFlow ops: inside a ``tf.function`` the executor runs the collectives of all tensors
-concurrently as their inputs become ready (Horovod's ops are asynchronous kernels, matched
-across ranks by name), and eagerly every rank runs them in the same order. The byte-count
-model of each exchange is in ``hvd_compress.cost``.
+every rank, in two calls that build its collectives as TensorFlow ops: ``start`` the first,
+``finish`` the rest and the decoding. Inside a ``tf.function`` the executor runs the
+collectives of all tensors concurrently as their inputs become ready (Horovod's ops are
+asynchronous kernels, matched across ranks by name), and eagerly every rank runs them in the
+same order. The two calls are for the sharded exchange: its alltoall goes through an
+``AlltoallFusion`` (``hvd_compress.tf.fusion``) with those of other tensors, so every
+tensor's ``start`` comes before any ``finish``. The byte-count model of each exchange is in
+``hvd_compress.cost``.
 
 Summing exchanges (``Allreduce``, ``Sharded``) need summable codes under one scale for all
 workers; ``Allgather`` also carries each worker's own scales (prefixed to its packed codes as
@@ -97,9 +99,11 @@ def _sum_rows(rows):
 
 
 class _Exchange:
-    def __init__(self, codec, numel, world_size, meter, count, server=None):
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
         self.codec, self.numel, self.world_size = codec, numel, world_size
         self.meter, self.count, self.server = meter, count, server
+        # The ``AlltoallFusion`` that carries the alltoall of a sharded exchange.
+        self.fusion = fusion
         # Elements this worker sends (a tensor, for sparse codecs: known once it selected).
         self.sent_elements = numel
 
@@ -113,10 +117,13 @@ class Allreduce(_Exchange):
 
     name = "allreduce"
 
-    def __call__(self, codes, scale, name):
+    def start(self, codes, scale, name):
         carrier = self.codec.value_space.allreduce_carrier(self.world_size, TF_ALLREDUCE_DTYPES)
         payload = self.meter.hand(tf.cast(self.codec.values(codes), carrier))
-        total = hvd.allreduce(payload, op=hvd.Sum, name=name, ignore_name_scope=True)
+        return hvd.allreduce(payload, op=hvd.Sum, name=name, ignore_name_scope=True), scale
+
+    def finish(self, pending):
+        total, scale = pending
         if not total.dtype.is_floating:
             total = tf.cast(total, tf.int32)
         return self.codec.decode(total, scale, self.count)
@@ -131,14 +138,13 @@ class Allgather(_Exchange):
 
     name = "allgather"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None):
-        super().__init__(codec, numel, world_size, meter, count, server)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion)
         self.own_scale = codec.scaled and not codec.shares_scale(self.name)
         self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
         self.elias = codec.wire == "elias"
 
-    def _codes(self, codes, scale, name):
-        """Each worker's codes (rows) and own scales, from the gathered payloads."""
+    def start(self, codes, scale, name):
         if self.elias:
             payload = elias.encode(codes)
         else:
@@ -146,17 +152,22 @@ class Allgather(_Exchange):
         if self.own_scale:
             payload = tf.concat([_bytes(scale), payload], axis=0)
         if self.elias:
-            chunks = _gather_with_sizes(payload, name, self.meter)
-            codes = tf.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in chunks])
-            heads = tf.stack([c[:self.scale_bytes] for c in chunks])
+            return _gather_with_sizes(payload, name, self.meter), scale
+        return _gather_rows(self.meter.hand(payload), name), scale
+
+    def _codes(self, gathered):
+        """Each worker's codes (rows) and own scales, from the gathered payloads."""
+        if self.elias:
+            codes = tf.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in gathered])
+            heads = tf.stack([c[:self.scale_bytes] for c in gathered])
         else:
-            data = _gather_rows(self.meter.hand(payload), name)
-            codes = unpack(data[:, self.scale_bytes:], self.codec.code_space, self.numel)
-            heads = data[:, :self.scale_bytes]
+            codes = unpack(gathered[:, self.scale_bytes:], self.codec.code_space, self.numel)
+            heads = gathered[:, :self.scale_bytes]
         return codes, _floats(heads) if self.own_scale else None
 
-    def __call__(self, codes, scale, name):
-        codes, own_scales = self._codes(codes, scale, name)
+    def finish(self, pending):
+        gathered, scale = pending
+        codes, own_scales = self._codes(gathered)
         values = self.codec.values(codes)
         if not self.own_scale:
             return self.codec.decode(_sum_rows(values), scale, self.count)
@@ -180,16 +191,19 @@ class Sharded(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None):
-        super().__init__(codec, numel, world_size, meter, count, server)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion)
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
-    def __call__(self, codes, scale, name):
+    def start(self, codes, scale, name):
         padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]])
         shards = pack(tf.reshape(padded, [self.world_size, self.length]), self.codec.code_space)
-        received = hvd.alltoall(self.meter.hand(shards), name=name, ignore_name_scope=True)
-        received = tf.reshape(received, shards.shape)  # equal splits: the same shape back
+        return self.fusion.send(name, self.meter.hand(shards)), scale, name
+
+    def finish(self, pending):
+        fusion, scale, name = pending
+        received = fusion.receive(name)
         values = self.codec.values(unpack(received, self.codec.code_space, self.length))
         payload = self.meter.hand(pack(_sum_rows(values), self.total_space))
         rows = _gather_rows(payload, f"{name}.sum")
@@ -211,21 +225,23 @@ class ShardedServer(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None):
-        super().__init__(codec, numel, world_size, meter, count, server)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion)
         self.length = shard_length(numel, world_size, codec.code_space)
         self.scale_bytes = 4 * codec.buckets(numel)
         self.server_scale_bytes = 4 * codec.buckets(self.length)
 
-    def __call__(self, codes, scale, name):
+    def start(self, codes, scale, name):
         # Padding codes are +1 (sign bit 0), as in the PyTorch port, so the bytes agree.
         padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]],
                         constant_values=1)
         shards = pack(tf.reshape(padded, [self.world_size, self.length]), self.codec.code_space)
         heads = tf.tile(_bytes(scale)[None], [self.world_size, 1])
-        payload = self.meter.hand(tf.concat([heads, shards], axis=1))
-        received = hvd.alltoall(payload, name=name, ignore_name_scope=True)
-        received = tf.reshape(received, payload.shape)
+        return self.fusion.send(name, self.meter.hand(tf.concat([heads, shards], axis=1))), name
+
+    def finish(self, pending):
+        fusion, name = pending
+        received = fusion.receive(name)
         rank = hvd.rank()
         scales = _floats(received[:, :self.scale_bytes])
         signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
@@ -334,10 +350,10 @@ EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
 SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
 
 
-def make_exchange(name, codec, numel, world_size, meter, count, server=None):
-    """The exchange called ``name`` for ``codec``."""
+def make_exchange(name, codec, numel, world_size, meter, count, server=None, fusion=None):
+    """The exchange called ``name`` for ``codec``; a sharded one sends through ``fusion``."""
     cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
-    return cls(codec, numel, world_size, meter, count, server)
+    return cls(codec, numel, world_size, meter, count, server, fusion)
 
 
 def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step):

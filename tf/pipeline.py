@@ -13,13 +13,14 @@ import re
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvd_compress import cost
+from hvd_compress import cost, fusion
 from hvd_compress.registry import resolve
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
 
 from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange
+from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
 
 UNCOMPRESSED = "allreduce (uncompressed)"
@@ -53,6 +54,11 @@ def collective_name(plan):
     """A Horovod collective's name for ``plan``: unique, and valid as a TensorFlow op name
     (Horovod matches collectives across ranks by this name)."""
     return f"hvdc.{plan.index}.{re.sub(r'[^A-Za-z0-9_.-]', '_', plan.name)}"
+
+
+def _codes_name(plan):
+    """The name of the collective, or fusion group member, of ``plan``'s codes."""
+    return collective_name(plan) + ".codes"
 
 
 class CompressionPipeline(tf.Module):
@@ -148,22 +154,32 @@ class CompressionPipeline(tf.Module):
         if len(grads) != len(self.plans):
             raise ValueError(f"CompressionPipeline: got {len(grads)} gradients for "
                              f"{len(self.plans)} variables")
-        outputs = []
-        sent_elements = []
-        for plan, shape, dtype, grad in zip(self.plans, self.shapes, self.dtypes, grads):
+        fusions = self._fusion_groups()
+        outputs = [None] * len(self.plans)
+        sent_elements = [plan.numel for plan in self.plans]
+        started = {}  # index -> (what the exchange's ``finish`` takes, the gradient's dtype)
+        for index, (plan, shape, dtype, grad) in enumerate(zip(self.plans, self.shapes,
+                                                               self.dtypes, grads)):
             if grad is None:
                 grad = tf.zeros(shape, dtype)
-            if plan.exchange == UNCOMPRESSED or isinstance(grad, tf.IndexedSlices):
-                # Sparse gradients (embeddings) go through Horovod's sparse allreduce unless
-                # sparse_as_dense densified them.
-                with self.meter.charging(plan.name):
-                    outputs.append(self._plain(plan, grad))
-                sent_elements.append(plan.numel)
-            else:
-                with self.meter.charging(plan.name):
-                    decoded = self._compressed(plan, grad, ratio)
-                outputs.append(tf.cast(tf.reshape(decoded, shape), grad.dtype))
-                sent_elements.append(self.exchanges[plan.name].sent_elements)
+            with self.meter.charging(plan.name):
+                if plan.exchange == UNCOMPRESSED or isinstance(grad, tf.IndexedSlices):
+                    # Sparse gradients (embeddings) go through Horovod's sparse allreduce
+                    # unless sparse_as_dense densified them.
+                    outputs[index] = self._plain(plan, grad)
+                    if plan.name in fusions:
+                        fusions[plan.name].withdraw(_codes_name(plan))
+                elif self.codec.sparse:
+                    outputs[index] = self._sparse(plan, grad, ratio)
+                    sent_elements[index] = self.exchanges[plan.name].sent_elements
+                else:
+                    started[index] = (self._start(plan, grad, ratio, fusions.get(plan.name)),
+                                      grad.dtype)
+        for index, (pending, dtype) in started.items():
+            plan = self.plans[index]
+            with self.meter.charging(plan.name):
+                decoded = self.exchanges[plan.name].finish(pending)
+            outputs[index] = tf.cast(tf.reshape(decoded, self.shapes[index]), dtype)
         if self.step_state:
             keep = self.all_finite(outputs)
             for state in self.step_state:
@@ -192,15 +208,34 @@ class CompressionPipeline(tf.Module):
                              postscale_factor=self.postscale_factor,
                              name=collective_name(plan), ignore_name_scope=True)
 
-    def _compressed(self, plan, grad, ratio):
+    def _fusion_groups(self):
+        """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``)."""
+        plans = {plan.name: plan for plan in self.plans if plan.exchange == "sharded"}
+        groups = {}
+        for index, members in enumerate(fusion.alltoall_groups(
+                self.codec, [(name, plan.numel) for name, plan in plans.items()],
+                self.world_size)):
+            group = AlltoallFusion([_codes_name(plans[m]) for m in members],
+                                   f"hvdc.alltoall.{index}")
+            groups.update(dict.fromkeys(members, group))
+        return groups
+
+    def _sparse(self, plan, grad, ratio):
+        vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
+        decoded = self.exchanges[plan.name](vector, ratio, _codes_name(plan))
+        return tf.cast(tf.reshape(decoded, grad.shape), grad.dtype)
+
+    def _start(self, plan, grad, ratio, alltoall_fusion):
+        """Compensates, encodes and starts the exchange of ``grad``; returns what its
+        ``finish`` takes."""
         name = collective_name(plan)
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
-        if self.codec.sparse:
-            return self.exchanges[plan.name](vector, ratio, f"{name}.codes")
         if self.worker_memory is not None:
             vector = self.worker_memory.compensate(plan.name, vector, ratio)
+        exchange = self.exchanges[plan.name]
+        exchange.fusion = alltoall_fusion
         if self.codec.two_way:
-            self.exchanges[plan.name].server = ServerStep(self.server_memory, plan.name, ratio)
+            exchange.server = ServerStep(self.server_memory, plan.name, ratio)
         scale = None
         if self.codec.scaled:
             scale = self.codec.local_scale(vector)
@@ -214,7 +249,7 @@ class CompressionPipeline(tf.Module):
         if self.worker_memory is not None:
             sent = self.codec.decode(self.codec.values(codes), scale, 1)
             self.worker_memory.update(plan.name, vector, sent)
-        return self.exchanges[plan.name](codes, scale, f"{name}.codes")
+        return exchange.start(codes, scale, _codes_name(plan))
 
     # ----- accounting -----
 
