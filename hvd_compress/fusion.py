@@ -12,12 +12,7 @@ fusion buffer does for allreduces. Each port starts and reads the group's alltoa
 Groups follow the order in which the backward pass produces gradients, the parameters'
 order reversed, so that the first groups fill, and travel, while the backward pass goes on.
 """
-from .cost import ALLTOALL_LATENCY_BYTES, alltoall_nbytes
-
-# A group closes once its alltoall carries this many bytes: its one latency is then at most
-# ~1/20 of its transfer time, while a 25M-parameter model's sign bits still make ~4 groups,
-# the first of them ready long before the backward pass ends.
-FUSION_BYTES = 20 * ALLTOALL_LATENCY_BYTES
+from . import cost
 
 
 def alltoall_groups(codec, tensors, world_size, threshold=None):
@@ -28,13 +23,13 @@ def alltoall_groups(codec, tensors, world_size, threshold=None):
         tensors: (name, numel) of every tensor whose exchange is ``sharded``, in the order
             of the parameters (the same on every rank: the groups must be too).
         threshold: bytes of a group's alltoall per worker at which it closes (default
-            ``FUSION_BYTES``; 0 gives every tensor an alltoall of its own).
+            ``cost.FUSION_BYTES``; 0 gives every tensor an alltoall of its own).
     """
-    threshold = FUSION_BYTES if threshold is None else threshold
+    threshold = cost.FUSION_BYTES if threshold is None else threshold
     groups, group, nbytes = [], [], 0
     for name, numel in reversed(tensors):
         group.append(name)
-        nbytes += alltoall_nbytes(codec, numel, world_size)
+        nbytes += cost.alltoall_nbytes(codec, numel, world_size)
         if nbytes >= threshold:
             groups.append(group)
             group, nbytes = [], 0

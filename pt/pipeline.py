@@ -104,6 +104,7 @@ class CompressionPipeline:
             self.plans[p] = dataclasses.replace(
                 self._plan(name, index, p, exchange, name in uncompressed),
                 layer=codec.layer_kind(name, tuple(p.shape)))
+        self._choose_exchanges()
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
         problem = agreement.disagreement(hvd.allgather_object(agreement.describe(
@@ -123,9 +124,17 @@ class CompressionPipeline:
         if not self.codec.compresses(numel):
             return TensorPlan(name, index, numel, UNCOMPRESSED,
                               f"{numel} < min_size {self.codec.min_size}")
-        if exchange == "auto":
-            exchange = cost.choose_exchange(self.codec, numel, self.world_size)
         return TensorPlan(name, index, numel, exchange, "compressed")
+
+    def _choose_exchanges(self):
+        """``exchange="auto"``: the compressed tensors' exchanges for this world, chosen
+        together (``cost.choose_exchanges``: sharded tensors share alltoalls)."""
+        if self.exchange != "auto":
+            return
+        compressed = [plan for plan in self.plans.values() if plan.reason == "compressed"]
+        for plan, exchange in zip(compressed, cost.choose_exchanges(
+                self.codec, [plan.numel for plan in compressed], self.world_size)):
+            plan.exchange = exchange
 
     # ----- one step -----
 
@@ -332,10 +341,7 @@ class CompressionPipeline:
                     self.worker_memory.compensate(name, residual)
             self.server_memory.residuals = {}
         self.world_size, self.rank = size, rank
-        if self.exchange == "auto":
-            for plan in self.plans.values():
-                if plan.reason == "compressed":
-                    plan.exchange = cost.choose_exchange(self.codec, plan.numel, size)
+        self._choose_exchanges()
 
     # ----- state -----
 

@@ -33,6 +33,25 @@ def test_auto_picks_the_fewest_bytes_counting_the_alltoall_latency():
     assert cost.choose_exchange(codec, 300_000, 4) == "sharded"
 
 
+def test_auto_shards_tensors_together_once_their_savings_pay_for_the_alltoall():
+    codec = hvd_compress.BlockSign()
+    n = 100_000
+
+    def sent(exchange):
+        return cost.compressed_traffic(codec, n, 4, exchange).sent
+    saving = sent("allgather") - sent("sharded")
+    # Alone, a tensor saves less than the alltoall's latency; two save a little less, three
+    # more than the latency of the one fusion group they share.
+    assert 2 * saving < cost.ALLTOALL_LATENCY_BYTES < 3 * saving
+    assert cost.choose_exchanges(codec, [n, n], 4) == ["allgather"] * 2
+    assert cost.choose_exchanges(codec, [n, n, n], 4) == ["sharded"] * 3
+    # A large tensor pays for the group, and the small one then saves bytes by joining it.
+    assert cost.choose_exchanges(codec, [n, 2_000_000], 4) == ["sharded"] * 2
+    # Only tensors that sharded suits join: at N = 2 it sends more bytes than allgather.
+    assert cost.choose_exchanges(codec, [2_000_000] * 3, 2) == ["allgather"] * 3
+    assert cost.choose_exchanges(hvd_compress.FP16(), [n] * 3, 4) == ["allreduce"] * 3
+
+
 def test_unknown_exchange():
     with pytest.raises(ValueError, match="exchange must be one of"):
         cost.compressed_traffic(hvd_compress.TernGrad(), 10, 2, "ring")

@@ -39,7 +39,7 @@ def _train_fused(configs):
     hvd.init()
     results = []
     for codec, threshold in configs:
-        fusion.FUSION_BYTES = threshold
+        cost.FUSION_BYTES = threshold
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
         embedding = torch.nn.Embedding(20, 4, sparse=True)
@@ -106,7 +106,7 @@ def _tf_fused(thresholds, steps=2):
     hvd.init()
     results = []
     for threshold in thresholds:
-        fusion.FUSION_BYTES = threshold
+        cost.FUSION_BYTES = threshold
         codec = hvd_compress.BlockSign(min_size=0)
         alltoalls, original = [], hvd.alltoall
 

@@ -96,6 +96,13 @@ class CompressionPipeline(tf.Module):
             layer=codec.layer_kind(name, tuple(shape)))
             for index, ((name, _), shape, dtype)
             in enumerate(zip(named_variables, self.shapes, self.dtypes))]
+        if exchange == "auto":
+            # Chosen together: sharded tensors share alltoalls (``cost.choose_exchanges``).
+            chosen = [plan for plan in self.plans if plan.reason == "compressed"]
+            for plan, name in zip(chosen, cost.choose_exchanges(
+                    codec, [plan.numel for plan in chosen], self.world_size,
+                    TF_ALLREDUCE_DTYPES)):
+                plan.exchange = name
         count = self.world_size if average else 1
         compressed = [plan for plan in self.plans if plan.exchange != UNCOMPRESSED]
         with tf.init_scope():
@@ -138,9 +145,6 @@ class CompressionPipeline(tf.Module):
         if not self.codec.compresses(numel):
             return TensorPlan(name, index, numel, UNCOMPRESSED,
                               f"{numel} < min_size {self.codec.min_size}")
-        if exchange == "auto":
-            exchange = cost.choose_exchange(self.codec, numel, self.world_size,
-                                            TF_ALLREDUCE_DTYPES)
         return TensorPlan(name, index, numel, exchange, "compressed")
 
     # ----- one step -----
