@@ -138,11 +138,6 @@ ALLTOALL_LATENCY_BYTES = 37_500
 FUSION_BYTES = 20 * ALLTOALL_LATENCY_BYTES
 
 
-def choose_exchange(codec, numel, world_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
-    """``choose_exchanges`` of a single tensor."""
-    return choose_exchanges(codec, [numel], world_size, allreduce_dtypes)[0]
-
-
 def choose_exchanges(codec, sizes, world_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """The exchanges that cost a step the least time, for its compressed tensors of
     ``sizes`` elements (in that order): bytes sent, plus ``ALLTOALL_LATENCY_BYTES`` for each
