@@ -118,6 +118,15 @@ class _Exchange:
     def advance(self, pending):
         return pending
 
+    def _servers_signs(self, packed, scales, length):
+        """The first ``length`` signs of each server's row of ``packed`` times that server's
+        one scale (``scales``, one per row). Every value is +-its server's scale, NaN for a
+        non-finite one, so ``finite`` is read off the scales."""
+        self.finite = bool(torch.isfinite(scales).all())
+        unpack_signs = fused.scaled_signs if fused.applies(self.codec, scales) else \
+            unpack_scaled_signs
+        return unpack_signs(packed, scales, length)
+
 
 class Allreduce(_Exchange):
     """Code values summed by one allreduce, in the narrowest carrier that cannot overflow."""
@@ -197,9 +206,7 @@ class Allgather(_Exchange):
         if own_scales.shape[1] == 1 and fused.applies(self.codec, own_scales):
             packed, server_scale = fused.server_step(self.server, self.codec, bits,
                                                      own_scales[:, 0], self.count, self.numel)
-            # Every value is +-the server's scale, NaN for a non-finite one.
-            self.finite = bool(torch.isfinite(server_scale).all())
-            return fused.scaled_signs(packed.reshape(1, -1), server_scale, self.numel)[0]
+            return self._servers_signs(packed.reshape(1, -1), server_scale, self.numel)[0]
         values = self.codec.values(unpack(bits, self.codec.code_space, self.numel))
         average = self.codec.decode(values, own_scales, 1).sum(dim=0) / self.count
         return self.server(self.codec, average)[2]
@@ -305,11 +312,7 @@ class ShardedServer(_Exchange):
         scales = _floats(rows[:, :self.server_scale_bytes])
         packed = rows[:, self.server_scale_bytes:]
         if scales.shape[1] == 1:  # one block per shard
-            # Every value is +-its server's scale, NaN for a non-finite one.
-            self.finite = bool(torch.isfinite(scales).all())
-            unpack_signs = fused.scaled_signs if fused.applies(self.codec, scales) else \
-                unpack_scaled_signs
-            return unpack_signs(packed, scales, self.length).reshape(-1)[: self.numel]
+            return self._servers_signs(packed, scales, self.length).reshape(-1)[: self.numel]
         signs = unpack(packed, self.codec.code_space, self.length)
         # All servers' shards at once: a shard's blocks (bucket_length of its valid length)
         # are those of the whole padded row, as blocks start at the row's start and the
