@@ -16,6 +16,7 @@ from hvd_compress.pt import fused
 from hvd_compress.pt.memory import ErrorFeedback
 from hvd_compress.pt.momentum import WorkerMomentum
 from hvd_compress.pt.packing import pack, unpack_scaled_signs
+from hvd_compress.server import ServerStep
 
 from .codec_profile import compressed_shapes
 from .models import SyntheticResNet50
@@ -44,6 +45,22 @@ def _fused_worker(codec, grad, buffer, residual):
     return fused.signs_with_feedback(codec, p, scale)
 
 
+def _eager_server(codec, bits, scales, residual):
+    """The sharded server's eager calls for one shard: decode, average, ``ServerStep``."""
+    average = unpack_scaled_signs(bits, scales, residual.numel()).sum(dim=0) / len(bits)
+    memory = ErrorFeedback()
+    memory.residuals["s"] = residual
+    codes, _, _ = ServerStep(memory, "s")(codec, average)
+    return pack(codes.reshape(1, -1), codec.code_space)
+
+
+def _fused_server(codec, bits, scales, residual):
+    memory = ErrorFeedback()
+    memory.residuals["s"] = residual
+    return fused.server_step(ServerStep(memory, "s"), codec, bits, scales.reshape(-1),
+                             len(bits), residual.numel())
+
+
 def _best(function, repeats):
     function()
     best = float("inf")
@@ -68,10 +85,15 @@ def main(argv=None):
     # The final decode of one sharded exchange: 4 servers' shards of every tensor's signs.
     shards = [(torch.randint(0, 256, (4, -(-grad.numel() // 32)), dtype=torch.uint8),
                torch.rand(4, 1)) for grad, _, _ in tensors]
+    servers = [(bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
+               for bits, scales in shards]
     rows = [
         ("worker: momentum, compensation, scales, signs, packing, residual",
          lambda: [_eager_worker(codec, *t) for t in tensors],
          lambda: [_fused_worker(codec, *t) for t in tensors]),
+        ("server of one shard (N = 4): average, compensation, scales, signs, residual",
+         lambda: [_eager_server(codec, *s) for s in servers],
+         lambda: [_fused_server(codec, *s) for s in servers]),
         ("final decode of the servers' signs",
          lambda: [unpack_scaled_signs(b, s, b.shape[1] * 8) for b, s in shards],
          lambda: [fused.scaled_signs(b, s, b.shape[1] * 8) for b, s in shards]),

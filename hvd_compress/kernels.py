@@ -99,8 +99,7 @@ def compensated_block_l1(vector, buffer, mu, nesterov, new_buffer, residual, rat
     """out = u + residual * ratio (float32), and sums[b] = sum of |out| over block b
     (float64). u is ``vector``, or with a momentum ``buffer`` the u of ``_momentum_at``,
     whose m goes to ``new_buffer``. Empty ``buffer`` and ``residual`` mean none; with
-    neither, out is not written and the sums are of ``vector``. ``out`` may be
-    ``vector`` itself."""
+    neither, out is not written and the sums are of ``vector``."""
     ratio, mu = np.float32(ratio), np.float64(np.float32(mu))
     for b in range(sums.size):
         s = slice(b * block, min(vector.size, (b + 1) * block))
@@ -190,27 +189,80 @@ def _sign_tables(scales):
 
 
 @_jit
-def _average_at(tables, bits, count, i):
+def _averaged_at(tables, bits, count, residual, ratio, i):
     value = np.float32(0.0)
     for r in range(tables.shape[0]):
         value += tables[r, bits[r, i >> 3], i & 7]
-    return value / count
+    value /= count
+    return value + residual[i] * ratio if residual.size else value
+
+
+# The server's average of whole bytes: the eight values of a byte accumulate in eight lanes,
+# one row's table entry at a time (2x faster than summing each element over the rows).
+# _byte_sums is inlined into the loops by numba itself: as a call, the loops took 2x as long.
+
+@_jit(inline="always")
+def _byte_sums(tables, bits, j, lanes):
+    """lanes[k] = the sum over rows r, in order, of the value of sign k of byte j of row r."""
+    lanes[:] = 0.0
+    for r in range(bits.shape[0]):
+        entry = tables[r, bits[r, j]]
+        for k in range(8):
+            lanes[k] += entry[k]
+
+
+@_jit(fastmath={"reassoc"})
+def _averaged_l1(tables, bits, count, out):
+    total = 0.0
+    lanes = np.empty(8, dtype=np.float32)
+    for j in range(bits.shape[1]):
+        _byte_sums(tables, bits, j, lanes)
+        for k in range(8):
+            out[8 * j + k] = lanes[k] / count
+            total += abs(np.float64(out[8 * j + k]))
+    return total
+
+
+@_jit(fastmath={"reassoc"})
+def _averaged_compensated_l1(tables, bits, count, residual, ratio, out):
+    total = 0.0
+    lanes = np.empty(8, dtype=np.float32)
+    for j in range(bits.shape[1]):
+        _byte_sums(tables, bits, j, lanes)
+        for k in range(8):
+            out[8 * j + k] = lanes[k] / count + residual[8 * j + k] * ratio
+            total += abs(np.float64(out[8 * j + k]))
+    return total
 
 
 @_jit
-def averaged_signs(bits, scales, count, out):
-    """out = (sum over rows r of sign_r scales[r]) / count for the first out.size signs of
-    each row of ``bits``, summed in row order as the eager sum over rows: a server's
-    average of its workers' messages when what it serves (its shard, or the replicated
-    server's whole tensor) lies in one block of each."""
+def averaged_block_l1(bits, scales, count, residual, ratio, block, out, sums):
+    """The server's pass over what it serves (its shard, or the replicated server's whole
+    tensor), when that lies in one block of each worker's message: out = (sum over rows r
+    of sign_r scales[r]) / count + residual * ratio, the rows summed in order as the eager
+    sum over rows (float32), and sums[b] = sum of |out| over the server's block b
+    (float64). An empty ``residual`` means none. One pass where the average, the
+    compensation and the block sums were three."""
     tables = _sign_tables(scales)
-    count = np.float32(count)
-    # Whole bytes in a loop of fixed length, which is unrolled.
-    for j in range(out.size // 8):
-        for k in range(8):
-            out[8 * j + k] = _average_at(tables, bits, count, 8 * j + k)
-    for i in range(out.size - out.size % 8, out.size):
-        out[i] = _average_at(tables, bits, count, i)
+    count, ratio = np.float32(count), np.float32(ratio)
+    for b in range(sums.size):
+        start, stop = b * block, min(out.size, (b + 1) * block)
+        # Whole bytes in lanes; elements of a byte shared with another block one by one.
+        first = min(-(-start // 8) * 8, stop)
+        last = max(stop // 8 * 8, first)
+        body = bits[:, first // 8:last // 8]
+        if residual.size:
+            total = _averaged_compensated_l1(tables, body, count, residual[first:last],
+                                             ratio, out[first:last])
+        else:
+            total = _averaged_l1(tables, body, count, out[first:last])
+        for i in range(start, first):
+            out[i] = _averaged_at(tables, bits, count, residual, ratio, i)
+            total += abs(np.float64(out[i]))
+        for i in range(last, stop):
+            out[i] = _averaged_at(tables, bits, count, residual, ratio, i)
+            total += abs(np.float64(out[i]))
+        sums[b] = total
 
 
 @_jit

@@ -47,18 +47,14 @@ def momentum(grad, buffer, mu, nesterov):
     return out
 
 
-def compensated_scale(codec, vector, residual, ratio, out=None, momentum=None):
+def compensated_scale(codec, vector, residual, ratio, momentum=None):
     """``ErrorFeedback.compensate`` and ``BlockSign.local_scale`` in one pass: (p, scale),
-    p = u + residual * ratio, written into ``out`` if given (which may be ``vector``). u is
-    ``vector``, or with a ``momentum`` (``WorkerMomentum.Deferred``) the direction of
-    ``WorkerMomentum.before_exchange``, whose new buffer is written in the same pass.
-    Without either, p is ``vector`` itself."""
+    p = u + residual * ratio. u is ``vector``, or with a ``momentum``
+    (``WorkerMomentum.Deferred``) the direction of ``WorkerMomentum.before_exchange``,
+    whose new buffer is written in the same pass. Without either, p is ``vector`` itself."""
     numel = vector.numel()
     sums = torch.empty(codec.buckets(numel), dtype=torch.float64)
-    if residual is None and momentum is None:
-        p = vector
-    else:
-        p = torch.empty_like(vector) if out is None else out
+    p = vector if residual is None and momentum is None else torch.empty_like(vector)
     accelerate = (_NONE, 0.0, False, _NONE) if momentum is None else \
         (momentum.buffer.reshape(-1).numpy(), momentum.mu, momentum.nesterov,
          momentum.out.view(-1).numpy())
@@ -85,10 +81,13 @@ def server_step(server, codec, bits, scales, count, numel):
     workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
     (``scales``): the average, the server residual and the second compression. Returns
     (packed signs, scale) and proposes the new server residual."""
-    average = torch.empty(numel, dtype=torch.float32)
-    _kernels().averaged_signs(bits.numpy(), scales.contiguous().numpy(), count, average.numpy())
-    p, scale = compensated_scale(codec, average, server.memory.residuals.get(server.key),
-                                 server.ratio, out=average)
+    p = torch.empty(numel, dtype=torch.float32)
+    sums = torch.empty(codec.buckets(numel), dtype=torch.float64)
+    residual = server.memory.residuals.get(server.key)
+    _kernels().averaged_block_l1(bits.numpy(), scales.contiguous().numpy(), count,
+                                 _NONE if residual is None else residual.numpy(), server.ratio,
+                                 codec.bucket_length(numel), p.numpy(), sums.numpy())
+    scale = codec.scale_from_sums(sums, numel)
     packed, residual = signs_with_feedback(codec, p, scale)
     server.memory.propose(server.key, residual)
     return packed, scale
