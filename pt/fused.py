@@ -83,9 +83,9 @@ def server_step(server, codec, bits, scales, count, numel):
     (packed signs, scale) and proposes the new server residual."""
     p = torch.empty(numel, dtype=torch.float32)
     sums = torch.empty(codec.buckets(numel), dtype=torch.float64)
-    residual = server.memory.residuals.get(server.key)
+    previous = server.memory.residuals.get(server.key)
     _kernels().averaged_block_l1(bits.numpy(), scales.contiguous().numpy(), count,
-                                 _NONE if residual is None else residual.numpy(), server.ratio,
+                                 _NONE if previous is None else previous.numpy(), server.ratio,
                                  codec.bucket_length(numel), p.numpy(), sums.numpy())
     scale = codec.scale_from_sums(sums, numel)
     packed, residual = signs_with_feedback(codec, p, scale)
