@@ -1,7 +1,7 @@
 """The ``hvd-compress`` command.
 
     hvd-compress demo [--runs 2:none,2:terngrad,...,4:none@nesterov,gru/4:sync,gru/4:local]
-                      [--steps 3000] [--optimizer sgd]
+                      [--steps 3000] [--optimizer sgd] [--seed 0]
     hvd-compress bench [--workers 2,4] [--rates 10G,1G,100M] ...   (see benchmarks/bench.py)
 
 ``demo`` is the main job: it trains on MNIST-1D under ``horovodrun`` (Gloo, localhost) once
@@ -105,7 +105,8 @@ def _run_example(run, args, outdir):
     command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"),
                "-np", str(run.workers), "-H", f"localhost:{run.workers}", "--gloo",
                sys.executable, EXAMPLES[run.model].path,
-               *EXAMPLES[run.model].arguments(run.codec, optimizer, args), "--out", out]
+               *EXAMPLES[run.model].arguments(run.codec, optimizer, args),
+               "--seed", str(args.seed), "--out", out]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print(f"$ {' '.join(command[:7])} {os.path.relpath(command[7])} "
           f"{' '.join(command[8:10])} ...", flush=True)
@@ -154,7 +155,8 @@ def demo(args):
     with tempfile.TemporaryDirectory() as outdir:
         results = [_run_example(run, args, outdir) for run in args.runs]
     models = {run.model for run in args.runs}
-    settings = ["MNIST-1D, Horovod workers over Gloo, same seed and data per model."]
+    settings = [f"MNIST-1D, Horovod workers over Gloo, seed {args.seed} and the same data for "
+                f"every run."]
     if models - {"gru"}:
         settings.append(f"CNNs: {args.steps} steps, lr {args.lr} (cosine), global batch 100, "
                         f"momentum 0.9.")
@@ -192,6 +194,9 @@ def main(argv=None):
                      help="for the CNN runs without @optimizer: SGD with heavy-ball (sgd, "
                           "default) or Nesterov momentum 0.9, or Adam")
     run.add_argument("--lr", type=float, default=0.1)
+    run.add_argument("--seed", type=int, default=0,
+                     help="every run's seed: its initialization, batches and codec draws "
+                          "(default 0; the data stay the same)")
     run.add_argument("--timeout", type=int, default=1200, help="seconds per training run")
     run.add_argument("--out", help="also write the results as JSON here")
     run.add_argument("--verbose", action="store_true", help="show the workers' output")
