@@ -1,5 +1,7 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (every test);
-# `make bench` runs the bandwidth-limited benchmark matrix (needs root for the namespaces).
+# The two commands of the README: `make demo` (the main job) and `make test` (every test,
+# what CI runs); `make test-fast` runs the unit tests only (no Horovod processes, no
+# convergence training) for the edit-test loop; `make bench` runs the bandwidth-limited
+# benchmark matrix (needs root for the namespaces).
 # Each sets up the environment first (idempotent; the Horovod build is cached).
 PY := .venv/bin/python
 # What launch/worker_env.sh gives workers (one thread each; glibc keeps freed memory).
@@ -8,7 +10,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export MALLOC_MMAP_THRESHOLD_ := 1073741824
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-fast bench
 
 setup:
 	bash launch/setup.sh
@@ -18,6 +20,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -ra -q --durations=15 tests
+
+test-fast: setup
+	$(PY) -m pytest -ra -q --durations=5 -m "not multiprocess and not convergence" tests
 
 bench: setup
 	$(PY) -m hvd_compress.cli bench
