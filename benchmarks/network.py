@@ -5,7 +5,7 @@ joined to a bridge by veth pairs whose both directions are rate-limited with ``t
         network.shape("100mbit")
         ...start worker k with network.exec_prefix(k) on network.address(k)...
 
-Layout (see /work/shared/design/netsim.md for what was checked on this machine): the
+Layout (benchmarks/README.md, "The test network", describes its use): the
 namespace ``<prefix>sw`` is the switch, holding the bridge ``br0`` at ``SWITCH_ADDRESS``;
 worker k lives in ``<prefix>w<k>`` with its end of the link named ``eth0`` at
 ``10.231.0.<k+1>``. Nothing is created in the caller's namespace, so no traffic leaves
