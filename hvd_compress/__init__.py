@@ -6,6 +6,7 @@ model and the N-worker reference simulation. The framework ports are ``hvd_compr
 (PyTorch) and ``hvd_compress.tf`` (TensorFlow).
 """
 from .adacomp import AdaComp
+from .adaptive import Adaptive
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .codes import FloatCodes, IntCodes
@@ -14,6 +15,6 @@ from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
-__all__ = ["AdaComp", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK", "FP16", "FloatCodes",
+__all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK", "FP16", "FloatCodes",
            "IntCodes", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad", "resolve"]
 __version__ = "0.1.0"

@@ -1,5 +1,7 @@
 """PyTorch port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
 ``DistributedOptimizer`` that exchanges their codes through Horovod collectives."""
+from hvd_compress.adaptive import Adaptive
+
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
@@ -13,5 +15,5 @@ CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NU
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 
-__all__ = ["AdaComp", "BlockSign", "CODECS", "CyclicLocalTopK", "Codec", "DistributedOptimizer",
+__all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "CyclicLocalTopK", "Codec", "DistributedOptimizer",
            "FP16", "LocalClipSGD", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]

@@ -41,6 +41,13 @@ class ErrorFeedback:
                 previous * (1.0 - beta) + residual * beta
         self.propose(name, residual)
 
+    def flush(self, name, vector, ratio=1.0):
+        """``vector`` plus the residual, which the step then drops: for a tensor that is sent
+        whole, so that the residual reaches the others instead of being lost."""
+        compensated = self.compensate(name, vector, ratio)
+        self.proposed[name] = None
+        return compensated
+
     def propose(self, name, residual):
         """Proposes ``residual`` itself, made by a caller that fused the compensation,
         the message and the subtraction (``fused``)."""
@@ -48,7 +55,11 @@ class ErrorFeedback:
 
     def commit(self, keep):
         if keep:
-            self.residuals.update(self.proposed)
+            for name, residual in self.proposed.items():
+                if residual is None:
+                    self.residuals.pop(name, None)
+                else:
+                    self.residuals[name] = residual
         self.proposed = {}
 
     def state_dict(self):

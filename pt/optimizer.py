@@ -7,6 +7,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as horovod_optimizer
 import torch
 
+from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import EXCHANGES, exchanges_for
 from hvd_compress.registry import resolve
 from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
@@ -112,20 +113,25 @@ class _DistributedOptimizer:
         """What the last step handed to Horovod, and how each tensor travels. ``"layers"``
         breaks the bytes down by layer kind (conv, linear, recurrent, embedding, other),
         with the density: the fraction of elements this worker sent (below 1 only for
-        sparse codecs)."""
+        sparse codecs). With ``adaptive``, ``"adaptive"`` holds the last decision: the
+        measured link, each tensor's path and the predicted exchange seconds per step of
+        the chosen paths and of every unpinned tensor on one path (``Planner.report``)."""
         pipeline = self._hvdc_pipeline
         uncompressed = pipeline.uncompressed_bytes()
         sent = pipeline.last_step_bytes
-        return {
+        stats = {
             "codec": repr(pipeline.codec),
             "step": pipeline.step,
             "bytes_handed": sent,
             "bytes_uncompressed": uncompressed,
             "compression_ratio": uncompressed / sent if sent else float("nan"),
-            "tensors": [(plan.name, plan.numel, plan.exchange, plan.reason)
+            "tensors": [(plan.name, plan.numel, plan.route, plan.reason)
                         for plan in pipeline.plans.values()],
             "layers": pipeline.layer_stats(),
         }
+        if pipeline.planner is not None:
+            stats["adaptive"] = pipeline.planner.report()
+        return stats
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
@@ -133,7 +139,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=hvd.global_process_set, *,
                          exchange="auto", seed=0, uncompressed=(), error_feedback=None,
-                         worker_momentum=None):
+                         worker_momentum=None, adaptive=False):
     """Wraps a ``torch.optim.Optimizer`` so that gradients are compressed, exchanged across
     all Horovod ranks and averaged before every ``step()``.
 
@@ -177,6 +183,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
             exchange the step adds weight decay with its own momentum buffer, so no momentum
             is applied twice (``WorkerMomentum``). None: on for ``ef-sign`` with an SGD that
             has momentum.
+        adaptive: ``True`` or an ``hvd_compress.Adaptive``: every tensor the codec
+            compresses goes by the codec, an fp16 allreduce or a plain allreduce, whichever
+            a model of the step predicts fastest from the link, codec and backward times
+            measured on this job (``hvd_compress.adaptive``); decided after a warm-up, again
+            every ``Adaptive.every`` steps, the same on every rank. A tensor that leaves the
+            codec sends its error-feedback residuals with its next allreduce. Dense codecs
+            only. Default False: every compressible tensor by the codec.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
@@ -204,6 +217,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         raise ValueError(f"DistributedOptimizer: {codec.name} codes cannot travel by "
                          f"exchange={exchange!r}; they can by {exchanges_for(codec)} or 'auto'")
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
+    adaptive = Adaptive.of(adaptive)
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)
     if worker_momentum is None:
         worker_momentum = codec.two_way and isinstance(optimizer, torch.optim.SGD) and \
@@ -220,12 +234,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     if unknown:
         raise ValueError(f"DistributedOptimizer: uncompressed names unknown parameters: "
                          f"{sorted(unknown)}")
+    if adaptive is not None:
+        unpinnable = set(adaptive.pin) - {name for name, _ in named}
+        if unpinnable:
+            raise ValueError(f"DistributedOptimizer: adaptive pins unknown parameters: "
+                             f"{sorted(unpinnable)}")
     if not codec.compress_classifier:
         whole |= _classifier_names(named)
     pipeline = CompressionPipeline(
         named, codec, exchange=exchange, average=op == hvd.Average, seed=seed,
         uncompressed=whole, prescale_factor=1.0 / predivide, postscale_factor=predivide,
-        error_feedback=error_feedback)
+        error_feedback=error_feedback, adaptive=adaptive)
 
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer)
     wrapped._hvdc_setup(optimizer.__class__, pipeline, passes, bool(worker_momentum))

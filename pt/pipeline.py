@@ -6,12 +6,16 @@ optimizer class so that every wrapper (the optimizer, a local-SGD averager, test
 same code.
 """
 import collections
+import contextlib
 import dataclasses
+import logging
+import time
 
 import horovod.torch as hvd
 import torch
 
 from hvd_compress import agreement, cost, fusion
+from hvd_compress.adaptive import Link, Planner, path_traffic
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 
@@ -30,13 +34,23 @@ class TensorPlan:
     exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
     reason: str    # why it is, or is not, compressed
     layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
+    # A compressed tensor's path this step (``hvd_compress.adaptive.PATHS``); only the
+    # adaptive mode sends one by another path than its codec.
+    path: str = "codec"
+
+    @property
+    def route(self):
+        """How the gradient travels this step: the codec's exchange, or an allreduce."""
+        if self.exchange == UNCOMPRESSED or self.path == "fp32":
+            return UNCOMPRESSED
+        return HALF if self.path == "fp16" else self.exchange
 
 
 @dataclasses.dataclass
 class _InFlight:
     plan: TensorPlan
     param: torch.Tensor
-    stage: str                 # "scale", "codes" or "plain"
+    stage: str                 # "scale", "codes", "plain" or "half"
     handle: object = None
     vector: torch.Tensor = None  # the flattened gradient, plus the worker residual
     scale: torch.Tensor = None
@@ -44,7 +58,15 @@ class _InFlight:
     fused: bool = False          # worker error feedback by ``fused``'s kernels
 
 
+log = logging.getLogger("hvd_compress")
+
 UNCOMPRESSED = "allreduce (uncompressed)"
+HALF = "allreduce (fp16)"
+
+# The link probe of the adaptive mode: allreduces of float32 tensors of these sizes (4 kB
+# and 1 MB), the fastest of ``_PROBE_REPEATS`` each, give its latency and bandwidth.
+_PROBE_SIZES = (1 << 10, 1 << 18)
+_PROBE_REPEATS = 3
 
 
 def _codes_name(name):
@@ -76,11 +98,14 @@ class CompressionPipeline:
         prescale_factor, postscale_factor: Horovod's scaling of uncompressed allreduces.
         error_feedback: keep a worker residual per compressed tensor (``ErrorFeedback``).
             Two-way codecs also keep a server residual per tensor (or shard).
+        adaptive: an ``hvd_compress.Adaptive``: each compressed tensor goes by the codec,
+            an fp16 or an fp32 allreduce, whichever the model of ``hvd_compress.adaptive``
+            predicts fastest from measurements of this job. None: always by the codec.
     """
 
     def __init__(self, named_parameters, codec, *, exchange="auto", average=True, seed=0,
                  uncompressed=(), prescale_factor=1.0, postscale_factor=1.0,
-                 error_feedback=False):
+                 error_feedback=False, adaptive=None):
         self.codec = codec
         self.worker_memory = ErrorFeedback() if error_feedback else None
         self.server_memory = ErrorFeedback() if codec.two_way else None
@@ -105,6 +130,15 @@ class CompressionPipeline:
                 self._plan(name, index, p, exchange, name in uncompressed),
                 layer=codec.layer_kind(name, tuple(p.shape)))
         self._choose_exchanges()
+        self.planner = None
+        if adaptive is not None:
+            if codec.sparse:
+                raise ValueError(f"adaptive: {codec.name} selects what it sends from its "
+                                 f"memory; the adaptive mode takes the dense codecs")
+            self.planner = Planner(adaptive, [
+                plan.name for plan in self.plans.values() if plan.reason == "compressed"])
+            self._follow_planner()
+        self._step_started = None  # perf_counter() of the step's first gradient
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
         problem = agreement.disagreement(hvd.allgather_object(agreement.describe(
@@ -146,8 +180,8 @@ class CompressionPipeline:
         """Whether ``param``'s worker error feedback runs in ``fused``'s kernels, which can
         also take its momentum step (``WorkerMomentum.Deferred``)."""
         grad = param.grad
-        return self.worker_memory is not None and self.plans[param].exchange != UNCOMPRESSED \
-            and not self.codec.sparse and grad is not None and not grad.is_sparse and \
+        return self.worker_memory is not None and self.plans[param].route != UNCOMPRESSED \
+            and self.plans[param].route != HALF and not self.codec.sparse and grad is not None and not grad.is_sparse and \
             grad.is_contiguous() and fused.applies(self.codec, grad)
 
     def launch(self, param, ratio=1.0, momentum=None):
@@ -158,21 +192,41 @@ class CompressionPipeline:
         if not self._in_flight:
             self._follow_world()
             self._fusions = self._fusion_groups()
+            self._step_started = time.perf_counter()
+            if self.planner is not None:
+                self.planner.start_step()
         plan = self.plans[param]
+        if self.planner is not None:
+            self.planner.ready_at(plan.name, time.perf_counter() - self._step_started)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = param.grad
-        with self.meter.charging(plan.name):
+        with self.meter.charging(plan.name), self._cpu(plan.name, "before"):
             self._launch(plan, param, grad, ratio, momentum)
         self._start_ready_codes()
 
+    @contextlib.contextmanager
+    def _cpu(self, name, phase):
+        """Charges this thread's CPU time in the block to tensor ``name``'s ``phase``
+        (``adaptive.Planner.spent``)."""
+        if self.planner is None:
+            yield
+            return
+        start, wall = time.thread_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.planner.spent(name, phase, time.thread_time() - start,
+                               time.perf_counter() - wall)
+
     def _launch(self, plan, param, grad, ratio, momentum):
         count = self.world_size if self.average else 1
-        if plan.exchange == UNCOMPRESSED or grad.is_sparse:
+        if plan.route in (UNCOMPRESSED, HALF) or grad.is_sparse:
             # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
             # unless sparse_as_dense densified them.
-            self._in_flight[param] = _InFlight(plan, param, "plain",
-                                               self._launch_plain(plan, grad))
+            half = plan.route == HALF and not grad.is_sparse
+            self._in_flight[param] = _InFlight(plan, param, "half" if half else "plain",
+                                               self._launch_plain(plan, grad, ratio, half))
             if plan.name in self._fusions:
                 self._fusions[plan.name].withdraw(_codes_name(plan.name))
         elif self.codec.sparse:
@@ -210,7 +264,7 @@ class CompressionPipeline:
     def _fusion_groups(self):
         """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``)."""
         sharded = [(plan.name, plan.numel) for plan in self.plans.values()
-                   if plan.exchange == "sharded"]
+                   if plan.route == "sharded"]
         groups = {}
         for index, members in enumerate(fusion.alltoall_groups(self.codec, sharded,
                                                                 self.world_size)):
@@ -218,11 +272,18 @@ class CompressionPipeline:
             groups.update(dict.fromkeys(members, group))
         return groups
 
-    def _launch_plain(self, plan, grad):
+    def _launch_plain(self, plan, grad, ratio, half):
+        """Starts the allreduce of a gradient sent whole, in float16 if ``half``. A tensor
+        that the adaptive mode took off its codec carries its residuals in it
+        (``ErrorFeedback.flush``)."""
         name = f"hvdc.{plan.name}"
         op = hvd.Average if self.average else hvd.Sum
         if grad.is_sparse:
             return hvd.sparse_allreduce_async(grad, name=name, op=op)
+        if self.worker_memory is not None and plan.name in self.worker_memory.residuals:
+            grad = self.worker_memory.flush(plan.name, grad.reshape(-1), ratio).view(grad.shape)
+        if half:
+            grad = grad.to(torch.float16)
         self.meter.hand(grad)
         return hvd.allreduce_async_(grad, name=name, op=op,
                                     prescale_factor=self.prescale_factor,
@@ -237,7 +298,8 @@ class CompressionPipeline:
                 if not block and not hvd.poll(flight.handle):
                     continue
                 flight.scale = wait(flight.handle)
-            self._start_codes(flight)
+            with self._cpu(flight.plan.name, "before"):
+                self._start_codes(flight)
 
     def _start_codes(self, flight):
         vector, name = flight.vector, flight.plan.name
@@ -273,18 +335,22 @@ class CompressionPipeline:
         self._start_ready_codes(block=True)
         for flight in self._in_flight.values():
             if flight.stage == "codes":
-                with self.meter.charging(flight.plan.name):
+                with self.meter.charging(flight.plan.name), self._cpu(flight.plan.name, "after"):
                     flight.handle = flight.exchange.advance(flight.handle)
         known = {}  # param -> whether its gradient is finite, as its exchange knows
         for param, flight in self._in_flight.items():
-            if flight.stage == "plain":
+            if flight.stage in ("plain", "half"):
                 output = wait(flight.handle) if isinstance(flight.handle, int) \
                     else flight.handle()
                 if output.is_sparse:
                     param.grad = output
+                elif output.data_ptr() != param.grad.data_ptr():  # float16, or flushed
+                    with self._cpu(flight.plan.name, "after"):
+                        _write_grad(param, output.to(param.grad.dtype))
                 continue
-            decoded = flight.exchange.finish(flight.handle)
-            _write_grad(param, decoded)
+            with self._cpu(flight.plan.name, "after"):
+                decoded = flight.exchange.finish(flight.handle)
+                _write_grad(param, decoded)
             # A copy into another dtype could overflow: only an adopted result is known.
             if flight.exchange.finite is not None and param.grad.dtype == decoded.dtype:
                 known[param] = flight.exchange.finite
@@ -298,6 +364,10 @@ class CompressionPipeline:
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
         self.step += 1
+        if self.planner is not None:
+            self.planner.end_step()
+            if self.planner.due(self.step):
+                self._decide()
 
     def all_finite(self, skip=()):
         """Whether every exchanged gradient of this step, but those of ``skip``, is finite;
@@ -329,19 +399,90 @@ class CompressionPipeline:
                 self.worker_memory.residuals[name] = residual * (size / self.world_size)
         if self.server_memory is not None:
             by_name = {plan.name: plan for plan in self.plans.values()}
-            for name, residual in self.server_memory.residuals.items():
-                plan = by_name[name]
-                if plan.exchange == "sharded":
-                    shard = make_exchange("sharded", self.codec, plan.numel, self.world_size,
-                                          self.meter, 1).shard(self.rank)
-                    full = residual.new_zeros(plan.numel)
-                    full[shard] = residual * size
-                    residual = full
-                self.worker_memory.residuals[name] = \
-                    self.worker_memory.compensate(name, residual)
-            self.server_memory.residuals = {}
+            for name in list(self.server_memory.residuals):
+                self._server_residual_to_worker(by_name[name], size if self.average else 1)
         self.world_size, self.rank = size, rank
         self._choose_exchanges()
+        if self.planner is not None:
+            self.planner.restart(self.step)
+            self._follow_planner()
+
+    def _server_residual_to_worker(self, plan, count):
+        """Moves the server residual of ``plan``'s tensor into this rank's worker residual,
+        so that the next exchange whose result is divided by ``count`` delivers it: the
+        replicated server's (held by every rank) times count / N, a sharded server's (this
+        rank's shard only) times ``count`` at that shard's positions."""
+        residual = self.server_memory.residuals.pop(plan.name)
+        if plan.exchange == "sharded":
+            shard = make_exchange("sharded", self.codec, plan.numel, self.world_size,
+                                  self.meter, 1).shard(self.rank)
+            full = residual.new_zeros(plan.numel)
+            full[shard] = residual * count
+            residual = full
+        else:
+            residual = residual * (count / self.world_size)
+        self.worker_memory.residuals[plan.name] = \
+            self.worker_memory.compensate(plan.name, residual)
+
+    # ----- the adaptive mode -----
+
+    def _follow_planner(self):
+        """Sends every compressed tensor by the path the planner has in force. A tensor
+        that leaves its codec hands its server residual to its worker residual, which its
+        next allreduce carries (``_launch_plain``)."""
+        for plan in self.plans.values():
+            if plan.reason != "compressed":
+                continue
+            path = self.planner.path(plan.name)
+            if plan.path == "codec" and path != "codec" and self.server_memory is not None \
+                    and plan.name in self.server_memory.residuals:
+                self._server_residual_to_worker(plan, self.world_size if self.average else 1)
+            plan.path = path
+
+    def _decide(self):
+        """Probes the link, agrees with every rank on the measurements and takes the
+        planner's decision (``hvd_compress.adaptive``); called between steps, on every
+        rank at the same step."""
+        plans = {plan.name: (param, plan) for param, plan in self.plans.items()}
+        for name in self.planner.compressible:
+            grad = plans[name][0].grad
+            if grad is not None and not grad.is_sparse:
+                start = time.thread_time()
+                half = grad.to(torch.float16)
+                middle = time.thread_time()
+                half.to(grad.dtype)
+                self.planner.record(name, "fp16", "before", middle - start)
+                self.planner.record(name, "fp16", "after", time.thread_time() - middle)
+        device = next(iter(self.plans)).device
+        probes = [self._probe(numel, device) for numel in _PROBE_SIZES]
+        agreed = hvd.allreduce(torch.tensor(self.planner.measurements() + probes,
+                                            dtype=torch.float64),
+                               op=hvd.Max, name="hvdc.adaptive.measurements").tolist()
+        link = Link.fit(*(
+            (cost.uncompressed_traffic(numel, self.world_size).sent, seconds)
+            for numel, seconds in zip(_PROBE_SIZES, agreed[-len(probes):])))
+        traffic = {name: path_traffic(self.codec, plan.numel, self.world_size, plan.exchange,
+                                      param.element_size())
+                   for name, (param, plan) in plans.items() if name in self.planner.paths}
+        timings, contention = self.planner.timings(agreed[:-len(probes)], traffic)
+        self.planner.decide(self.step, timings, link, contention)
+        self._follow_planner()
+        if self.rank == 0:
+            log.info("hvd_compress adaptive, step %d: %s", self.step,
+                     self.planner.describe())
+
+    def _probe(self, numel, device):
+        """Seconds of the fastest of ``_PROBE_REPEATS`` allreduces of ``numel`` float32
+        elements, after an allreduce that every rank must reach first, so that a late rank
+        delays the probe but is not measured as the link."""
+        tensor = torch.zeros(numel, dtype=torch.float32, device=device)
+        hvd.allreduce_(tensor[:1], op=hvd.Sum, name="hvdc.adaptive.arrive")
+        best = float("inf")
+        for _ in range(_PROBE_REPEATS):
+            start = time.perf_counter()
+            hvd.allreduce_(tensor, op=hvd.Sum, name=f"hvdc.adaptive.probe.{numel}")
+            best = min(best, time.perf_counter() - start)
+        return best
 
     # ----- state -----
 
@@ -361,6 +502,10 @@ class CompressionPipeline:
         for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
             if memory is not None and role in state:
                 memory.load_state_dict(state[role])
+        if self.planner is not None:
+            # Measurements are of this machine and job: a restored run warms up again.
+            self.planner.restart(self.step)
+            self._follow_planner()
 
     # ----- accounting -----
 
@@ -368,9 +513,10 @@ class CompressionPipeline:
         """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
         total = 0
         for param, plan in self.plans.items():
-            if plan.exchange == UNCOMPRESSED:
+            if plan.route in (UNCOMPRESSED, HALF):
+                itemsize = 2 if plan.route == HALF else param.element_size()
                 total += cost.uncompressed_traffic(plan.numel, self.world_size,
-                                                   param.element_size()).handed
+                                                   itemsize).handed
             elif self.codec.sparse and not self.codec.summable:
                 # Variable-length messages: the formula of the last step's message sizes.
                 nbytes = self.codec.message_nbytes(

@@ -1,0 +1,382 @@
+"""``adaptive``: every tensor goes the fastest way, chosen from a timeline of the step.
+
+On a fast link a plain allreduce often beats any codec (Agarwal et al., "On the utility of
+gradient compression in distributed training systems", MLSys 2022): the codec's passes over
+the gradient cost more than the bytes they save, and the uncompressed exchange hides behind
+the backward pass anyway. Like Espresso (Wang et al., EuroSys 2023), the adaptive mode
+chooses per tensor among three paths from a model of the step's timeline:
+
+``codec``  the chosen codec through its exchange (``TensorPlan.exchange``),
+``fp16``   a half-precision allreduce (Horovod's ``Compression.fp16``),
+``fp32``   Horovod's plain allreduce.
+
+The model is fed with quantities measured on the running job, never with constants:
+
+- the backward timeline: when each gradient became ready, relative to the first;
+- each tensor's codec CPU time before its collective (compensation, scale, encoding,
+  packing) and after (unpacking, summing, decoding, the server's work), timed on the thread
+  that runs it during the warm-up steps, when every tensor goes through the codec;
+- the fp16 casts' CPU time on each tensor;
+- the link: latency and seconds per byte, fitted to timed probe allreduces of two sizes.
+
+CPU times are multiplied by ``contention``: the wall time over the CPU time of the work
+before the collectives (which never waits for the network), at least 1. With more ranks
+than cores on a host, a CPU second of one rank costs more than a second of its step.
+
+The timeline (``simulate``): the gradients become ready in backward order; a path's work
+before its collective runs on the backward's thread, so it delays every later gradient; the
+collectives share one link in order (per dependent round of messages one latency, then the
+bytes ``hvd_compress.cost`` counts as sent); the work after a collective runs in
+``synchronize``, tensor by tensor, once its collective is done and the backward pass is over.
+The step's exchange time is when the last tensor is decoded, past the end of the backward.
+
+Every rank takes the same decisions: the measurements are Max-allreduced before the model
+runs, and the model is a deterministic function of them.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Mapping, Sequence
+
+from . import cost
+
+PATHS = ("codec", "fp16", "fp32")
+
+# On equal predicted times the simpler path wins: fewer passes over memory, no rounding.
+_PREFERENCE = {"fp32": 0, "fp16": 1, "codec": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """Options of the adaptive mode (``DistributedOptimizer(adaptive=...)``).
+
+    Args:
+        warmup_steps: steps at the start (and after a change of world) in which every
+            compressible tensor goes through the codec while its CPU time and the backward
+            timeline are measured; the first decision follows them. At least 1. Default 3:
+            the first step's allocations make it slower than the rest.
+        every: re-probe the link and decide again every this many steps after the first
+            decision (the codec times of the warm-up are kept). 0 decides once and never
+            switches. Default 500.
+        pin: parameter names mapped to the path they always take (``"codec"``, ``"fp16"``
+            or ``"fp32"``), whatever the model predicts. ``"codec"`` only for tensors the
+            codec compresses.
+    """
+
+    warmup_steps: int = 3
+    every: int = 500
+    pin: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, value, low in (("warmup_steps", self.warmup_steps, 1),
+                                 ("every", self.every, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Adaptive: {name} must be an integer >= {low}, got {value!r}")
+        bad = {name: path for name, path in dict(self.pin).items() if path not in PATHS}
+        if bad:
+            raise ValueError(f"Adaptive: pin maps parameter names to one of {PATHS}; got {bad}")
+        object.__setattr__(self, "pin", dict(self.pin))
+
+    @classmethod
+    def of(cls, adaptive: bool | Adaptive | None) -> Adaptive | None:
+        """The options a wrapper's ``adaptive`` argument asks for; None when off."""
+        if adaptive is None or adaptive is False:
+            return None
+        if adaptive is True:
+            return cls()
+        if isinstance(adaptive, cls):
+            return adaptive
+        raise TypeError(f"adaptive must be True, False or an hvd_compress.Adaptive, got "
+                        f"{adaptive!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One collective's time: ``latency`` seconds per dependent round of messages plus
+    ``seconds_per_byte`` for each byte a worker sends."""
+
+    latency: float
+    seconds_per_byte: float
+
+    @classmethod
+    def fit(cls, small: tuple[float, float], large: tuple[float, float]) -> Link:
+        """The line through two probes, each (bytes sent, seconds); never negative."""
+        (b0, t0), (b1, t1) = small, large
+        per_byte = max((t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
+        return cls(max(t0 - per_byte * b0, 0.0), per_byte)
+
+    def seconds(self, sent: float, rounds: int) -> float:
+        return rounds * self.latency + sent * self.seconds_per_byte
+
+
+@dataclasses.dataclass(frozen=True)
+class PathCost:
+    """One tensor on one path: CPU seconds before and after its collectives, the bytes
+    this worker sends and the dependent rounds of messages."""
+
+    before: float
+    after: float
+    sent: float
+    rounds: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorTiming:
+    """A tensor of the step, in backward order: when its gradient became ready (seconds
+    after the first, with the paths' own work taken out) and its cost on each path it may
+    take."""
+
+    name: str
+    ready: float
+    costs: Mapping[str, PathCost]
+
+
+def simulate(tensors: Sequence[TensorTiming], paths: Mapping[str, str], link: Link,
+             contention: float = 1.0) -> float:
+    """Seconds from the first gradient's readiness until the last tensor is decoded, with
+    tensor ``t`` on ``paths[t.name]`` (see the module docstring)."""
+    delay = link_free = 0.0
+    done = []
+    for tensor in tensors:
+        cost = tensor.costs[paths[tensor.name]]
+        delay += cost.before * contention
+        start = max(tensor.ready + delay, link_free)
+        link_free = start + link.seconds(cost.sent, cost.rounds)
+        done.append((link_free, cost.after * contention))
+    clock = (tensors[-1].ready + delay) if tensors else 0.0
+    for finished, after in done:
+        clock = max(clock, finished) + after
+    return clock
+
+
+def choose(tensors: Sequence[TensorTiming], link: Link, contention: float = 1.0,
+           pin: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The path of every tensor that minimises ``simulate``, found greedily: from the best
+    of every tensor on one path and every tensor on its cheapest path alone, the largest
+    tensors first, each tries its other paths with the others fixed, twice over. Never
+    worse than one path for all. Pinned tensors keep their path."""
+    pin = dict(pin or {})
+
+    def alone(tensor):
+        return min(tensor.costs, key=lambda p: (
+            tensor.costs[p].before + tensor.costs[p].after +
+            link.seconds(tensor.costs[p].sent, tensor.costs[p].rounds), _PREFERENCE[p]))
+    starts = [uniform(tensors, path, pin) for path in sorted(PATHS, key=_PREFERENCE.get)]
+    starts.append({t.name: pin.get(t.name) or alone(t) for t in tensors})
+    best, index = min((simulate(tensors, start, link, contention), index)
+                      for index, start in enumerate(starts))
+    paths = dict(starts[index])
+    order = sorted((t for t in tensors if t.name not in pin),
+                   key=lambda t: -t.costs["fp32"].sent)
+    for _ in range(2):
+        changed = False
+        for tensor in order:
+            current = paths[tensor.name]
+            for path in sorted(tensor.costs, key=_PREFERENCE.get):
+                if path == current:
+                    continue
+                paths[tensor.name] = path
+                seconds = simulate(tensors, paths, link, contention)
+                better = seconds < best or (seconds == best and
+                                            _PREFERENCE[path] < _PREFERENCE[current])
+                if better:
+                    best, current, changed = seconds, path, True
+                paths[tensor.name] = current
+        if not changed:
+            break
+    return paths
+
+
+def path_traffic(codec, numel: int, world_size: int, exchange: str,
+                 itemsize: int = 4) -> dict[str, tuple[float, int]]:
+    """(bytes this worker sends, dependent rounds of messages) of a tensor of ``numel``
+    elements of ``itemsize`` bytes on each path; its codec's through ``exchange``. A
+    shared scale's Max-allreduce is a round of its own before the codes, and the sharded
+    exchange's allgather waits for its alltoall."""
+    compressed = cost.compressed_traffic(codec, numel, world_size, exchange)
+    rounds = 1 + (codec.scaled and codec.shares_scale(exchange)) + (exchange == "sharded")
+    return {"fp32": (cost.uncompressed_traffic(numel, world_size, itemsize).sent, 1),
+            "fp16": (cost.uncompressed_traffic(numel, world_size, 2).sent, 1),
+            "codec": (compressed.sent, int(rounds))}
+
+
+def uniform(tensors: Sequence[TensorTiming], path: str,
+            pin: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every tensor on ``path`` where it can take it, else on fp32; pinned ones on their
+    pin."""
+    pin = pin or {}
+    return {t.name: pin.get(t.name) or (path if path in t.costs else "fp32") for t in tensors}
+
+
+@dataclasses.dataclass
+class Decision:
+    """What the last decision saw and chose: the link, each tensor's path, and the
+    predicted exchange seconds of the chosen paths and of each path on every unpinned
+    tensor."""
+
+    step: int
+    link: Link
+    contention: float
+    paths: dict[str, str]
+    predicted: dict[str, float]
+
+
+class Planner:
+    """The adaptive mode's state across steps: when to measure and decide, the latest
+    measurements of every tensor, and the paths in force.
+
+    The pipeline of a framework port reports what it measures (``ready``, ``spent``) and,
+    when ``due``, probes the link, agrees on the measurements with the other ranks and
+    calls ``decide``.
+
+    Args:
+        options: the ``Adaptive`` options.
+        compressible: names of the tensors the codec compresses (the others stay on fp32).
+        step: the pipeline's step counter now; the warm-up starts here.
+    """
+
+    def __init__(self, options: Adaptive, compressible: Sequence[str], step: int = 0):
+        self.options = options
+        self.compressible = list(compressible)
+        whole = set(options.pin) - set(compressible)
+        if whole:
+            raise ValueError(f"Adaptive: pin names tensors that the codec sends whole "
+                             f"whatever the mode: {sorted(whole)}")
+        self.decision: Decision | None = None
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        """A new warm-up from ``step``: every compressible tensor through the codec (or its
+        pin), every measurement forgotten."""
+        self.paths = {name: self.options.pin.get(name, "codec") for name in self.compressible}
+        self.next_decision = step + self.options.warmup_steps
+        self.order: list[str] = []          # backward order of the last step
+        self.ready: dict[str, float] = {}   # seconds after the first gradient, last step
+        # (name, path, phase) -> CPU seconds, the latest step that measured them.
+        self.cpu: dict[tuple[str, str, str], float] = {}
+        self._step_cpu: collections.Counter = collections.Counter()
+        self._before = self._before_wall = 0.0
+        self.contention = 1.0  # of the last step that did work before its collectives
+
+    def path(self, name: str) -> str:
+        return self.paths.get(name, "fp32")
+
+    def due(self, step: int) -> bool:
+        """Whether a decision follows the step that just ended (``step`` finished steps)."""
+        return self.next_decision is not None and step >= self.next_decision
+
+    # ----- what the pipeline measures during a step -----
+
+    def start_step(self) -> None:
+        self.order, self._step_cpu = [], collections.Counter()
+        self._before = self._before_wall = 0.0
+
+    def ready_at(self, name: str, since_first: float) -> None:
+        """Tensor ``name``'s gradient arrived ``since_first`` seconds (wall) after the
+        step's first; the paths' work before their collectives so far this step, which ran
+        on the same thread, is taken out."""
+        self.order.append(name)
+        self.ready[name] = max(since_first - self._before, 0.0)
+
+    def spent(self, name: str, phase: str, seconds: float, wall: float) -> None:
+        """CPU ``seconds`` (and ``wall`` seconds) of tensor ``name``'s path, ``phase``
+        ``"before"`` or ``"after"`` its collectives (a phase may come in several calls)."""
+        self._step_cpu[(name, phase)] += seconds
+        if phase == "before":
+            self._before += seconds
+            self._before_wall += wall
+
+    def end_step(self) -> None:
+        """The step's CPU times replace those measured before on the same paths."""
+        for (name, phase), seconds in self._step_cpu.items():
+            self.record(name, self.path(name), phase, seconds)
+        # Below a millisecond of CPU the clocks' resolution would decide the ratio.
+        if self._before > 1e-3:
+            self.contention = max(1.0, self._before_wall / self._before)
+
+    def record(self, name: str, path: str, phase: str, seconds: float) -> None:
+        """CPU ``seconds`` of tensor ``name`` on ``path`` in ``phase``, measured now."""
+        self.cpu[(name, path, phase)] = seconds
+
+    def report(self) -> dict:
+        """The decision in force, for ``compression_stats()``: None before the first."""
+        decision = self.decision
+        if decision is None:
+            return {"decided_at_step": None, "next_decision": self.next_decision,
+                    "paths": dict(self.paths)}
+        link = decision.link
+        return {"decided_at_step": decision.step, "next_decision": self.next_decision,
+                "link": {"latency_seconds": link.latency,
+                         "bytes_per_second": 1 / link.seconds_per_byte
+                         if link.seconds_per_byte else float("inf")},
+                "contention": decision.contention,
+                "predicted_seconds": dict(decision.predicted),
+                "paths": dict(self.paths),
+                "counts": dict(collections.Counter(self.paths.values()))}
+
+    def describe(self) -> str:
+        """The decision in force in one line, for the log."""
+        d = self.decision
+        counts = collections.Counter(self.paths.values())
+        return (", ".join(f"{counts[p]} by {p}" for p in PATHS if counts[p]) +
+                f"; predicted exchange {d.predicted['chosen'] * 1e3:.1f} ms against "
+                + ", ".join(f"{d.predicted[p] * 1e3:.1f} ms all {p}" for p in PATHS) +
+                f"; link {d.link.latency * 1e6:.0f} us + "
+                f"{d.link.seconds_per_byte * 1e9:.2f} ns/byte, CPU contention "
+                f"{d.contention:.1f}")
+
+    # ----- the decision -----
+
+    # Per tensor, in ``compressible`` order: ready, then before and after of each path
+    # that does work on the CPU; -1 where not measured (every measurement is >= 0, so a
+    # Max over the ranks keeps what any rank measured).
+    MEASURED = (("codec", "before"), ("codec", "after"), ("fp16", "before"), ("fp16", "after"))
+
+    def measurements(self) -> list[float]:
+        """This rank's measurements, to be Max-allreduced with the other ranks': the
+        contention, then per tensor as ``MEASURED`` says."""
+        row = [self.contention]
+        for name in self.compressible:
+            row.append(self.ready.get(name, -1.0))
+            row.extend(self.cpu.get((name,) + key, -1.0) for key in self.MEASURED)
+        return row
+
+    def timings(self, agreed: Sequence[float],
+                traffic: Mapping[str, Mapping[str, tuple[float, int]]]
+                ) -> tuple[list[TensorTiming], float]:
+        """The tensors' timings from the ranks' ``agreed`` measurements and each path's
+        (bytes sent, rounds) in ``traffic[name]``, in the order their gradients became
+        ready, and the contention. A path whose CPU time nobody measured is not offered
+        (fp32 has none)."""
+        width = 1 + len(self.MEASURED)
+        contention, agreed = agreed[0], agreed[1:]
+        result = []
+        for index, name in enumerate(self.compressible):
+            ready, *cpu = agreed[index * width:(index + 1) * width]
+            measured = dict(zip(self.MEASURED, cpu))
+            costs = {"fp32": PathCost(0.0, 0.0, *traffic[name]["fp32"])}
+            for path in ("codec", "fp16"):
+                before, after = measured[(path, "before")], measured[(path, "after")]
+                if before >= 0 and after >= 0:
+                    costs[path] = PathCost(before, after, *traffic[name][path])
+            if name in self.options.pin and self.options.pin[name] not in costs:
+                costs[self.options.pin[name]] = PathCost(0.0, 0.0, *traffic[name][
+                    self.options.pin[name]])
+            result.append(TensorTiming(name, max(ready, 0.0), costs))
+        return sorted(result, key=lambda t: t.ready), contention
+
+    def decide(self, step: int, timings: Sequence[TensorTiming], link: Link,
+               contention: float) -> Decision:
+        """Chooses every compressible tensor's path from agreed measurements; returns the
+        decision, whose ``paths`` are in force from the next step."""
+        paths = choose(timings, link, contention, self.options.pin)
+        predicted = {"chosen": simulate(timings, paths, link, contention)}
+        for path in PATHS:
+            predicted[path] = simulate(timings, uniform(timings, path, self.options.pin), link,
+                                       contention)
+        self.paths.update(paths)
+        self.decision = Decision(step, link, contention, dict(self.paths), predicted)
+        every = self.options.every
+        self.next_decision = step + every if every else None
+        return self.decision

@@ -1,0 +1,130 @@
+"""The adaptive mode's timeline model and planner (``hvd_compress.adaptive``), without
+Horovod: exact timelines, the choices they imply, and the planner's bookkeeping."""
+import pytest
+
+from hvd_compress import TernGrad
+from hvd_compress.adaptive import (Adaptive, Link, PathCost, Planner, TensorTiming, choose,
+                                   path_traffic, simulate, uniform)
+from hvd_compress.cost import compressed_traffic, uncompressed_traffic
+
+MB = 1e6
+
+
+def _tensor(name, ready, megabytes, codec_cpu=(0.0, 0.0), ratio=16):
+    """A tensor whose fp32 allreduce sends ``megabytes``; fp16 half of it, the codec
+    1/``ratio`` of it in two rounds, at ``codec_cpu`` seconds before and after."""
+    sent = megabytes * MB
+    return TensorTiming(name, ready, {
+        "fp32": PathCost(0.0, 0.0, sent, 1),
+        "fp16": PathCost(0.001, 0.001, sent / 2, 1),
+        "codec": PathCost(codec_cpu[0], codec_cpu[1], sent / ratio, 2)})
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    link = Link.fit((4e3, 1e-3 + 4e3 / 1e8), (1e6, 1e-3 + 1e6 / 1e8))
+    assert link.latency == pytest.approx(1e-3)
+    assert link.seconds_per_byte == pytest.approx(1e-8)
+    # Noise that makes the larger probe faster gives an infinitely fast link, not a negative one.
+    assert Link.fit((4e3, 2e-3), (1e6, 1e-3)) == Link(2e-3, 0.0)
+
+
+def test_simulate_is_the_timeline_by_hand():
+    link = Link(latency=0.01, seconds_per_byte=1e-8)  # 100 MB/s
+    tensors = [_tensor("a", 0.0, 1, codec_cpu=(0.02, 0.03)), _tensor("b", 0.05, 2)]
+    # a: encode 0.02 delays b; link 0.02 + 0.01 / 16 -> a done at 0.040625.
+    # b (fp32): ready 0.05 + 0.02 = 0.07, link free; 0.01 + 0.02 -> 0.10.
+    # After the backward (0.07): a decodes at max(0.07, 0.040625) + 0.03 = 0.10; b at 0.10.
+    assert simulate(tensors, {"a": "codec", "b": "fp32"}, link) == pytest.approx(0.10)
+    # Contention doubles every CPU second: a's encode (0.04) moves b to 0.09, and a decodes
+    # for 0.06 after the backward ends there.
+    assert simulate(tensors, {"a": "codec", "b": "fp32"}, link, contention=2.0) == \
+        pytest.approx(0.09 + 0.06)
+
+
+def test_fast_link_keeps_fp32_and_slow_link_compresses():
+    tensors = [_tensor(f"t{i}", 0.01 * i, 4, codec_cpu=(0.004, 0.004)) for i in range(6)]
+    fast = Link(latency=1e-4, seconds_per_byte=1 / 1.25e9)   # 10 Gbit/s
+    slow = Link(latency=1e-3, seconds_per_byte=1 / 12.5e6)   # 100 Mbit/s
+    assert set(choose(tensors, fast).values()) == {"fp32"}
+    assert set(choose(tensors, slow).values()) == {"codec"}
+    for link in (fast, slow):
+        chosen = simulate(tensors, choose(tensors, link), link)
+        assert chosen <= min(simulate(tensors, uniform(tensors, p), link)
+                             for p in ("codec", "fp16", "fp32"))
+
+
+def test_codec_slower_than_the_bytes_it_saves_is_declined():
+    link = Link(latency=1e-4, seconds_per_byte=1 / 125e6)    # 1 Gbit/s: 4 MB in 32 ms
+    tensors = [_tensor("t", 0.0, 4, codec_cpu=(0.05, 0.05))]
+    assert choose(tensors, link) == {"t": "fp16"}
+
+
+def test_pins_are_kept_and_ties_go_to_the_simpler_path():
+    link = Link(latency=0.0, seconds_per_byte=0.0)  # no network: every path costs its CPU
+    tensors = [_tensor("a", 0.0, 1), _tensor("b", 0.0, 1)]
+    assert choose(tensors, link, pin={"b": "codec"}) == {"a": "fp32", "b": "codec"}
+
+
+def test_path_traffic_is_the_cost_model():
+    codec = TernGrad(min_size=0)
+    traffic = path_traffic(codec, 100_000, 4, "sharded")
+    assert traffic["fp32"] == (uncompressed_traffic(100_000, 4).sent, 1)
+    assert traffic["fp16"] == (uncompressed_traffic(100_000, 4, 2).sent, 1)
+    # The shared scale's Max-allreduce, the alltoall and the allgather.
+    assert traffic["codec"] == (compressed_traffic(codec, 100_000, 4, "sharded").sent, 3)
+
+
+def test_planner_warms_up_decides_and_redecides():
+    planner = Planner(Adaptive(warmup_steps=2, every=3, pin={"b": "fp32"}), ["a", "b"])
+    assert planner.paths == {"a": "codec", "b": "fp32"}
+    assert [planner.due(step) for step in range(1, 3)] == [False, True]
+    planner.start_step()
+    planner.ready_at("b", 0.0)
+    planner.spent("b", "before", 0.001, wall=0.002)
+    planner.ready_at("a", 0.011)  # 0.01 of backward after b's 0.001 of work
+    planner.spent("a", "before", 0.002, wall=0.004)
+    planner.spent("a", "after", 0.003, wall=0.5)  # waits too: not a measure of contention
+    planner.end_step()
+    assert planner.ready == {"b": 0.0, "a": pytest.approx(0.01)}
+    assert planner.cpu[("a", "codec", "after")] == 0.003
+    assert planner.contention == pytest.approx(2.0)
+    measured = planner.measurements()
+    # The contention; a: ready, codec before/after measured, fp16 not; b: ready, and fp32
+    # does no codec work.
+    assert measured == [pytest.approx(2.0), pytest.approx(0.01), 0.002, 0.003, -1.0, -1.0,
+                        0.0, -1, -1, -1, -1]
+    traffic = {name: {"fp32": (4 * MB, 1), "fp16": (2 * MB, 1), "codec": (MB / 4, 2)}
+               for name in "ab"}
+    timings, contention = planner.timings(measured, traffic)
+    assert contention == pytest.approx(2.0)
+    assert [t.name for t in timings] == ["b", "a"]  # in the order they became ready
+    assert set(timings[1].costs) == {"fp32", "codec"} and set(timings[0].costs) == {"fp32"}
+    decision = planner.decide(2, timings, Link(1e-3, 1 / 12.5e6), 1.0)
+    assert decision.paths == {"a": "codec", "b": "fp32"}
+    assert decision.predicted["chosen"] <= decision.predicted["fp32"]
+    assert planner.due(5) and not planner.due(2)
+    planner.restart(7)
+    assert planner.paths == {"a": "codec", "b": "fp32"} and planner.due(9)
+
+
+def test_every_zero_decides_once():
+    planner = Planner(Adaptive(warmup_steps=1, every=0), ["a"])
+    planner.decide(1, [], Link(0.0, 0.0), 1.0)
+    assert not any(planner.due(step) for step in range(100))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(warmup_steps=0), "warmup_steps must be an integer >= 1"),
+    (dict(every=-1), "every must be an integer >= 0"),
+    (dict(pin={"a": "int8"}), "pin maps parameter names to one of"),
+])
+def test_bad_options_name_the_parameter(options, message):
+    with pytest.raises(ValueError, match=message):
+        Adaptive(**options)
+
+
+def test_pins_of_tensors_sent_whole_are_refused():
+    with pytest.raises(ValueError, match="sends whole whatever the mode: \\['bias'\\]"):
+        Planner(Adaptive(pin={"bias": "fp16"}), ["weight"])
+    with pytest.raises(TypeError, match="adaptive must be True, False or an"):
+        Adaptive.of("yes")
