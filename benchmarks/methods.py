@@ -7,6 +7,8 @@
 ``qsgd-inf``       the same, QSGD with max-norm scaling, 4 bits, buckets of 512
 ``ef-sign``        the same, dist-EF-blockSGD's scaled sign with worker and server error
                    feedback (worker momentum, since the optimizer is SGD with momentum)
+``<codec>-auto``   the same codec with ``adaptive=True``: each tensor by the codec, fp16 or
+                   fp32, as the model of ``hvd_compress.adaptive`` predicts fastest
 ``ddp``            PyTorch ``DistributedDataParallel`` over Gloo, fp32 allreduce
 ``ddp-fp16``       DDP with its ``fp16_compress_hook``
 ``ddp-powersgd``   DDP with its ``powerSGD_hook`` (rank 2, error feedback, warm start)
@@ -24,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hvd_compress.pt as hc
 from hvd_compress import cost
-from hvd_compress.pt.pipeline import UNCOMPRESSED
+from hvd_compress.pt.pipeline import HALF, UNCOMPRESSED
 from hvd_compress.registry import resolve
 
 MOMENTUM = 0.9
@@ -43,6 +45,9 @@ class Trainer:
     # N = 4: 123k, 67k and 20k fresh pages, then ~250 a step), and in this VM a fresh page
     # costs 13-16 us of CPU: a third step timed took 1.0-1.4 s against 0.8 s.
     warmup_steps = 3
+    # Whether a new trainer warms up at every link rate (the adaptive mode decides for the
+    # link it measured).
+    per_rate = False
 
     def __init__(self, model, optimizer, world_size):
         self.model, self.optimizer, self.world_size = model, optimizer, world_size
@@ -91,11 +96,15 @@ class HorovodTrainer(Trainer):
 class CodecTrainer(Trainer):
     """``hvd_compress.pt.DistributedOptimizer`` with a codec of the registry."""
 
-    def __init__(self, model, world_size, lr, codec):
+    def __init__(self, model, world_size, lr, codec, adaptive=False):
         optimizer = hc.DistributedOptimizer(sgd(model, lr), model.named_parameters(),
-                                            compression=codec)
+                                            compression=codec, adaptive=adaptive)
         super().__init__(model, optimizer, world_size)
         self.codec = resolve(codec, hc.CODECS)
+        if adaptive:
+            # The decision follows the adaptive warm-up; one more step runs its paths.
+            self.warmup_steps = hc.Adaptive().warmup_steps + 2
+            self.per_rate = True
 
     def handed(self):
         return self.optimizer.compression_stats()["bytes_handed"]
@@ -103,8 +112,9 @@ class CodecTrainer(Trainer):
     def sent(self):
         total = 0.0
         for _, numel, exchange, _ in self.optimizer.compression_stats()["tensors"]:
-            if exchange == UNCOMPRESSED:
-                total += cost.uncompressed_traffic(numel, self.world_size).sent
+            if exchange in (UNCOMPRESSED, HALF):
+                itemsize = 2 if exchange == HALF else 4
+                total += cost.uncompressed_traffic(numel, self.world_size, itemsize).sent
             else:
                 total += cost.compressed_traffic(self.codec, numel, self.world_size,
                                                  exchange).sent
@@ -173,13 +183,17 @@ METHODS = {
     "terngrad": lambda model, n, lr: CodecTrainer(model, n, lr, "terngrad"),
     "qsgd-inf": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf"),
     "ef-sign": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign"),
+    "terngrad-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "terngrad", True),
+    "qsgd-inf-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf", True),
+    "ef-sign-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign", True),
     "ddp": lambda model, n, lr: DDPTrainer(model, n, lr),
     "ddp-fp16": lambda model, n, lr: DDPTrainer(model, n, lr, default_hooks.fp16_compress_hook,
                                                 itemsize=2),
     "ddp-powersgd": lambda model, n, lr: PowerSGDTrainer(model, n, lr),
 }
 # The exchanges of hvd_compress, whose codec time the probe can separate from waiting.
-CODEC_METHODS = ("terngrad", "qsgd-inf", "ef-sign")
+CODEC_METHODS = ("terngrad", "qsgd-inf", "ef-sign", "terngrad-auto", "qsgd-inf-auto",
+                 "ef-sign-auto")
 
 
 def needs_ddp(methods):

@@ -17,6 +17,11 @@ Per model, N, link rate and method (one row):
 - ``wire_over_sent``: bytes the worker's interface transmitted per step over ``sent``; and
   ``unexplained``, the same after removing Horovod's control messages (the idle rate the
   interface showed before the measurements, times the step time).
+- ``auto``: for a codec's ``-auto`` method, its step over the fastest step among
+  ``AUTO_RIVALS`` and the codec forced on every tensor, measured in the same run
+  (``auto_over_fastest``, at most ``AUTO_BOUND`` where the adaptive mode does its job), with
+  the paths it chose and the exchange seconds its model predicted for them and for every
+  tensor on each path.
 - ``comm_speedup`` = communication of ``hvd-none`` / communication of the method, against
   ``ceiling`` = Horovod's bare fp32 allreduce of the gradients / the method's own
   collectives replayed bare (same sizes, no encode or decode): ``of_ceiling`` is the
@@ -30,6 +35,11 @@ from .network import parse_rate
 BASELINE, FP16_BASELINE = "hvd-none", "hvd-fp16"
 # Horovod's own exchanges are exactly these bare collectives.
 HOROVOD_BARE = {BASELINE: "fp32 allreduce", FP16_BASELINE: "fp16 allreduce"}
+# What a codec's adaptive mode must keep up with: the uncompressed exchanges of Horovod and
+# DDP, and the same codec forced on every tensor.
+AUTO_RIVALS = ("hvd-none", "hvd-fp16", "ddp", "ddp-fp16")
+AUTO_SUFFIX = "-auto"
+AUTO_BOUND = 1.05
 
 
 def _rate_bits(rate):
@@ -83,8 +93,36 @@ def rows(events):
             "bare": own_bare,
         }
         row["of_ceiling"] = _ratio(row["comm_speedup"], row["ceiling"])
+        if method.endswith(AUTO_SUFFIX):
+            rivals = {m: steps[workers, model, rate, m]["seconds"]
+                      for m in AUTO_RIVALS + (method[:-len(AUTO_SUFFIX)],)
+                      if (workers, model, rate, m) in steps}
+            fastest = min(rivals, key=rivals.get) if rivals else None
+            row["auto"] = {"fastest": fastest, "adaptive": e.get("adaptive"),
+                           "over_fastest": _ratio(e["seconds"], rivals.get(fastest))}
         result.append(row)
     return result
+
+
+def _auto_table(rows):
+    lines = []
+    for r in rows:
+        auto = r.get("auto")
+        if auto is None:
+            continue
+        decision = auto["adaptive"] or {}
+        predicted = decision.get("predicted_seconds", {})
+        counts = decision.get("counts", {})
+        ratio = auto["over_fastest"]
+        lines.append([r["workers"], r["rate"], r["method"], _ms(r["seconds"]),
+                      auto["fastest"] or "-", _x(ratio),
+                      "yes" if ratio is not None and ratio <= AUTO_BOUND else "no",
+                      " ".join(f"{p} {counts[p]}" for p in sorted(counts)) or "-",
+                      " / ".join(_ms(predicted.get(p)) for p in ("chosen", "codec", "fp16",
+                                                                 "fp32"))])
+    return _table(["N", "rate", "method", "step", "fastest other", "over fastest",
+                   f"within {AUTO_BOUND}x", "tensors by path",
+                   "predicted exchange: chosen / codec / fp16 / fp32"], lines) if lines else None
 
 
 def _ms(seconds):
@@ -143,6 +181,10 @@ def markdown(result):
             [[r["workers"], r["rate"], r["method"], _ms(r["communication"]), _ms(r["bare"]),
               _x(r["comm_speedup"]), _x(r["ceiling"]), _x(r["of_ceiling"])]
              for r in mine if r["ceiling"] is not None]))
+        auto = _auto_table(mine)
+        if auto:
+            parts.append(f"\n### {model}: the adaptive mode against the fastest fixed choice\n")
+            parts.append(auto)
     bare = [e for e in result["events"] if e["kind"] == "bare"]
     if bare:
         parts.append("\n### Horovod's bare collectives (whole model, no encode or decode)\n")

@@ -124,7 +124,7 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
     trainer = None
     for rate in rates:
         driver.shape(rate)
-        if trainer is None:
+        if trainer is None or trainer.per_rate:
             trainer = METHODS[method](work.build(), hvd.size(), TIMING_LR)
             _timed_steps(trainer, batches, trainer.warmup_steps - 1)
             with HorovodProbe() as probe:
@@ -147,6 +147,7 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
             result["bare_seconds"] = statistics.median(
                 replay(recorded, method) for _ in range(repeats))
             result["bare_sent"] = sum(c.sent(hvd.size()) for c in recorded)
+            result["adaptive"] = trainer.optimizer.compression_stats().get("adaptive")
         driver.emit("step", **result)
     del trainer
     gc.collect()

@@ -65,7 +65,10 @@ class StepRecorder(keras.callbacks.Callback):
 
 
 def main(argv=None):
-    args = cnn_parser(__doc__.splitlines()[0]).parse_args(argv)
+    parser = cnn_parser(__doc__.splitlines()[0])
+    args = parser.parse_args(argv)
+    if args.adaptive:
+        parser.error("--adaptive: the TensorFlow port has no adaptive mode")
 
     hvd.init()
     gpus = tf.config.list_physical_devices("GPU")

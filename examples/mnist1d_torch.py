@@ -61,7 +61,7 @@ def main(argv=None):
                                     weight_decay=args.weight_decay)
     optimizer = hc.DistributedOptimizer(optimizer, model.named_parameters(),
                                         compression=args.compression, exchange=args.exchange,
-                                        seed=args.seed)
+                                        seed=args.seed, adaptive=args.adaptive)
     # Cosine decay: the quantization noise of compressed gradients matters less as the
     # learning rate falls, which is where the final accuracy is decided.
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)

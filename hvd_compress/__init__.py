@@ -15,6 +15,6 @@ from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
-__all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK", "FP16", "FloatCodes",
-           "IntCodes", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad", "resolve"]
+__all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK", "FP16",
+           "FloatCodes", "IntCodes", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad", "resolve"]
 __version__ = "0.1.0"

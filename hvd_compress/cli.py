@@ -13,7 +13,8 @@ The models are the examples' scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, t
 the same CNN in Keras with ``model.fit`` (``keras``), and the GRU of the CELGC example
 (``gru``), whose "codecs" are ``sync`` (clipped synchronous SGD, its baseline) and ``local``
 (``LocalClipSGD``, averaging every 8 steps). A codec may carry hyperparameters, as in
-``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``).
+``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``), and a PyTorch CNN's
+codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``).
 """
 import argparse
 import json
@@ -38,9 +39,14 @@ class Example:
         return os.path.join(REPO, "examples", self.script)
 
 
+# A CNN run's codec with this suffix runs in the adaptive mode (PyTorch only).
+ADAPTIVE_SUFFIX = "+auto"
+
+
 def _cnn_arguments(codec, optimizer, args):
-    return ["--compression", codec, "--steps", str(args.steps), "--optimizer", optimizer,
-            "--lr", str(args.lr)]
+    adaptive = codec.endswith(ADAPTIVE_SUFFIX)
+    return ["--compression", codec.removesuffix(ADAPTIVE_SUFFIX), "--steps", str(args.steps),
+            "--optimizer", optimizer, "--lr", str(args.lr)] + (["--adaptive"] if adaptive else [])
 
 
 def _gru_arguments(mode, optimizer, args):
@@ -62,7 +68,7 @@ EXAMPLES = {
 # uncompressed SGD at 4 workers, while Nesterov momentum cost TernGrad and NUQSGD 2 points
 # (README, dist-EF-blockSGD). Each run is compared with `none` under its own optimizer.
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
-DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:nuqsgd", "2:adacomp", "2:clt-k",
+DEFAULT_RUNS = ["2:none", "2:terngrad", "2:terngrad+auto", "2:qsgd-inf", "2:nuqsgd", "2:adacomp", "2:clt-k",
                 "2:none@nesterov", f"2:{EF_SIGN}", "4:none@nesterov", f"4:{EF_SIGN}",
                 "keras/2:none@nesterov", f"keras/2:{EF_SIGN}", "gru/4:sync", "gru/4:local"]
 OPTIMIZERS = ("sgd", "nesterov", "adam")

@@ -11,6 +11,9 @@ def cnn_parser(description):
                         help="codec name, with optional hyperparameters: terngrad, "
                              "ef-sign:max_block_size=256, ...")
     parser.add_argument("--exchange", default="auto")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="each tensor by the codec, fp16 or fp32, whichever is predicted "
+                             "fastest (DistributedOptimizer(adaptive=True); PyTorch only)")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
     parser.add_argument("--optimizer", choices=("adam", "sgd", "nesterov"), default="sgd",

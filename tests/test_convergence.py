@@ -1,7 +1,8 @@
 """The main job's claim, on CI's budget: on MNIST-1D no run of the demo ends more than 2 points
 below its baseline (uncompressed training with the same optimizer, or synchronous clipped SGD
 for the GRU) with the same model, workers, seed and steps; every baseline reaches 90%; and
-every run hands Horovod at least 5x fewer bytes than its baseline.
+every run hands Horovod at least 5x fewer bytes than its baseline (the adaptive run, whose
+paths follow the link, no more bytes).
 
 CI runs every default run of ``make demo`` except the 4-worker CNN pair, on the demo's own
 schedule (3000 CNN steps). Half of it, 1500 steps with the cosine decay ending at the last,
@@ -40,4 +41,8 @@ def test_runs_within_two_points_of_their_baseline_on_mnist1d(tmp_path):
             assert baseline >= 0.90, result
             continue
         assert result["test_accuracy"] >= baseline - SINGLE_SEED_TOLERANCE, result
-        assert result["compression_ratio"] > 5, result
+        if result["label"].endswith(cli.ADAPTIVE_SUFFIX):
+            # Its paths follow the link: on localhost, fp32 may well be the fastest.
+            assert result["compression_ratio"] >= 1, result
+        else:
+            assert result["compression_ratio"] > 5, result
