@@ -35,7 +35,8 @@ DEFAULT_RATES = ("10G", "1G", "100M")
 DEFAULT_METHODS = tuple(METHODS)
 ACCURACY_METHODS = ("hvd-none", "hvd-fp16", "terngrad", "qsgd-inf", "ef-sign", "ddp-powersgd")
 LOCALHOST = "localhost"
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(REPO, "benchmarks", "results")
 
 
 def timed_steps(model):
@@ -205,7 +206,11 @@ def bench(args):
               f"links are NOT shaped and interface counters are not recorded", flush=True)
     spec = _spec(args, rates)
     events = []
-    result = {"arguments": vars(args),
+    # The output directory as the user gave it, relative to the checkout when it is inside:
+    # results are committed, and a machine's absolute paths have no place in them.
+    arguments = dict(vars(args), out=os.path.relpath(args.out, REPO)
+                     if os.path.abspath(args.out).startswith(REPO + os.sep) else args.out)
+    result = {"arguments": arguments,
               "network": "namespaces, tc tbf" if reason is None else f"localhost ({reason})",
               "machine": {"before": _machine()}, "spec": spec, "events": events}
     total = sum(_units(spec, n) for n in args.workers)

@@ -113,7 +113,7 @@ def allreduce_of(model, dtype):
 
 
 def reference_ceilings(numel, world_size):
-    """netsim.md's bare exchanges of a whole model's ``numel`` gradient elements: a 2-bit
+    """The reference bare exchanges of a whole model's ``numel`` gradient elements: a 2-bit
     payload by allgather, and a 1-bit payload by alltoall of shards plus allgather of the
     (1-bit) summed shards."""
     one_bit_shard = math.ceil(numel / 8 / world_size)

@@ -31,7 +31,7 @@ WORKER_INTERFACE = "eth0"
 MAX_WORKERS = 200
 
 # tbf's bucket must hold at least one timer tick of traffic or the rate is not reached:
-# 256 KB held 100 Mbit/s to 95.5 Mbit/s here (netsim.md); faster rates get 2 ms of traffic.
+# 256 KB held 100 Mbit/s to 95.5 Mbit/s on this harness's links; faster rates get 2 ms.
 MIN_BURST_BYTES = 256 * 1024
 BURST_SECONDS = 0.002
 # Packets may wait this long in the bucket's queue before tbf drops them.

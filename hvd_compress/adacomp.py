@@ -20,7 +20,7 @@ proceedings page and arXiv 1712.02679): localized selection of residues in bins,
 self-adjusting soft threshold, sparsity and quantization together, one new hyperparameter,
 end-to-end compression of ~40x for convolution layers and ~200x for fully connected and
 recurrent layers. The rule above and L_T = 50 (convolutions) / 500 (fully connected, LSTM) are
-from the design notes (``algorithms.md`` section E, reconstructed from memory). Our choices
+from the project's design notes (docs/algorithms.md, AdaComp). Our choices
 where the text was not available:
 
 * Scale: ``scale = mean |G_k|`` over the sent k, one float32 per layer (per tensor), summed in

@@ -16,7 +16,7 @@ CLT(sum_i p_i) = sum_i CLT(p_i), so the values ride an ordinary allreduce whatev
 worker hands Horovod k int32 indices (broadcast, only the leader's travel) and k values
 (allreduce), against the ~N k of an allgather of every worker's own top-k.
 
-Choices made (ScaleCom's text was not at hand either; ``algorithms.md`` section E4):
+Choices made (ScaleCom's text was not at hand either; docs/algorithms.md, ScaleCom's CLT-k):
 
 * k = ceil(n / ratio) per tensor; ``ratio`` 50 by default. The paper reports 65-400x on
   ImageNet-scale models; on the MNIST-1D CNN (2 workers, 3000 steps, one seed) ratio 100
