@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from . import network, plots, report
 from .job import HorovodJob, LocalHosts, NamespacedHosts
-from .methods import METHODS
+from .methods import CODEC_METHODS, METHODS
 from .models import MODELS
 from .worker import EVENT
 
@@ -106,6 +107,9 @@ def add_arguments(parser):
                         help="training steps of each accuracy run (default 400; the demo's "
                              "lr 0.1, momentum 0.9, cosine, global batch 100)")
     parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy runs")
+    parser.add_argument("--no-op-counts", action="store_true",
+                        help="skip the count of torch ops per step per codec "
+                             "(benchmarks/op_count.py)")
     parser.add_argument("--localhost", action="store_true",
                         help="run on localhost without namespaces or shaping")
     parser.add_argument("--timeout", type=float, default=1500,
@@ -179,6 +183,20 @@ def run_job(hosts, spec, timeout, shape, progress, events):
                                f"worker output:\n{tail}")
 
 
+def op_counts(model, codecs, timeout):
+    """``benchmarks.op_count`` of ``codecs`` on ``model``, in a 2-worker job on localhost
+    (the counts do not depend on the link)."""
+    with tempfile.TemporaryDirectory(prefix="hvdc-ops-") as workdir:
+        out = os.path.join(workdir, "ops.json")
+        command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2",
+                   "-H", "localhost:2", "--gloo", sys.executable, "-m", "benchmarks.op_count",
+                   "--model", model, "--codecs", ",".join(codecs), "--out", out]
+        subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       check=True, timeout=timeout, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            return json.load(f)
+
+
 def _wait(job, timeout, outcome):
     try:
         outcome["code"] = job.wait(timeout)
@@ -225,6 +243,11 @@ def bench(args):
                     run_job(LocalHosts(workers), spec, args.timeout, lambda rate: None,
                             progress, events)
                 write(result, args.out)
+        codecs = [m for m in args.methods if m in CODEC_METHODS and m in METHODS and
+                  not m.endswith(report.AUTO_SUFFIX)]
+        if codecs and not args.no_op_counts:
+            result["op_counts"] = {model: op_counts(model, codecs, args.timeout)
+                                   for model in args.models}
     finally:
         # Also after a failed job: a long matrix keeps what it measured.
         tables = write(result, args.out)

@@ -185,6 +185,16 @@ def markdown(result):
         if auto:
             parts.append(f"\n### {model}: the adaptive mode against the fastest fixed choice\n")
             parts.append(auto)
+    for model, counts in sorted(result.get("op_counts", {}).items()):
+        parts.append(f"\n### {model}: top-level torch ops of one step (N = "
+                     f"{counts['world_size']}; none: {counts['none']:,})\n")
+        parts.append(_table(
+            ["codec", "ops", "added by compression", "added per tensor",
+             "compressed tensors", "added per compressed tensor"],
+            [[c["codec"], f"{c['ops']:,}", f"{c['added']:,}",
+              f"{c['added_per_tensor']:.1f} (of {c['tensors']})", c["compressed_tensors"],
+              "-" if c["added_per_compressed_tensor"] is None
+              else f"{c['added_per_compressed_tensor']:.1f}"] for c in counts["codecs"]]))
     bare = [e for e in result["events"] if e["kind"] == "bare"]
     if bare:
         parts.append("\n### Horovod's bare collectives (whole model, no encode or decode)\n")

@@ -11,7 +11,7 @@ from benchmarks import bench, network
 pytestmark = pytest.mark.multiprocess
 
 SMOKE = ["--workers", "2", "--rates", "100M", "--models", "cnn",
-         "--methods", "hvd-none,terngrad,ef-sign,ddp-fp16", "--steps", "2",
+         "--methods", "hvd-none,terngrad,terngrad-auto,ef-sign,ddp-fp16", "--steps", "2",
          "--bare-repeats", "1", "--accuracy-workers", "2", "--accuracy-steps", "4",
          "--accuracy-methods", "terngrad", "--timeout", "600"]
 
@@ -24,7 +24,7 @@ def _run(tmp_path, capsys, *extra):
 
 def _check_results(result, tmp_path):
     rows = {row["method"]: row for row in result["rows"]}
-    assert set(rows) == {"hvd-none", "terngrad", "ef-sign", "ddp-fp16"}
+    assert set(rows) == {"hvd-none", "terngrad", "terngrad-auto", "ef-sign", "ddp-fp16"}
     none = rows["hvd-none"]
     assert none["handed"] == none["sent"] == 832_552  # fp32 allreduce of 208,138 gradients
     assert rows["ddp-fp16"]["handed"] == none["handed"] // 2
@@ -36,10 +36,23 @@ def _check_results(result, tmp_path):
                      if e["kind"] == "step" and e["method"] == codec)
         assert event["bare_sent"] == pytest.approx(row["sent"])
         assert row["codec"] is not None and row["wait"] >= 0
+    # The adaptive row decided (after its warm-up at this rate) and faces the fastest of the
+    # others measured with it.
+    auto = rows["terngrad-auto"]["auto"]
+    steps = {m: rows[m]["seconds"] for m in ("hvd-none", "terngrad", "ddp-fp16")}
+    assert auto["fastest"] == min(steps, key=steps.get)
+    assert auto["adaptive"]["decided_at_step"] is not None
+    assert sum(auto["adaptive"]["counts"].values()) == len(auto["adaptive"]["paths"])
+    assert "the adaptive mode against the fastest fixed choice" in \
+        (tmp_path / "bench.md").read_text()
     accuracy = [e for e in result["events"] if e["kind"] == "accuracy"]
     assert [e["method"] for e in accuracy] == ["terngrad"]
     assert [p[1] for p in accuracy[0]["points"]] == list(range(1, 5))
     assert (tmp_path / "bench.md").exists() and (tmp_path / "accuracy.png").exists()
+    counts = result["op_counts"]["cnn"]
+    assert [c["codec"] for c in counts["codecs"]] == ["terngrad", "ef-sign"]  # not -auto
+    # Compression adds ops to the step, for the tensors it compresses.
+    assert all(c["added"] > 0 and c["compressed_tensors"] > 0 for c in counts["codecs"])
 
 
 @pytest.mark.timeout(900)
@@ -66,7 +79,7 @@ def test_bench_smoke(tmp_path, capsys):
 @pytest.mark.timeout(900)
 def test_bench_falls_back_to_localhost(tmp_path, capsys):
     result, out = _run(tmp_path, capsys, "--localhost", "--methods", "hvd-none,terngrad",
-                       "--no-accuracy")
+                       "--no-accuracy", "--no-op-counts")
     assert "falling back to localhost" in out
     assert result["network"].startswith("localhost")
     assert {row["method"] for row in result["rows"]} == {"hvd-none", "terngrad"}
