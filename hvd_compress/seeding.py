@@ -4,6 +4,8 @@ A stream is a pure function of its coordinates, so a run can be replayed (tests 
 draws to the numpy reference), resumed from a checkpoint that stores only the step, and ranks
 never share noise (identical seeds would correlate the quantization error of all workers).
 """
+import numpy as np
+
 _MASK = (1 << 64) - 1
 
 
@@ -20,3 +22,44 @@ def stream_seed(seed, rank, step, index):
     for part in (rank, step, index):
         x = _splitmix64(x ^ (part & _MASK))
     return x >> 1
+
+
+# lowbias32 (Chris Wellons, "Hash function prospector"): a bijective hash of 32-bit words in
+# two multiply-xorshift rounds, the prospector's least biased of that shape.
+_LOWBIAS32 = (0x7FEB352D, 0x846CA68B)
+_MASK32 = 0xFFFFFFFF
+
+
+def _lowbias32(x):
+    x ^= x >> 16
+    x *= np.uint32(_LOWBIAS32[0])
+    x ^= x >> 15
+    x *= np.uint32(_LOWBIAS32[1])
+    return x ^ (x >> 16)
+
+
+def key_words(key: int) -> tuple:
+    """(lo, hi): the low and high 32-bit words of the stream ``key``, as ``uniforms``
+    hashes them."""
+    return key & _MASK32, (key >> 32) & _MASK32
+
+
+def uniforms(key: int, numel: int) -> np.ndarray:
+    """Draws 0 .. numel - 1 of the stream ``key`` (a ``stream_seed``), float32 in [0, 1).
+
+    Draw k is (h(k) >> 8) 2^-24 with h(k) = lowbias32(lowbias32(k ^ lo) ^ hi) on 32-bit
+    words, lo and hi the low and high 32 bits of the key: a counter-based generator, so a
+    kernel computes each draw where it uses it instead of reading a tensor of draws (which
+    took as long to make as the rest of the encoding). Four multiply-xorshift rounds; for
+    one key h is a bijection of the counter, so the 24-bit draws of a tensor (fewer than
+    2^32 elements) never repeat a 32-bit state. Two keys with equal high words draw the
+    same values at counters k and k ^ lo ^ lo' (a 2^-31 chance for two stream seeds, and
+    then shared only where both counters fall inside the tensor).
+
+    Implemented once more in each place that draws, all giving the same numbers: torch ops
+    (``hvd_compress.pt.seeding``), the CPU kernels (``hvd_compress.kernels``) and TensorFlow
+    ops (``hvd_compress.tf.pipeline``).
+    """
+    lo, hi = (np.uint32(word) for word in key_words(key))
+    x = _lowbias32(_lowbias32(np.arange(numel, dtype=np.uint32) ^ lo) ^ hi)
+    return (x >> 8).astype(np.float32) * np.float32(2.0 ** -24)

@@ -19,7 +19,7 @@ from hvd_compress.adaptive import Link, Planner, path_traffic
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 
-from . import fused
+from . import fused, seeding
 from .exchange import Meter, make_exchange, make_sparse_exchange, wait
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
@@ -308,12 +308,9 @@ class CompressionPipeline:
             self.worker_memory.propose(name, residual)
             start, codes = flight.exchange.start_packed, packed
         else:
-            uniforms = None
-            if self.codec.stochastic:
-                generator = torch.Generator(device=vector.device)
-                generator.manual_seed(stream_seed(self.seed, self.rank, self.step,
-                                                  flight.plan.index))
-                uniforms = torch.rand(vector.shape, generator=generator, device=vector.device)
+            key = stream_seed(self.seed, self.rank, self.step, flight.plan.index)
+            uniforms = seeding.uniforms(key, vector.numel(), vector.device) \
+                if self.codec.stochastic else None
             codes = self.codec.encode(vector, flight.scale, uniforms)
             if self.worker_memory is not None:
                 sent = self.codec.decode(self.codec.values(codes), flight.scale, 1)

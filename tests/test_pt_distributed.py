@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hvd_compress
-from hvd_compress import simulate
+from hvd_compress import seeding, simulate
 from hvd_compress.seeding import stream_seed
 
 from .harness import run_parallel
@@ -86,10 +86,8 @@ def _reference(results, codec, step, average=True):
             total = np.sum(np.stack(grads), axis=0)
             expected[name] = (total / world if average else total, exchange)
             continue
-        uniforms = []
-        for rank in range(world):
-            generator = torch.Generator().manual_seed(stream_seed(0, rank, step, index))
-            uniforms.append(torch.rand(grads[rank].shape, generator=generator).numpy())
+        uniforms = [seeding.uniforms(stream_seed(0, rank, step, index), grads[rank].size)
+                    for rank in range(world)]
         expected[name] = (simulate.exchange_step(codec, grads, uniforms, exchange, average),
                           exchange)
     return expected

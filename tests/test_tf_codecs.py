@@ -24,6 +24,9 @@ CODECS = [hvd_compress.NoneCodec(), hvd_compress.FP16(), hvd_compress.TernGrad()
           hvd_compress.BlockSign(), hvd_compress.BlockSign(max_block_size=100)]
 NUMEL = 10_007
 PACKING = [(numel, bound) for numel in (0, 1, 5, 100_003) for bound in (1, 7, 100, 2048, 40000)]
+# (seed, rank, tensor index) of streams drawn at step STEP, a tensor in the traced step.
+STREAMS = [(0, 0, 0), (0, 3, 75), (-5, 1, 2), (2 ** 40, 2, 9)]
+STEP = 10 ** 6 + 3
 
 
 def _inputs(index):
@@ -65,7 +68,7 @@ def _tf_cases(codecs, packing_cases):
             out["scale"] = codec.local_scale(g)
         return out
 
-    results = {"codecs": [], "packing": [], "errors": []}
+    results = {"codecs": [], "packing": [], "errors": [], "uniforms": []}
     misuse = [lambda: htf.TernGrad().compress(tf.zeros(3)),
               lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="ef-sign",
                                                   exchange="allreduce"),
@@ -97,6 +100,12 @@ def _tf_cases(codecs, packing_cases):
         packed = tf_packing.pack(tf.constant(_rows(numel, bound)), space)
         unpacked = tf_packing.unpack(packed, space, numel)
         results["packing"].append((packed.numpy(), unpacked.numpy()))
+    from hvd_compress.tf.pipeline import uniforms
+    for jit_compile in (None, True):
+        draw = tf.function(lambda step: [uniforms(seed, rank, step, index, [97, 103])
+                                         for seed, rank, index in STREAMS],
+                           jit_compile=jit_compile)
+        results["uniforms"].append([u.numpy() for u in draw(tf.constant(STEP, tf.int64))])
     return results
 
 
@@ -151,6 +160,16 @@ def test_packing_round_trip_at_every_width(tf_results, case):
     packed, unpacked = tf_results["packing"][case]
     np.testing.assert_array_equal(packed, packing.pack(_rows(numel, bound), IntCodes(bound)))
     np.testing.assert_array_equal(unpacked, _rows(numel, bound))
+
+
+def test_uniforms_are_the_references_in_graphs_and_xla(tf_results):
+    """TensorFlow's draws, traced and compiled by XLA with the step a tensor, are
+    ``seeding.uniforms`` of ``stream_seed``: those the PyTorch port draws."""
+    from hvd_compress.seeding import stream_seed, uniforms
+    for draws in tf_results["uniforms"]:
+        for (seed, rank, index), got in zip(STREAMS, draws):
+            want = uniforms(stream_seed(seed, rank, STEP, index), 97 * 103)
+            np.testing.assert_array_equal(got.reshape(-1), want)
 
 
 def test_misuse_errors_say_what_to_do(tf_results):

@@ -15,10 +15,10 @@ import tensorflow as tf
 
 from hvd_compress import cost, fusion
 from hvd_compress.registry import resolve
-from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
 
+from . import seeding
 from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
@@ -38,16 +38,11 @@ class TensorPlan:
 
 
 def uniforms(seed, rank, step, index, shape):
-    """The uniform draws of tensor ``index`` of worker ``rank`` at ``step``.
-
-    TensorFlow cannot replay PyTorch's generator, so its streams are its own counter-based
-    generator, Philox (the same numbers on CPU and GPU), keyed by ``hvd_compress.seeding``
-    for (seed, rank, index) and counted by the step. ``step`` may be a tensor, so a
-    ``tf.function`` draws a new stream every step without retracing.
-    """
-    key = tf.constant(stream_seed(seed, rank, 0, index), tf.int64)
-    return tf.random.stateless_uniform(shape, seed=tf.stack([key, tf.cast(step, tf.int64)]),
-                                       alg="philox")
+    """The uniform draws of tensor ``index`` of worker ``rank`` at ``step``: those of
+    ``hvd_compress.seeding``, which the PyTorch port draws too. ``step`` may be a tensor,
+    so a ``tf.function`` draws a new stream every step without retracing."""
+    key = seeding.stream_seed(seed, rank, step, index)
+    return tf.reshape(seeding.uniforms(key, tf.TensorShape(shape).num_elements()), shape)
 
 
 def collective_name(plan):
