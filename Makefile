@@ -1,5 +1,6 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (every test,
-# what CI runs); `make test-fast` runs the unit tests only (no Horovod processes, no
+# The two commands of the README: `make demo` (the main job, a representative subset, ~10
+# minutes; `make demo-full` runs every model and codec, ~30 minutes) and `make test` (every
+# test, what CI runs); `make test-fast` runs the unit tests only (no Horovod processes, no
 # convergence training) for the edit-test loop; `make bench` runs the bandwidth-limited
 # benchmark matrix (needs root for the namespaces).
 # Each sets up the environment first (idempotent; the Horovod build is cached).
@@ -10,13 +11,16 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export MALLOC_MMAP_THRESHOLD_ := 1073741824
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
-.PHONY: setup demo test test-fast bench
+.PHONY: setup demo demo-full test test-fast bench
 
 setup:
 	bash launch/setup.sh
 
 demo: setup
 	$(PY) -m hvd_compress.cli demo
+
+demo-full: setup
+	$(PY) -m hvd_compress.cli demo --full
 
 test: setup
 	$(PY) -m pytest -ra -q --durations=15 tests

@@ -103,9 +103,10 @@ PY
 
 install_project() {
     # Checked from / so that the checkout's own hvd_compress/ directory cannot stand in for
-    # the installed package (whose hvd_compress.pt and .tf map to pt/ and tf/).
-    if (cd / && "$VENV/bin/python" -c 'import sys, hvd_compress.pt as p; sys.exit(p.__file__ != sys.argv[1])' \
-            "$REPO/pt/__init__.py") 2>/dev/null; then
+    # the installed package (whose hvd_compress.pt, .tf and .examples map to pt/, tf/ and
+    # examples/); an install older than one of these mappings is redone.
+    if (cd / && "$VENV/bin/python" -c 'import sys, hvd_compress.pt as p, hvd_compress.examples as e; sys.exit(p.__file__ != sys.argv[1] or e.__file__ != sys.argv[2])' \
+            "$REPO/pt/__init__.py" "$REPO/examples/__init__.py") 2>/dev/null; then
         return
     fi
     log "installing hvd_compress (editable)"

@@ -35,22 +35,7 @@ def run_parallel(body, np, *args, launcher="horovodrun", timeout=300, **kwargs):
             command = mpirun_command(np) + worker
         else:
             raise ValueError(f"launcher must be 'horovodrun' or 'mpirun', got {launcher!r}")
-        env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True, text=True)
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            raise AssertionError(f"{body.__qualname__} on {np} ranks timed out after "
-                                 f"{timeout}s (a hang?):\n{output[-6000:]}") from None
-        if process.returncode != 0:
-            errors = [line for line in output.splitlines() if "Error" in line][:10]
-            raise AssertionError(f"{body.__qualname__} on {np} ranks failed (exit "
-                                 f"{process.returncode}):\n" + "\n".join(errors) +
-                                 f"\n...\n{output[-6000:]}")
+        run_job(command, f"{body.__qualname__} on {np} ranks", timeout)
         results = []
         for rank in range(np):
             with open(os.path.join(workdir, f"rank{rank}.pkl"), "rb") as f:
@@ -58,6 +43,35 @@ def run_parallel(body, np, *args, launcher="horovodrun", timeout=300, **kwargs):
         return results
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def job_env():
+    """The environment of a job's processes: one thread each, TensorFlow's log quiet, and the
+    checkout importable as ``tests``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
+                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+
+
+def run_job(command, what, timeout, cwd=REPO, env=None):
+    """Runs ``command`` (a launcher and its processes) in its own process group with
+    ``job_env()`` or ``env``; returns its output. A non-zero exit fails the test with the
+    output's error lines; a job still running after ``timeout`` seconds is killed, group and
+    all, and fails it as a hang."""
+    process = subprocess.Popen(command, cwd=cwd, env=job_env() if env is None else env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{what} timed out after {timeout}s (a hang?):\n"
+                             f"{output[-6000:]}") from None
+    if process.returncode != 0:
+        errors = [line for line in output.splitlines() if "Error" in line][:10]
+        raise AssertionError(f"{what} failed (exit {process.returncode}):\n" +
+                             "\n".join(errors) + f"\n...\n{output[-6000:]}")
+    return output
 
 
 def mpirun_command(np):

@@ -4,12 +4,12 @@ for the GRU) with the same model, workers, seed and steps; every baseline reache
 every run hands Horovod at least 5x fewer bytes than its baseline (the adaptive run, whose
 paths follow the link, no more bytes).
 
-CI runs every default run of ``make demo`` except the 4-worker CNN pair, on the demo's own
-schedule (3000 CNN steps). Half of it, 1500 steps with the cosine decay ending at the last,
-does not show the claim: the compressed runs have not caught up by then. On 2026-11-25, on a
-fresh machine of CI's type, seeds 0-2 at 1500 steps gave AdaComp -2.1 / -1.0 / -2.0 points
-and TernGrad -2.4 / -0.3 / -1.0 (seed 0 failed this test), while 3000 steps gave seed 0
--0.3 and -0.7 (CLT-k -0.3).
+CI runs every run of ``make demo-full`` (``cli.FULL_RUNS``) except the 4-worker CNN pair, on
+the demo's own schedule (3000 CNN steps). Half of it, 1500 steps with the cosine decay ending
+at the last, does not show the claim: the compressed runs have not caught up by then. On
+2026-11-25, on a fresh machine of CI's type, seeds 0-2 at 1500 steps gave AdaComp -2.1 / -1.0 /
+-2.0 points and TernGrad -2.4 / -0.3 / -1.0 (seed 0 failed this test), while 3000 steps gave
+seed 0 -0.3 and -0.7 (CLT-k -0.3).
 
 Why 2 points for one seed when the codecs are within 1 point on average: on 1,000 test
 signals a run's gap to its baseline moves from seed to seed. At 3000 steps, seeds 0-3 of the
@@ -25,7 +25,7 @@ from hvd_compress import cli
 pytestmark = [pytest.mark.multiprocess, pytest.mark.convergence]
 
 SINGLE_SEED_TOLERANCE = 0.020
-RUNS = [run for run in cli.DEFAULT_RUNS if not run.startswith("4:")]
+RUNS = [run for run in cli.FULL_RUNS if not run.startswith("4:")]
 
 
 @pytest.mark.timeout(3000)  # twelve training runs of one to four minutes, one at a time
