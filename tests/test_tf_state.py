@@ -82,3 +82,47 @@ def test_checkpoint_and_resume_continue_bitwise(tmp_path):
     for label, _, _ in CASES:
         np.testing.assert_array_equal(uninterrupted[0][label][-1], uninterrupted[1][label][-1])
         assert not np.array_equal(uninterrupted[0][label][0], uninterrupted[0][label][-1])
+
+
+def _mismatched(kind):
+    """Each wrapper built with a different codec or model on rank 1: the message each rank
+    raises, per wrapper (None if it built)."""
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    hvd.init()
+    odd = hvd.rank() == 1
+    inputs = 32 if kind == "parameters" and odd else 64
+    codec = "qsgd-inf" if kind == "codec" and odd else "terngrad"
+    model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(10)])
+    messages = {}
+    try:
+        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=codec).build(
+            model.trainable_variables)
+        messages["optimizer"] = None
+    except ValueError as error:
+        messages["optimizer"] = str(error)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.ones((2, inputs))))
+    try:
+        htf.DistributedGradientTape(tape, compression=codec).gradient(
+            loss, model.trainable_variables)
+        messages["tape"] = None
+    except ValueError as error:
+        messages["tape"] = str(error)
+    return messages
+
+
+@pytest.mark.parametrize("kind", ["codec", "parameters"])
+def test_ranks_with_different_configurations_fail_fast_on_every_rank(kind):
+    """The PyTorch port's check (``tests/test_state.py``), with the same message."""
+    results = run_parallel(_mismatched, 2, kind)
+    for messages in results:
+        for message in messages.values():
+            assert message is not None and "different compression configurations" in message
+            assert f"{kind}: rank 0: " in message and "rank 1: " in message
+    if kind == "codec":
+        assert "TernGrad(" in results[0]["tape"] and "QSGDInf(" in results[0]["tape"]

@@ -13,7 +13,7 @@ import re
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvd_compress import cost, fusion
+from hvd_compress import agreement, cost, fusion
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
@@ -91,6 +91,14 @@ class CompressionPipeline(tf.Module):
             layer=codec.layer_kind(name, tuple(shape)))
             for index, ((name, _), shape, dtype)
             in enumerate(zip(named_variables, self.shapes, self.dtypes))]
+        # Before any collective: ranks built differently would hang in them. Eagerly (the
+        # pipeline may be built while a tf.function traces), as allgather_object needs.
+        with tf.init_scope():
+            problem = agreement.disagreement(hvd.allgather_object(agreement.describe(
+                codec, exchange, average, [(plan.name, shape, dtype.name) for plan, shape, dtype
+                                           in zip(self.plans, self.shapes, self.dtypes)])))
+        if problem:
+            raise ValueError(problem)
         if exchange == "auto":
             # Chosen together: sharded tensors share alltoalls (``cost.choose_exchanges``).
             chosen = [plan for plan in self.plans if plan.reason == "compressed"]
