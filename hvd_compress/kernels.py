@@ -277,3 +277,402 @@ def scaled_signs(bits, scales, out):
                 out[r, 8 * j + k] = tables[r, bits[r, j], k]
         for i in range(numel - numel % 8, numel):
             out[r, i] = tables[r, bits[r, i >> 3], i & 7]
+
+
+# ----- TernGrad and the QSGD family: scales, draws, levels, fixed-width codes -----
+#
+# Their codes are packed (``codes.IntCodes``) and sums decoded a chunk of elements at a
+# time: a chunk's codes or sums wait in a buffer small enough to stay in the cache, and
+# each loop over it is alone in a function, as above. Chunks start on byte boundaries.
+
+_CHUNK = 4096
+
+# error_model="numpy" on the kernels that divide: a division by zero gives inf or NaN as in
+# numpy and torch, instead of a check for ZeroDivisionError in every iteration, which kept
+# LLVM from vectorizing a loop whose divisor varies.
+
+
+# max|g| is found as the max of the bits of |g| (those of g, ``bits``, read as int32, without
+# the sign bit), which order as |g| does, NaN above inf: exact, and a reduction of integers
+# that LLVM vectorizes, where the maximum of floats it does not.
+
+@_jit(fastmath={"reassoc"})
+def sum_and_top(g, bits):
+    """TernGrad's first pass: the float64 sum of g, and the bits of max|g|."""
+    total, top = 0.0, np.int32(0)
+    for i in range(g.size):
+        total += np.float64(g[i])
+        top = max(top, bits[i] & np.int32(0x7FFFFFFF))
+    return total, top
+
+
+@_jit(fastmath={"reassoc"})
+def centered_squares(g, mean):
+    """TernGrad's second pass: the float64 sum of (g - mean)^2, the reference's variance
+    times the element count."""
+    total = 0.0
+    for i in range(g.size):
+        c = np.float64(g[i]) - mean
+        total += c * c
+    return total
+
+
+@_jit(fastmath={"reassoc"})
+def _squares(g):
+    total = 0.0
+    for i in range(g.size):
+        total += np.float64(g[i]) * np.float64(g[i])
+    return total
+
+
+@_jit
+def _top(bits):
+    top = np.int32(0)
+    for i in range(bits.size):
+        top = max(top, bits[i] & np.int32(0x7FFFFFFF))
+    return top
+
+
+@_jit
+def bucket_squares(g, bucket, sums):
+    """QSGD's and NUQSGD's L2 norms, squared: sums[b] = float64 sum of g^2 over bucket b."""
+    for b in range(sums.size):
+        sums[b] = _squares(g[b * bucket:(b + 1) * bucket])
+
+
+@_jit
+def bucket_tops(bits, bucket, tops):
+    """QSGD-inf's max norms: tops[b] = the bits of max|g| over bucket b."""
+    for b in range(tops.size):
+        tops[b] = _top(bits[b * bucket:(b + 1) * bucket])
+
+
+# numba computes with uint32 words in int64: every result is cut back to 32 bits, which
+# LLVM turns into 32-bit vector operations.
+
+@_jit(inline="always")
+def _lowbias32(x):
+    x = np.uint32(x ^ (x >> 16))
+    x = np.uint32(x * np.uint32(0x7FEB352D))
+    x = np.uint32(x ^ (x >> 15))
+    x = np.uint32(x * np.uint32(0x846CA68B))
+    return np.uint32(x ^ (x >> 16))
+
+
+@_jit(inline="always")
+def _uniform(k, lo, hi):
+    """Draw k of the stream keyed by the 32-bit words (lo, hi): ``seeding.uniforms``."""
+    x = _lowbias32(np.uint32(_lowbias32(np.uint32(np.uint32(k) ^ lo)) ^ hi))
+    return np.float32(np.uint32(x >> 8)) * np.float32(2.0 ** -24)
+
+
+@_jit(inline="always")
+def _ratio(g, divisor):
+    """|g| / S of the eager ``buckets.ratio`` (``divisor``: S, or inf for a zero or
+    non-finite S), with 0 for NaN as ``normalized``."""
+    a = abs(g) / divisor
+    return a if a == a else np.float32(0.0)
+
+
+@_jit(inline="always")
+def _uniform_code(g, divisor, levels, u):
+    """``UniformQuantizer.encode`` of one element under s = ``levels`` (float32)."""
+    x = _ratio(g, divisor) * levels
+    low = min(np.floor(x), levels - np.float32(1.0))
+    level = np.int32(low + np.float32(u < x - low))
+    return -level if g < 0 else level
+
+
+@_jit(inline="always")
+def _nuqsgd_code(g, divisor, s, u):
+    """``NUQSGD.encode`` of one element with smallest level 2^-s: the index of the level
+    below r counted over the s levels (the frexp of the eager op), then drawn up."""
+    r = min(_ratio(g, divisor), np.float32(1.0))
+    smallest = np.float32(2.0 ** -s)
+    index, lo, level = 0, np.float32(0.0), smallest
+    for j in range(1, s + 1):
+        if r >= level:
+            index, lo = j, level
+        level = level + level
+    hi = lo + lo if index > 0 else smallest
+    index += u < (r - lo) / (hi - lo)
+    return -index if g < 0 else index
+
+
+@_jit(inline="always")
+def _nuqsgd_value(code):
+    """``NUQSGD.values``: sign(code) 2^(|code| - 1), 0 for 0."""
+    index = abs(code)
+    value = (1 << (index - 1)) if index > 0 else 0
+    return -value if code < 0 else value
+
+
+@_jit(error_model="numpy")
+def _uniform_codes(p, divisor, levels, first, lo, hi, codes):
+    for i in range(p.size):
+        codes[i] = _uniform_code(p[i], divisor, levels, _uniform(first + i, lo, hi))
+
+
+@_jit(error_model="numpy")
+def _uniform_codes_with_feedback(p, divisor, levels, first, lo, hi, scale, codes, residual):
+    for i in range(p.size):
+        code = _uniform_code(p[i], divisor, levels, _uniform(first + i, lo, hi))
+        codes[i] = code
+        residual[i] = p[i] - np.float32(code) * scale / levels
+
+
+@_jit(inline="always")
+def _nuqsgd_codes(p, divisor, s, first, lo, hi, scale, codes, residual):
+    # s is a constant where this is inlined, so LLVM unrolls the loop over levels and
+    # vectorizes the loop over elements.
+    if residual.size:
+        for i in range(p.size):
+            code = _nuqsgd_code(p[i], divisor, s, _uniform(first + i, lo, hi))
+            codes[i] = code
+            residual[i] = p[i] - np.float32(_nuqsgd_value(code)) * scale / \
+                np.float32(2.0 ** s)
+    else:
+        for i in range(p.size):
+            codes[i] = _nuqsgd_code(p[i], divisor, s, _uniform(first + i, lo, hi))
+
+
+@_jit(error_model="numpy")
+def _nuqsgd_piece(p, divisor, s, first, lo, hi, scale, codes, residual):
+    # One inlined copy per exponent s = 2^(b-1) - 2 of b = 2 to 5 bits.
+    if s == 0:
+        _nuqsgd_codes(p, divisor, 0, first, lo, hi, scale, codes, residual)
+    elif s == 2:
+        _nuqsgd_codes(p, divisor, 2, first, lo, hi, scale, codes, residual)
+    elif s == 6:
+        _nuqsgd_codes(p, divisor, 6, first, lo, hi, scale, codes, residual)
+    else:
+        _nuqsgd_codes(p, divisor, 14, first, lo, hi, scale, codes, residual)
+
+
+@_jit(inline="always")
+def _pack_fields(codes, bound, width, packed):
+    """codes + bound as fields of ``width`` bits, little-endian in each byte, the last
+    byte padded with the code 0 (``codes.IntCodes``)."""
+    per = 8 // width
+    whole = codes.size // per
+    for j in range(whole):
+        byte = 0
+        for t in range(per):
+            byte |= (codes[per * j + t] + bound) << (width * t)
+        packed[j] = byte
+    if codes.size % per:
+        byte = 0
+        for t in range(per):
+            i = per * whole + t
+            byte |= (codes[i] + bound if i < codes.size else bound) << (width * t)
+        packed[whole] = byte
+
+
+@_jit
+def _pack(codes, bound, width, packed):
+    # One inlined copy per width of codes, whose loop over a byte's fields LLVM unrolls.
+    if width == 2:
+        _pack_fields(codes, bound, 2, packed)
+    elif width == 4:
+        _pack_fields(codes, bound, 4, packed)
+    else:
+        _pack_fields(codes, bound, 8, packed)
+
+
+@_jit(error_model="numpy")
+def quantized(p, scale, bucket, levels, exponent, key_lo, key_hi, bound, width, values,
+              packed, residual):
+    """One worker's codes of ``p`` under its bucket scales, drawn from the stream
+    (key_lo, key_hi) (``seeding.uniforms``, draw k for element k): ``UniformQuantizer`` with
+    s = ``levels``, or with ``levels`` 0 ``NUQSGD`` with 2^-``exponent`` its smallest
+    level. Written as the exchange sends them: into ``packed`` at ``width`` bits per code
+    (``codes.IntCodes(bound)``), or else into ``values`` (the codes' values, in the
+    allreduce's carrier). With a ``residual``, p - decode(values, scale, 1) goes there (NaN
+    where the scale is not finite, as the eager decode gives)."""
+    codes = np.empty(_CHUNK, dtype=np.int32)
+    s = np.float32(levels)  # s of the uniform quantizer, 0 for NUQSGD
+    for start in range(0, p.size, _CHUNK):
+        stop = min(p.size, start + _CHUNK)
+        position = start
+        while position < stop:
+            b = position // bucket
+            end = min(stop, (b + 1) * bucket)
+            scale_b = scale[b]
+            finite = np.isfinite(scale_b)
+            divisor = scale_b if finite and scale_b > 0 else np.float32(np.inf)
+            decoded = scale_b if finite else np.float32(np.nan)
+            piece, out = p[position:end], codes[position - start:end - start]
+            kept = residual[position:end] if residual.size else residual
+            if levels == 0:
+                _nuqsgd_piece(piece, divisor, exponent, position, key_lo, key_hi, decoded,
+                              out, kept)
+            elif residual.size:
+                _uniform_codes_with_feedback(piece, divisor, s, position, key_lo, key_hi,
+                                             decoded, out, kept)
+            else:
+                _uniform_codes(piece, divisor, s, position, key_lo, key_hi, out)
+            position = end
+        if packed.size:
+            per = 8 // width
+            _pack(codes[:stop - start], bound, width, packed[start // per:])
+        else:
+            _values(codes[:stop - start], levels, values[start:stop])
+
+
+@_jit
+def _values(codes, levels, out):
+    """The codes' values (``Codec.values``) in the allreduce carrier ``out``."""
+    if levels:
+        for i in range(codes.size):
+            out[i] = codes[i]
+    else:
+        for i in range(codes.size):
+            out[i] = _nuqsgd_value(codes[i])
+
+
+@_jit
+def _pack_any(codes, bound, width, packed):
+    """``_pack`` for every width of ``codes.IntCodes``: 16 and 32 bits little-endian."""
+    if width <= 8:
+        _pack(codes, bound, width, packed)
+        return
+    nbytes = width // 8
+    for i in range(codes.size):
+        field = codes[i] + bound
+        for t in range(nbytes):
+            packed[nbytes * i + t] = (field >> (8 * t)) & 0xFF
+
+
+@_jit(inline="always")
+def _add_table_fields(row, table, per, acc):
+    for j in range(acc.size // per):
+        entry = table[row[j]]
+        for t in range(per):
+            acc[per * j + t] += entry[t]
+    for i in range(acc.size - acc.size % per, acc.size):
+        acc[i] += table[row[i // per], i % per]
+
+
+@_jit
+def _add_fields(row, table, width, bound, acc):
+    """acc[i] += the value of field i of the packed ``row``: table[byte, t] for fields of
+    up to 8 bits (``table`` maps each byte to the values of its fields), field - bound
+    for 16 and 32 bits."""
+    if width == 2:
+        _add_table_fields(row, table, 4, acc)
+    elif width == 4:
+        _add_table_fields(row, table, 2, acc)
+    elif width == 8:
+        _add_table_fields(row, table, 1, acc)
+    elif width == 16:
+        for i in range(acc.size):
+            acc[i] += (np.int32(row[2 * i]) | np.int32(row[2 * i + 1]) << 8) - bound
+    else:
+        for i in range(acc.size):
+            acc[i] += (np.int64(row[4 * i]) | np.int64(row[4 * i + 1]) << 8 |
+                       np.int64(row[4 * i + 2]) << 16 | np.int64(row[4 * i + 3]) << 24) - bound
+
+
+@_jit(error_model="numpy")
+def _decoded(total, divisor, scale, out):
+    for i in range(total.size):
+        out[i] = np.float32(total[i]) * scale / divisor
+
+
+@_jit(error_model="numpy")
+def _decoded_added(total, divisor, scale, out):
+    for i in range(total.size):
+        out[i] += np.float32(total[i]) * scale / divisor
+
+
+@_jit
+def _decode(total, first, scale, bucket, divisor, add, out):
+    """out (elements first .. first + total.size) = or += ``Codec.decode`` of ``total``:
+    total scale[b] / divisor in float32, NaN where scale[b] is not finite."""
+    position, stop = first, first + total.size
+    while position < stop:
+        b = position // bucket
+        end = min(stop, (b + 1) * bucket)
+        scale_b = scale[b] if np.isfinite(scale[b]) else np.float32(np.nan)
+        piece = slice(position - first, end - first)
+        if add:
+            _decoded_added(total[piece], divisor, scale_b, out[piece])
+        else:
+            _decoded(total[piece], divisor, scale_b, out[piece])
+        position = end
+
+
+@_jit
+def decoded_totals(total, scale, bucket, divisor, out):
+    """The allreduce's decode: out = ``Codec.decode`` of the summed values ``total``."""
+    _decode(total, 0, scale, bucket, np.float32(divisor), False, out)
+
+
+@_jit
+def summed_codes(rows, table, width, bound, length, total_bound, total_width, out):
+    """The sharded exchange's sum: the first ``length`` codes of each row of ``rows``
+    (``width``-bit ``IntCodes(bound)``, values by ``table``) summed over the rows in int32
+    and packed into ``out`` at ``total_width`` bits (``IntCodes(total_bound)``)."""
+    sums = np.empty(_CHUNK, dtype=np.int32)
+    for start in range(0, length, _CHUNK):
+        chunk = sums[:min(length, start + _CHUNK) - start]
+        chunk[:] = 0
+        for r in range(rows.shape[0]):
+            _add_fields(rows[r, start * width // 8:], table, width, bound, chunk)
+        _pack_any(chunk, total_bound, total_width, out[start * total_width // 8:])
+
+
+@_jit
+def decoded_sums(rows, table, width, bound, scale, bucket, divisor, out):
+    """The allgather's decode under a shared scale: out = decode of the sum over rows of
+    the values of their first out.size codes."""
+    sums = np.empty(_CHUNK, dtype=np.int32)
+    divisor = np.float32(divisor)
+    for start in range(0, out.size, _CHUNK):
+        stop = min(out.size, start + _CHUNK)
+        chunk = sums[:stop - start]
+        chunk[:] = 0
+        for r in range(rows.shape[0]):
+            _add_fields(rows[r, start * width // 8:], table, width, bound, chunk)
+        _decode(chunk, start, scale, bucket, divisor, False, out[start:stop])
+
+
+@_jit
+def decoded_own_scales(rows, table, width, bound, scales, bucket, divisor, out):
+    """The allgather's decode under each worker's own scales (row r of ``scales``): out =
+    the sum over rows, in order, of the decoded values of their first out.size codes."""
+    values = np.empty(_CHUNK, dtype=np.int32)
+    divisor = np.float32(divisor)
+    for start in range(0, out.size, _CHUNK):
+        stop = min(out.size, start + _CHUNK)
+        chunk = values[:stop - start]
+        for r in range(rows.shape[0]):
+            chunk[:] = 0
+            _add_fields(rows[r, start * width // 8:], table, width, bound, chunk)
+            _decode(chunk, start, scales[r], bucket, divisor, r > 0, out[start:stop])
+
+
+@_jit
+def decoded_segments(rows, table, width, bound, length, scale, bucket, divisor, out):
+    """The sharded exchange's decode: row r holds the summed values of elements
+    r length .. (r + 1) length - 1, decoded into ``out`` (cut at out.size)."""
+    sums = np.empty(_CHUNK, dtype=np.int32)
+    divisor = np.float32(divisor)
+    for r in range(rows.shape[0]):
+        first = r * length
+        valid = max(0, min(length, out.size - first))
+        for start in range(0, valid, _CHUNK):
+            stop = min(valid, start + _CHUNK)
+            chunk = sums[:stop - start]
+            chunk[:] = 0
+            _add_fields(rows[r, start * width // 8:], table, width, bound, chunk)
+            _decode(chunk, first + start, scale, bucket, divisor, False,
+                    out[first + start:first + stop])
+
+
+@_jit
+def draws(key_lo, key_hi, out):
+    """Draws 0 .. out.size - 1 of the stream (key_lo, key_hi), as the kernels above draw
+    them inside their loops: for tests to compare with ``seeding.uniforms``."""
+    for k in range(out.size):
+        out[k] = _uniform(k, key_lo, key_hi)

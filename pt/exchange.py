@@ -118,6 +118,15 @@ class _Exchange:
     def advance(self, pending):
         return pending
 
+    def _fused(self, scale):
+        """Whether the kernels decode codes under ``scale`` (None for unscaled codecs)."""
+        return scale is not None and fused.applies(self.codec, scale)
+
+    def payload(self):
+        """An empty tensor in the format this exchange hands over one worker's codes in,
+        for a kernel to encode into (``fused.encode``; ``start_packed`` sends it)."""
+        return torch.empty(self.codec.code_space.packed_nbytes(self.numel), dtype=torch.uint8)
+
     def _servers_signs(self, packed, scales, length):
         """The first ``length`` signs of each server's row of ``packed`` times that server's
         one scale (``scales``, one per row). Every value is +-its server's scale, NaN for a
@@ -133,15 +142,27 @@ class Allreduce(_Exchange):
 
     name = "allreduce"
 
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion)
+        self.carrier = getattr(torch, codec.value_space.allreduce_carrier(
+            world_size, TORCH_ALLREDUCE_DTYPES))
+
+    def payload(self):
+        """The codes' values in the carrier."""
+        return torch.empty(self.numel, dtype=self.carrier)
+
     def start(self, codes, scale, name):
-        carrier = self.codec.value_space.allreduce_carrier(self.world_size,
-                                                           TORCH_ALLREDUCE_DTYPES)
-        payload = self.meter.hand(self.codec.values(codes).to(getattr(torch, carrier)))
-        return hvd.allreduce_async(payload, op=hvd.Sum, name=name), scale
+        return self.start_packed(self.codec.values(codes).to(self.carrier), scale, name)
+
+    def start_packed(self, payload, scale, name):
+        """``start`` for values already in the carrier (``fused``)."""
+        return hvd.allreduce_async(self.meter.hand(payload), op=hvd.Sum, name=name), scale
 
     def finish(self, pending):
         handle, scale = pending
         total = wait(handle)
+        if self._fused(scale):
+            return fused.decoded_totals(self.codec, total, scale, self.count)
         if not total.is_floating_point():
             total = total.to(torch.int32)
         return self.codec.decode(total, scale, self.count)
@@ -192,6 +213,13 @@ class Allgather(_Exchange):
         handles, scale = pending
         if self.server is not None:  # two-way codecs pack at a fixed width
             return self._serve(wait(handles[0]))
+        if not self.elias and self._fused(scale):
+            rows = wait(handles[0])
+            codes = rows[:, self.scale_bytes:]
+            if not self.own_scale:
+                return fused.decoded_sums(self.codec, codes, scale, self.count, self.numel)
+            return fused.decoded_own_scales(self.codec, codes, _floats(rows[:, :self.scale_bytes]),
+                                            self.count, self.numel)
         codes, own_scales = self._codes(handles)
         values = self.codec.values(codes)
         if not self.own_scale:
@@ -228,22 +256,38 @@ class Sharded(_Exchange):
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
+    def payload(self):
+        """The codes of all shards, padded with 0 to ``world_size`` shards."""
+        return torch.empty(self.codec.code_space.packed_nbytes(self.world_size * self.length),
+                           dtype=torch.uint8)
+
     def start(self, codes, scale, name):
         padded = codes.new_zeros(self.world_size * self.length)
         padded[: self.numel] = codes.reshape(-1)
-        shards = pack(padded.reshape(self.world_size, self.length), self.codec.code_space)
+        return self.start_packed(pack(padded, self.codec.code_space), scale, name)
+
+    def start_packed(self, packed, scale, name):
+        """``start`` for codes already packed (``fused``): ``payload``'s format."""
+        shards = packed.reshape(self.world_size, -1)
         return self.fusion.send(name, self.meter.hand(shards)), scale, name
 
     def advance(self, pending):
         fusion, scale, name = pending
         received = fusion.receive(name)
-        values = self.codec.values(unpack(received, self.codec.code_space, self.length))
-        payload = self.meter.hand(pack(_sum_rows(values).reshape(1, -1), self.total_space))
+        if self._fused(scale):
+            payload = fused.summed_codes(self.codec, received, self.length, self.total_space)
+        else:
+            values = self.codec.values(unpack(received, self.codec.code_space, self.length))
+            payload = pack(_sum_rows(values), self.total_space)
+        payload = self.meter.hand(payload.reshape(1, -1))
         return hvd.allgather_async(payload, name=f"{name}.sum"), scale
 
     def finish(self, pending):
         handle, scale = pending
         rows = wait(handle)
+        if self._fused(scale):
+            return fused.decoded_segments(self.codec, rows, self.total_space, self.length,
+                                          scale, self.count, self.numel)
         total = unpack(rows, self.total_space, self.length).reshape(-1)[: self.numel]
         return self.codec.decode(total, scale, self.count)
 

@@ -303,12 +303,14 @@ class CompressionPipeline:
 
     def _start_codes(self, flight):
         vector, name = flight.vector, flight.plan.name
-        if flight.fused:
-            packed, residual = fused.signs_with_feedback(self.codec, vector, flight.scale)
-            self.worker_memory.propose(name, residual)
-            start, codes = flight.exchange.start_packed, packed
+        key = stream_seed(self.seed, self.rank, self.step, flight.plan.index)
+        if fused.applies(self.codec, vector):
+            codes, residual = fused.encode(self.codec, flight.exchange, vector, flight.scale,
+                                           key, feedback=self.worker_memory is not None)
+            if self.worker_memory is not None:
+                self.worker_memory.propose(name, residual)
+            start = flight.exchange.start_packed
         else:
-            key = stream_seed(self.seed, self.rank, self.step, flight.plan.index)
             uniforms = seeding.uniforms(key, vector.numel(), vector.device) \
                 if self.codec.stochastic else None
             codes = self.codec.encode(vector, flight.scale, uniforms)

@@ -3,12 +3,15 @@ import torch
 
 from hvd_compress import qsgd as reference
 
+from . import fused
 from .buckets import float64_sums, normalized, reduce, rescale
 from .codec import Codec
 from .quantizer import UniformQuantizer
 
 
 def _local_norms(quantizer, grad, norm):
+    if fused.applies(quantizer, grad):
+        return fused.local_scale(quantizer, grad)
     g = grad.detach().reshape(-1)
     d = quantizer.bucket_length(g.numel())
     if norm == "l2":

@@ -3,6 +3,7 @@ import torch
 
 from hvd_compress import terngrad as reference
 
+from . import fused
 from .quantizer import UniformQuantizer
 
 
@@ -10,6 +11,8 @@ class TernGrad(reference.TernGrad, UniformQuantizer):
     __doc__ = reference.TernGrad.__doc__
 
     def local_scale(self, grad):
+        if fused.applies(self, grad):
+            return fused.local_scale(self, grad)
         g = grad.detach().reshape(-1).to(torch.float32)
         if g.numel() == 0:
             return g.new_zeros(1)

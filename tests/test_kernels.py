@@ -1,6 +1,8 @@
-"""ef-sign's fused CPU kernels (``hvd_compress.kernels`` through ``hvd_compress.pt.fused``)
-against the eager codec, memory and server calls they replace: codes, residuals, momentum
-and decoded values bit for bit, block scales equal to the float64 reference."""
+"""The fused CPU kernels (``hvd_compress.kernels`` through ``hvd_compress.pt.fused``) against
+the eager codec, memory, server and exchange calls they replace: ef-sign's codes,
+residuals, momentum and decoded values, and TernGrad's and the QSGD family's draws, packed
+codes, residuals, partial sums and decoded values bit for bit; scales equal to the float64
+reference."""
 import collections
 
 import numpy as np
@@ -169,10 +171,12 @@ def test_deferred_momentum_is_the_eager_momentum_then_compensation(nesterov, blo
         np.testing.assert_array_equal(scale.numpy(), reference.local_scale(want.numpy()))
 
 
-def test_kernels_are_only_for_cpu_float32_blocksign():
-    assert fused.applies(hc.BlockSign(), torch.zeros(3))
-    assert not fused.applies(hc.BlockSign(), torch.zeros(3, dtype=torch.float16))
-    assert not fused.applies(hc.TernGrad(), torch.zeros(3))
+def test_kernels_are_only_for_cpu_float32_fixed_width_codes():
+    for codec in (hc.BlockSign(), hc.TernGrad(), hc.QSGD(), hc.QSGDInf(), hc.NUQSGD()):
+        assert fused.applies(codec, torch.zeros(3))
+        assert not fused.applies(codec, torch.zeros(3, dtype=torch.float16))
+    for codec in (hc.QSGD(wire="elias"), hc.AdaComp(), hc.FP16(), hc.NoneCodec()):
+        assert not fused.applies(codec, torch.zeros(3))
 
 
 _FUSED = ("momentum", "compensated_scale", "signs_with_feedback", "server_step",
@@ -212,3 +216,240 @@ def test_optimizer_runs_the_kernels_and_trains_as_the_eager_calls(world, exchang
     for (params, _), (eager_params, _) in zip(with_kernels, eager):
         # The eager scales are within 3e-7 of the float64 ones the kernels compute.
         torch.testing.assert_close(params, eager_params, rtol=1e-4, atol=1e-5)
+
+
+# ----- TernGrad and the QSGD family -----
+
+# Every width of codes (2, 4, 8 bits), NUQSGD's every exponent, buckets that end inside a
+# byte, and (with the lengths) partial buckets and bytes.
+QUANTIZERS = [hvd_compress.TernGrad(), hvd_compress.TernGrad(clip=0),
+              hvd_compress.QSGD(bits=2, bucket_size=7), hvd_compress.QSGDInf(),
+              hvd_compress.QSGDInf(bits=8, bucket_size=100),
+              hvd_compress.NUQSGD(bits=2, bucket_size=9), hvd_compress.NUQSGD(bits=3, bucket_size=9),
+              hvd_compress.NUQSGD(bucket_size=2048), hvd_compress.NUQSGD(bits=5, bucket_size=100)]
+
+
+def _port(reference):
+    return hvd_compress.resolve(reference, hc.CODECS)
+
+
+def _eager(call, *args):
+    """``call(*args)`` with the kernels off: the eager definition."""
+    fused.ENABLED = False
+    try:
+        return call(*args)
+    finally:
+        fused.ENABLED = True
+
+
+def _key(numel):
+    from hvd_compress.seeding import stream_seed
+    return stream_seed(numel, 3, 7, 11)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 9, 100_003])
+def test_one_generator_in_numpy_torch_and_the_kernels(numel):
+    """The reference, the torch ops and the kernels draw the same uniforms, and the codes
+    the reference and the eager port make from them are those the kernels pack."""
+    from hvd_compress import kernels, seeding
+    from hvd_compress.pt import seeding as pt_seeding
+    from hvd_compress.pt.exchange import Meter, make_exchange
+    from hvd_compress.pt.packing import unpack
+    for key in (_key(numel), 0, 2 ** 63 - 1):
+        want = seeding.uniforms(key, numel)
+        assert want.dtype == np.float32 and ((0 <= want) & (want < 1)).all()
+        np.testing.assert_array_equal(pt_seeding.uniforms(key, numel, torch.device("cpu")).numpy(),
+                                      want)
+        drawn = np.empty(numel, np.float32)
+        kernels.draws(*(np.uint32(word) for word in seeding.key_words(key)), drawn)
+        np.testing.assert_array_equal(drawn, want)
+    if not numel:
+        return
+    g = _vector(numel, numel)
+    for reference in QUANTIZERS:
+        codec = _port(reference)
+        scale = codec.local_scale(g)
+        u = seeding.uniforms(_key(numel), numel)
+        codes = reference.encode(g.numpy(), scale.numpy(), u)
+        np.testing.assert_array_equal(_eager(codec.encode, g, scale, torch.from_numpy(u)).numpy(),
+                                      codes)
+        exchange = make_exchange("allgather", codec, numel, 1, Meter(), 1)
+        packed, _ = fused.encode(codec, exchange, g, scale, _key(numel), feedback=False)
+        np.testing.assert_array_equal(
+            unpack(packed.reshape(1, -1), codec.code_space, numel)[0].numpy(), codes)
+
+
+def test_uniforms_are_uniform_and_streams_independent():
+    """Chi-square of 2^20 draws in 256 cells, and the correlation of neighbouring draws and
+    of the streams of neighbouring steps and ranks, within 5 standard errors."""
+    from hvd_compress.seeding import stream_seed, uniforms
+    n = 1 << 20
+    u = uniforms(stream_seed(0, 0, 0, 0), n).astype(np.float64)
+    counts = np.bincount((u * 256).astype(int), minlength=256)
+    chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum()
+    assert abs(chi2 - 255) <= 5 * np.sqrt(2 * 255)
+    neighbours = (u[1:], uniforms(stream_seed(0, 0, 1, 0), n), uniforms(stream_seed(0, 1, 0, 0), n))
+    for other in neighbours:
+        m = min(len(other), n)
+        assert abs(np.corrcoef(u[:m], other[:m])[0, 1]) <= 5 / np.sqrt(m)
+
+
+def _eager_payload(codec, exchange, codes):
+    """What the eager ``exchange.start`` hands over for ``codes``."""
+    from hvd_compress.pt.packing import pack
+    if exchange.name == "allreduce":
+        return codec.values(codes).to(exchange.carrier)
+    if exchange.name == "allgather":
+        return pack(codes.reshape(1, -1), codec.code_space).reshape(-1)
+    padded = codes.new_zeros(exchange.world_size * exchange.length)
+    padded[:codes.numel()] = codes
+    return pack(padded, codec.code_space)
+
+
+@pytest.mark.parametrize("reference", QUANTIZERS, ids=repr)
+@pytest.mark.parametrize("numel", LENGTHS)
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf")])
+def test_quantizer_worker_step_is_the_eager_step(reference, numel, bad):
+    """Scales, the payload of every exchange (packed codes of full and partial bytes and
+    buckets, the sharded padding, allreduce values) and the residual."""
+    from hvd_compress.pt import seeding
+    from hvd_compress.pt.exchange import Meter, make_exchange
+    codec = _port(reference)
+    p = _vector(numel, numel, bad)
+    scale = codec.local_scale(p)
+    np.testing.assert_array_equal(scale.numpy(), reference.local_scale(p.numpy()))
+    torch.testing.assert_close(_eager(codec.local_scale, p), scale, rtol=3e-7, atol=0)
+    if bad is not None:
+        assert torch.isinf(scale).all()
+    codes = codec.encode(p, scale, seeding.uniforms(_key(numel), numel, p.device))
+    sent = codec.decode(codec.values(codes), scale, 1)
+    for name, world in (("allreduce", 4), ("allgather", 1), ("sharded", 3), ("sharded", 4)):
+        exchange = make_exchange(name, codec, numel, world, Meter(), world)
+        for feedback in (False, True):
+            payload, residual = fused.encode(codec, exchange, p, scale, _key(numel), feedback)
+            want = _eager_payload(codec, exchange, codes)
+            assert payload.dtype == want.dtype and torch.equal(payload, want), name
+            if feedback:
+                np.testing.assert_array_equal(residual.numpy(), (p - sent).numpy())
+            else:
+                assert residual is None
+    if bad is not None:
+        assert torch.isnan(sent).all()
+
+
+def _received(codec, rows, numel, seed):
+    """Random packed codes as ``rows`` workers send them, sliced after a head of scale
+    bytes as the gathered rows are (not contiguous)."""
+    from hvd_compress.pt.packing import pack
+    space = codec.code_space
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(-space.bound, space.bound + 1, (rows, numel)).astype(np.int8)
+    packed = pack(torch.from_numpy(codes), space)
+    return torch.cat([torch.zeros(rows, 4, dtype=torch.uint8), packed], dim=1)[:, 4:]
+
+
+def _scales(codec, numel, rows, seed, bad):
+    scales = torch.from_numpy(np.random.default_rng(seed).uniform(
+        0.1, 2.0, (rows, codec.buckets(numel))).astype(np.float32))
+    if bad is not None:
+        scales[0, -1] = bad
+    return scales
+
+
+@pytest.mark.parametrize("reference", QUANTIZERS[::2], ids=repr)
+@pytest.mark.parametrize("numel", LENGTHS)
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("bad", [None, float("nan")])
+def test_quantizer_receiving_side_is_the_eager_exchange(reference, numel, world, bad):
+    """What every exchange does with what arrives: the allreduce's decode of the summed
+    values (int32 or float16 carrier), the allgather's decode of the rows' sum (shared
+    scale) or of each row (own scales), the sharded exchange's partial sums (to 8, 16 and
+    32-bit widths) and decode of the gathered sums."""
+    from hvd_compress.pt.exchange import Meter, _sum_rows, make_exchange
+    from hvd_compress.pt.packing import pack, unpack
+    codec = _port(reference)
+    space = codec.code_space
+    rows = _received(codec, world, numel, numel + world)
+    scale = _scales(codec, numel, 1, numel, bad)[0]
+    values = codec.values(unpack(rows, space, numel))
+    allreduce = make_exchange("allreduce", codec, numel, world, Meter(), world)
+    for total in (_sum_rows(values).to(allreduce.carrier), _sum_rows(values)):
+        eager_total = total if total.is_floating_point() else total.to(torch.int32)
+        np.testing.assert_array_equal(fused.decoded_totals(codec, total, scale, world).numpy(),
+                                      codec.decode(eager_total, scale, world).numpy())
+    np.testing.assert_array_equal(fused.decoded_sums(codec, rows, scale, world, numel).numpy(),
+                                  codec.decode(_sum_rows(values), scale, world).numpy())
+    own = _scales(codec, numel, world, numel + 1, bad)
+    np.testing.assert_array_equal(
+        fused.decoded_own_scales(codec, rows, own, world, numel).numpy(),
+        codec.decode(values, own, world).sum(dim=0).numpy())
+    sharded = make_exchange("sharded", codec, numel, world, Meter(), world)
+    length, total_space = sharded.length, sharded.total_space
+    received = _received(codec, world, length, numel + 2)
+    summed = _sum_rows(codec.values(unpack(received, space, length)))
+    assert torch.equal(fused.summed_codes(codec, received, length, total_space),
+                       pack(summed, total_space))
+    gathered = pack(torch.from_numpy(np.random.default_rng(numel + 3).integers(
+        -total_space.bound, total_space.bound + 1, (world, length)).astype(np.int64)), total_space)
+    total = unpack(gathered, total_space, length).reshape(-1)[:numel]
+    np.testing.assert_array_equal(
+        fused.decoded_segments(codec, gathered, total_space, length, scale, world, numel).numpy(),
+        codec.decode(total, scale, world).numpy())
+
+
+def test_sum_widths_cover_every_packing():
+    """The receiving-side cases above reach sums of 4, 8, 16 and 32 bits."""
+    from hvd_compress.pt.exchange import Meter, make_exchange
+    widths = {make_exchange("sharded", _port(r), 100, world, Meter(), world).total_space.width
+              for r in QUANTIZERS[::2] for world in (1, 4)}
+    assert {4, 8, 16, 32} <= widths, widths
+
+
+_QUANTIZER_KERNELS = ("local_scale", "compensated_scale", "encode", "decoded_totals",
+                      "summed_codes", "decoded_sums", "decoded_own_scales", "decoded_segments")
+# Every exchange of the quantizers, with and without error feedback, at N = 4: the
+# allreduce's float16 carrier, the allgather's shared (TernGrad) and own (QSGD) scales, the
+# sharded sums of 4, 8 and 16 bits. Every tensor compressed: sums of codes are exact, where
+# Horovod's float sums of tensors sent whole depend on what its fusion buffer held.
+_WHOLE = {"min_size": 0, "compress_classifier": True}
+_QUANTIZER_RUNS = [(hvd_compress.TernGrad(**_WHOLE), "allreduce", True),
+                   (hvd_compress.TernGrad(**_WHOLE), "allgather", False),
+                   (hvd_compress.TernGrad(**_WHOLE), "sharded", False),
+                   (hvd_compress.QSGDInf(**_WHOLE), "allgather", True),
+                   (hvd_compress.QSGD(bits=3, bucket_size=700, **_WHOLE), "sharded", True),
+                   (hvd_compress.NUQSGD(bucket_size=2048, **_WHOLE), "sharded", False)]
+
+
+def _train_quantizers_counting_kernels(enabled):
+    """``test_pt_distributed._train`` of every run of ``_QUANTIZER_RUNS`` with the kernels
+    on or off: the exchanged gradients and parameters of each step, and how often each
+    fused call ran."""
+    from hvd_compress.pt import fused
+
+    from .test_pt_distributed import _train
+    fused.ENABLED = enabled
+    calls = collections.Counter()
+    for name in _QUANTIZER_KERNELS:
+        def counted(*args, _original=getattr(fused, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+        setattr(fused, name, counted)
+    runs = [[(r["exchanged"], r["params"]) for r in _train(codec, exchange, error_feedback=ef)[
+        "records"]] for codec, exchange, ef in _QUANTIZER_RUNS]
+    return runs, dict(calls)
+
+
+@pytest.mark.multiprocess
+def test_optimizer_runs_the_quantizer_kernels_and_trains_as_the_eager_calls():
+    with_kernels = run_parallel(_train_quantizers_counting_kernels, 4, True)
+    eager = run_parallel(_train_quantizers_counting_kernels, 4, False)
+    assert set(with_kernels[0][1]) == set(_QUANTIZER_KERNELS), with_kernels[0][1]
+    assert not eager[0][1]
+    # Bit for bit: the kernels' scales are the float64 reference's, which the eager ops'
+    # float64 sums round to as well here.
+    for (runs, _), (eager_runs, _) in zip(with_kernels, eager):
+        for run, eager_run in zip(runs, eager_runs):
+            for (exchanged, params), (eager_exchanged, eager_params) in zip(run, eager_run):
+                assert torch.equal(params, eager_params)
+                for name, grad in exchanged.items():
+                    assert torch.equal(grad, eager_exchanged[name]), name

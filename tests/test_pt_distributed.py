@@ -31,7 +31,8 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _train(codec, exchange, steps=3, passes=1, clip_norm=None, nan_at=None, op="average"):
+def _train(codec, exchange, steps=3, passes=1, clip_norm=None, nan_at=None, op="average",
+           error_feedback=None):
     """Trains ``Net`` on random data of this rank; records, each step, the local gradient,
     the exchanged gradient and the parameters."""
     import horovod.torch as hvd
@@ -54,7 +55,7 @@ def _train(codec, exchange, steps=3, passes=1, clip_norm=None, nan_at=None, op="
     optimizer = hc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
         compression=codec, exchange=exchange, backward_passes_per_step=passes,
-        op=hvd.Average if op == "average" else hvd.Sum)
+        op=hvd.Average if op == "average" else hvd.Sum, error_feedback=error_feedback)
     data = torch.Generator().manual_seed(100 + hvd.rank())
     for _ in range(steps):
         optimizer.zero_grad()
