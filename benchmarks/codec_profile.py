@@ -1,30 +1,44 @@
 """Where a codec's own time goes on one worker: each stage of a step of the synthetic
-ResNet-50's gradients, timed on one thread with no network.
+ResNet-50's gradients, timed on one thread with no network, and each codec's encoding and
+decoding as eager ops and as the fused CPU kernels (``hvd_compress.pt.fused``), against one
+copy of the gradients.
 
 Times are the thread's CPU time (``time.thread_time``), not wall time, so that other jobs
 sharing the machine's cores do not count (they still slow the caches down somewhat).
 
-    OMP_NUM_THREADS=1 python -m benchmarks.codec_profile [--codecs terngrad,qsgd-inf,ef-sign]
+    OMP_NUM_THREADS=1 python -m benchmarks.codec_profile [--codecs terngrad,qsgd-inf,nuqsgd,ef-sign]
 
-Stages, summed over the tensors the codec compresses (the others are sent whole): the scale
-(``local_scale``), the random draws of stochastic codecs, ``encode``, packing the codes, and
-on the receiving side unpacking one worker's worth of codes, ``values`` and ``decode``. A
-sharded exchange unpacks twice (the shards, then the summed shards) and packs the sums; an
-allgather unpacks N rows: multiply the receiving stages accordingly.
+Stages of the eager ops, summed over the tensors the codec compresses (the others are sent
+whole): the scale (``local_scale``), the random draws of stochastic codecs, ``encode``,
+packing the codes, and on the receiving side unpacking one worker's worth of codes,
+``values`` and ``decode``. A sharded exchange unpacks twice (the shards, then the summed
+shards) and packs the sums; an allgather unpacks N rows: multiply the receiving stages
+accordingly.
+
+Encode + decode: the same work, one worker's codes decoded, as the eager ops and as the
+kernels do it; for ef-sign the worker's momentum, compensation, signs and residual and its
+decode of the servers' signs, and separately the server of one shard of every tensor (N =
+4), as ``benchmarks.kernel_profile`` times them. The copy is ``torch.empty_like`` and
+``copy_`` of all compressed gradients in one tensor, timed in the same run: the least that
+a pass writing a new tensor costs.
 """
 import argparse
+import contextlib
 import time
 
 import torch
 
 import hvd_compress.pt as hc
+from hvd_compress.pt import fused, seeding
+from hvd_compress.pt.exchange import Meter, make_exchange
 from hvd_compress.pt.optimizer import _classifier_names
-from hvd_compress.pt.packing import pack, unpack
+from hvd_compress.pt.packing import pack, unpack, unpack_scaled_signs
 from hvd_compress.registry import resolve
 
 from .models import SyntheticResNet50
 
 STAGES = ("scale", "random draws", "encode", "pack", "unpack", "values", "decode")
+KEY = 12345  # the stream of every tensor's draws: their values do not change the time
 
 
 def compressed_shapes(codec, named_parameters):
@@ -34,11 +48,31 @@ def compressed_shapes(codec, named_parameters):
             if codec.compresses(p.numel()) and n not in whole]
 
 
-def profile(codec, shapes, repeats=2):
-    """Seconds per stage (best of ``repeats``) for gradients of ``shapes``."""
+@contextlib.contextmanager
+def eager_ops():
+    """The codecs' eager ops, also where the kernels would apply."""
+    enabled, fused.ENABLED = fused.ENABLED, False
+    try:
+        yield
+    finally:
+        fused.ENABLED = enabled
+
+
+def best_seconds(function, repeats, clock=time.thread_time):
+    """The least time by ``clock`` (this thread's CPU time) of ``repeats`` calls, after
+    one that compiles the kernels."""
+    function()
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        function()
+        best = min(best, clock() - start)
+    return best
+
+
+def profile(codec, grads, repeats=2):
+    """Seconds per stage of the eager ops (best of ``repeats``) for ``grads``."""
     best = dict.fromkeys(STAGES, float("inf"))
-    generator = torch.Generator().manual_seed(0)
-    grads = [torch.randn(shape, generator=generator).reshape(-1) for shape in shapes]
     for _ in range(repeats):
         spent = dict.fromkeys(STAGES, 0.0)
 
@@ -47,35 +81,94 @@ def profile(codec, shapes, repeats=2):
             out = function(*args)
             spent[stage] += time.thread_time() - start
             return out
-        for grad in grads:
-            scale = timed("scale", codec.local_scale, grad)
-            uniforms = timed("random draws", torch.rand, grad.shape) if codec.stochastic \
-                else None
-            codes = timed("encode", codec.encode, grad, scale, uniforms)
-            packed = timed("pack", pack, codes.reshape(1, -1), codec.code_space)
-            received = timed("unpack", unpack, packed, codec.code_space, grad.numel())
-            values = timed("values", codec.values, received)
-            timed("decode", codec.decode, values, scale, 1)
+        with eager_ops():
+            for grad in grads:
+                scale = timed("scale", codec.local_scale, grad)
+                uniforms = timed("random draws", seeding.uniforms, KEY, grad.numel(),
+                                 grad.device) if codec.stochastic else None
+                codes = timed("encode", codec.encode, grad, scale, uniforms)
+                packed = timed("pack", pack, codes.reshape(1, -1), codec.code_space)
+                received = timed("unpack", unpack, packed, codec.code_space, grad.numel())
+                values = timed("values", codec.values, received)
+                timed("decode", codec.decode, values, scale, 1)
         best = {stage: min(best[stage], spent[stage]) for stage in STAGES}
     return best
 
 
+def _eager_quantizer(codec, grad):
+    """Encoding and decoding as the eager pipeline and exchange do it."""
+    scale = codec.local_scale(grad)
+    codes = codec.encode(grad, scale, seeding.uniforms(KEY, grad.numel(), grad.device))
+    packed = pack(codes.reshape(1, -1), codec.code_space)
+    return codec.decode(codec.values(unpack(packed, codec.code_space, grad.numel())), scale, 1)
+
+
+def _fused_quantizer(codec, grad):
+    """The same through the kernels."""
+    scale = codec.local_scale(grad)
+    exchange = make_exchange("allgather", codec, grad.numel(), 1, Meter(), 1)
+    packed, _ = fused.encode(codec, exchange, grad, scale, KEY, feedback=False)
+    return fused.decoded_sums(codec, packed.reshape(1, -1), scale, 1, grad.numel())
+
+
+def encode_decode(codec, grads, repeats=3):
+    """[(label, eager seconds, kernel seconds)] of encoding and decoding ``grads``."""
+    if codec.name != "ef-sign":
+        def run(step):
+            return lambda: [step(codec, grad) for grad in grads]
+        with eager_ops():
+            eager = best_seconds(run(_eager_quantizer), repeats)
+        return [(codec.name, eager, best_seconds(run(_fused_quantizer), repeats))]
+    # Imported here: kernel_profile imports this module.
+    from .kernel_profile import eager_server, eager_worker, fused_server, fused_worker
+    generator = torch.Generator().manual_seed(1)
+    workers = [(grad, torch.randn(grad.shape, generator=generator),
+                torch.randn(grad.shape, generator=generator)) for grad in grads]
+    shards = [(torch.randint(0, 256, (4, -(-grad.numel() // 32)), dtype=torch.uint8),
+               torch.rand(4, 1)) for grad in grads]
+    servers = [(bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
+               for bits, scales in shards]
+
+    def worker(step, decode):
+        return lambda: ([step(codec, *w) for w in workers],
+                        [decode(bits, scales, bits.shape[1] * 8) for bits, scales in shards])
+    rows = [("ef-sign worker", worker(eager_worker, unpack_scaled_signs),
+             worker(fused_worker, fused.scaled_signs)),
+            ("ef-sign server (N = 4)", lambda: [eager_server(codec, *s) for s in servers],
+             lambda: [fused_server(codec, *s) for s in servers])]
+    return [(label, best_seconds(eager, repeats), best_seconds(kernels, repeats))
+            for label, eager, kernels in rows]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--codecs", default="terngrad,qsgd-inf,ef-sign")
+    parser.add_argument("--codecs", default="terngrad,qsgd-inf,nuqsgd,ef-sign")
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)
     named = list(SyntheticResNet50().named_parameters())
-    rows = ["| codec | elements compressed | " + " | ".join(STAGES) + " | total |",
-            "|" + "---|" * (len(STAGES) + 3)]
+    stages = ["| codec | elements compressed | " + " | ".join(STAGES) + " | total |",
+              "|" + "---|" * (len(STAGES) + 3)]
+    fusion = ["| codec | eager ops (ms) | kernels (ms) | eager / copy | kernels / copy |",
+              "|---|---|---|---|---|"]
+    copies = []
     for name in args.codecs.split(","):
         codec = resolve(name, hc.CODECS)
-        shapes = compressed_shapes(codec, named)
-        seconds = profile(codec, shapes)
-        numel = sum(torch.Size(s).numel() for s in shapes)
-        rows.append(f"| {name} | {numel:,} | " +
-                    " | ".join(f"{1000 * seconds[s]:.0f}" for s in STAGES) +
-                    f" | {1000 * sum(seconds.values()):.0f} |")
-    print("CPU milliseconds per step, one thread:\n" + "\n".join(rows))
+        generator = torch.Generator().manual_seed(0)
+        grads = [torch.randn(shape, generator=generator).reshape(-1)
+                 for shape in compressed_shapes(codec, named)]
+        flat = torch.cat(grads)
+        copy = best_seconds(lambda: torch.empty_like(flat).copy_(flat), 3)
+        copies.append(f"{name}: {flat.numel():,} elements, {1000 * copy:.0f} ms")
+        seconds = profile(codec, grads)
+        stages.append(f"| {name} | {flat.numel():,} | " +
+                      " | ".join(f"{1000 * seconds[s]:.0f}" for s in STAGES) +
+                      f" | {1000 * sum(seconds.values()):.0f} |")
+        for label, eager, kernels in encode_decode(codec, grads):
+            fusion.append(f"| {label} | {1000 * eager:.0f} | {1000 * kernels:.0f} | "
+                          f"{eager / copy:.1f} | {kernels / copy:.1f} |")
+    print("CPU milliseconds per step, one thread, eager ops:\n" + "\n".join(stages))
+    print("\nOne copy of the compressed gradients (empty_like + copy_): " + "; ".join(copies))
+    print("\nEncode + decode of one worker's codes, CPU milliseconds:\n" + "\n".join(fusion))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ from hvd_compress.pt.momentum import WorkerMomentum
 from hvd_compress.pt.packing import pack, unpack_scaled_signs
 from hvd_compress.server import ServerStep
 
-from .codec_profile import compressed_shapes
+from .codec_profile import best_seconds, compressed_shapes
 from .models import SyntheticResNet50
 
 MU = 0.9
 
 
-def _eager_worker(codec, grad, buffer, residual):
+def eager_worker(codec, grad, buffer, residual):
     """WorkerMomentum's, ErrorFeedback's and BlockSign's eager calls, as the pipeline makes
     them for one tensor."""
     u = grad.clone()
@@ -39,13 +39,13 @@ def _eager_worker(codec, grad, buffer, residual):
     return pack(codes.reshape(1, -1), codec.code_space)
 
 
-def _fused_worker(codec, grad, buffer, residual):
+def fused_worker(codec, grad, buffer, residual):
     momentum = WorkerMomentum.Deferred(buffer, MU, True, torch.empty_like(grad))
     p, scale = fused.compensated_scale(codec, grad, residual, 1.0, momentum=momentum)
     return fused.signs_with_feedback(codec, p, scale)
 
 
-def _eager_server(codec, bits, scales, residual):
+def eager_server(codec, bits, scales, residual):
     """The sharded server's eager calls for one shard: decode, average, ``ServerStep``."""
     average = unpack_scaled_signs(bits, scales, residual.numel()).sum(dim=0) / len(bits)
     memory = ErrorFeedback()
@@ -54,7 +54,7 @@ def _eager_server(codec, bits, scales, residual):
     return pack(codes.reshape(1, -1), codec.code_space)
 
 
-def _fused_server(codec, bits, scales, residual):
+def fused_server(codec, bits, scales, residual):
     memory = ErrorFeedback()
     memory.residuals["s"] = residual
     return fused.server_step(ServerStep(memory, "s"), codec, bits, scales.reshape(-1),
@@ -62,13 +62,7 @@ def _fused_server(codec, bits, scales, residual):
 
 
 def _best(function, repeats):
-    function()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - start)
-    return 1000 * best
+    return 1000 * best_seconds(function, repeats, time.perf_counter)
 
 
 def main(argv=None):
@@ -89,11 +83,11 @@ def main(argv=None):
                for bits, scales in shards]
     rows = [
         ("worker: momentum, compensation, scales, signs, packing, residual",
-         lambda: [_eager_worker(codec, *t) for t in tensors],
-         lambda: [_fused_worker(codec, *t) for t in tensors]),
+         lambda: [eager_worker(codec, *t) for t in tensors],
+         lambda: [fused_worker(codec, *t) for t in tensors]),
         ("server of one shard (N = 4): average, compensation, scales, signs, residual",
-         lambda: [_eager_server(codec, *s) for s in servers],
-         lambda: [_fused_server(codec, *s) for s in servers]),
+         lambda: [eager_server(codec, *s) for s in servers],
+         lambda: [fused_server(codec, *s) for s in servers]),
         ("final decode of the servers' signs",
          lambda: [unpack_scaled_signs(b, s, b.shape[1] * 8) for b, s in shards],
          lambda: [fused.scaled_signs(b, s, b.shape[1] * 8) for b, s in shards]),
