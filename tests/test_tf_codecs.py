@@ -77,7 +77,9 @@ def _tf_cases(codecs, packing_cases):
               lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="ef-sign",
                                                   error_feedback=False),
               lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="adacomp",
-                                                  error_feedback=False)]
+                                                  error_feedback=False),
+              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="terngrad",
+                                                  adaptive=True)]
     for call in misuse:
         try:
             call()
@@ -173,7 +175,7 @@ def test_uniforms_are_the_references_in_graphs_and_xla(tf_results):
 
 
 def test_misuse_errors_say_what_to_do(tf_results):
-    codes, exchange, optimizer, missing, two_way, sparse = tf_results["errors"]
+    codes, exchange, optimizer, missing, two_way, sparse, adaptive = tf_results["errors"]
     assert "cannot run inside Horovod's own DistributedOptimizer" in codes
     assert "hvd_compress.tf.DistributedOptimizer(optimizer, compression='terngrad')" in codes
     assert "ef-sign codes cannot travel by exchange='allreduce'" in exchange
@@ -182,4 +184,5 @@ def test_misuse_errors_say_what_to_do(tf_results):
     assert "ef-sign compresses on the workers and again on the server" in two_way
     assert "adacomp selects what to send from its error-feedback memory" in sparse
     assert all("cannot run with error_feedback=False" in e for e in (two_way, sparse))
+    assert "adaptive is not available in the TensorFlow port; leave it False" in adaptive
     assert tf_results["fp16_in_horovods_hook"] == "float16"

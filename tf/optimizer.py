@@ -74,7 +74,8 @@ class _DistributedOptimizer:
 def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
                          gradient_predivide_factor=1.0, sparse_as_dense=False,
                          process_set=hvd.global_process_set, *, exchange="auto", seed=0,
-                         uncompressed=(), error_feedback=None, worker_momentum=None):
+                         uncompressed=(), error_feedback=None, worker_momentum=None,
+                         adaptive=False):
     """Wraps a Keras 3 optimizer so that gradients are compressed, exchanged across all
     Horovod ranks and averaged before every update, in ``model.fit`` and in
     ``optimizer.apply_gradients``.
@@ -109,6 +110,8 @@ def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
             step runs as plain SGD on the exchanged direction (with Keras's decoupled weight
             decay, outside compression), so no momentum is applied twice
             (``WorkerMomentum``). None: on for ``ef-sign`` with an SGD that has momentum.
+        adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
+            here (``docs/adaptive.md``). Default False.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got "
@@ -119,7 +122,7 @@ def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
     codec, options = check_options(
         "DistributedOptimizer", compression, CODECS, op=op,
         gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
-        exchange=exchange, seed=seed, error_feedback=error_feedback)
+        exchange=exchange, seed=seed, error_feedback=error_feedback, adaptive=adaptive)
     if worker_momentum is None:
         worker_momentum = codec.two_way and isinstance(optimizer, keras.optimizers.SGD) and \
             optimizer.momentum > 0

@@ -14,6 +14,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvd_compress import agreement, cost, fusion
+from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
@@ -324,11 +325,16 @@ def variable_name(variable):
 
 
 def check_options(owner, compression, classes, *, op, gradient_predivide_factor, process_set,
-                  exchange, seed, error_feedback):
+                  exchange, seed, error_feedback, adaptive):
     """The codec and the ``CompressionPipeline`` keyword arguments for the user-facing
     arguments of a wrapper (``owner`` names it in error messages), checked like
     ``hvd_compress.pt``'s."""
     codec = resolve(compression, classes)
+    if Adaptive.of(adaptive) is not None:
+        # Its model needs each gradient's arrival and codec time, which the PyTorch hooks
+        # give and a graph that receives every gradient of the tape at once does not.
+        raise ValueError(f"{owner}: adaptive is not available in the TensorFlow port; "
+                         f"leave it False (the PyTorch DistributedOptimizer has it)")
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"{owner}: op must be hvd.Average or hvd.Sum (Adasum does not "
                          f"compose with compressed codes)")

@@ -43,18 +43,20 @@ class DistributedGradientTape:
             ``compress_classifier``).
         error_feedback: keep, per compressed tensor, what its messages did not carry and add
             it to the next gradient. None: the codec's default (on for ``ef-sign``).
+        adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
+            here (``docs/adaptive.md``). Default False.
     """
 
     def __init__(self, gradtape, compression="none", op=hvd.Average,
                  gradient_predivide_factor=1.0, sparse_as_dense=False,
                  process_set=hvd.global_process_set, *, exchange="auto", seed=0,
-                 uncompressed=(), error_feedback=None):
+                 uncompressed=(), error_feedback=None, adaptive=False):
         self._tape = gradtape
         self._sparse_as_dense = sparse_as_dense
         self._codec, self._options = check_options(
             "DistributedGradientTape", compression, CODECS, op=op,
             gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
-            exchange=exchange, seed=seed, error_feedback=error_feedback)
+            exchange=exchange, seed=seed, error_feedback=error_feedback, adaptive=adaptive)
         self._uncompressed = frozenset(uncompressed)
         self.pipeline = None
 
