@@ -38,7 +38,7 @@ def _lowbias32(x):
     return x ^ (x >> 16)
 
 
-def key_words(key: int) -> tuple:
+def key_words(key: int) -> tuple[int, int]:
     """(lo, hi): the low and high 32-bit words of the stream ``key``, as ``uniforms``
     hashes them."""
     return key & _MASK32, (key >> 32) & _MASK32

@@ -122,7 +122,7 @@ class _Exchange:
         """Whether the kernels decode codes under ``scale`` (None for unscaled codecs)."""
         return scale is not None and fused.applies(self.codec, scale)
 
-    def payload(self):
+    def payload(self) -> torch.Tensor:
         """An empty tensor in the format this exchange hands over one worker's codes in,
         for a kernel to encode into (``fused.encode``; ``start_packed`` sends it)."""
         return torch.empty(self.codec.code_space.packed_nbytes(self.numel), dtype=torch.uint8)
@@ -147,7 +147,7 @@ class Allreduce(_Exchange):
         self.carrier = getattr(torch, codec.value_space.allreduce_carrier(
             world_size, TORCH_ALLREDUCE_DTYPES))
 
-    def payload(self):
+    def payload(self) -> torch.Tensor:
         """The codes' values in the carrier."""
         return torch.empty(self.numel, dtype=self.carrier)
 
@@ -256,7 +256,7 @@ class Sharded(_Exchange):
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
-    def payload(self):
+    def payload(self) -> torch.Tensor:
         """The codes of all shards, padded with 0 to ``world_size`` shards."""
         return torch.empty(self.codec.code_space.packed_nbytes(self.world_size * self.length),
                            dtype=torch.uint8)

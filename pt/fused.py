@@ -118,7 +118,7 @@ def scaled_signs(bits, scales, numel):
     return out
 
 
-def local_scale(codec, grad):
+def local_scale(codec, grad: torch.Tensor) -> torch.Tensor:
     """``TernGrad.local_scale`` (min(c sigma, max|g|), in two passes: the sum and max|g|,
     then the centered squares) or the QSGD family's (``_local_norms``: one pass); +inf
     everywhere for a non-finite gradient, as the eager ops."""
@@ -161,7 +161,8 @@ def _divisor(codec, count):
     return (levels or 2 ** exponent) * count
 
 
-def encode(codec, exchange, p, scale, key, feedback):
+def encode(codec, exchange, p: torch.Tensor, scale: torch.Tensor, key: int,
+           feedback: bool) -> tuple:
     """``codec.encode`` of p under ``scale`` with the draws of stream ``key``
     (``seeding.uniforms``), written as ``exchange`` sends it (its ``payload``: packed
     codes, or values in the allreduce's carrier), and with ``feedback`` the residual
@@ -212,7 +213,7 @@ def _rows(codec, space, rows):
     return rows.numpy(), table, space.width, space.bound
 
 
-def decoded_totals(codec, total, scale, count):
+def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
     out = torch.empty(total.shape, dtype=torch.float32)
     if total.dtype == torch.float16:  # exact integers: numba has no float16
@@ -223,7 +224,7 @@ def decoded_totals(codec, total, scale, count):
     return out
 
 
-def summed_codes(codec, rows, length, total_space: IntCodes):
+def summed_codes(codec, rows: torch.Tensor, length: int, total_space: IntCodes) -> torch.Tensor:
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
     every row, summed over the rows and packed in ``total_space``."""
     out = torch.empty(total_space.packed_nbytes(length), dtype=torch.uint8)
@@ -232,7 +233,8 @@ def summed_codes(codec, rows, length, total_space: IntCodes):
     return out
 
 
-def decoded_sums(codec, rows, scale, count, numel):
+def decoded_sums(codec, rows: torch.Tensor, scale: torch.Tensor, count: int,
+                 numel: int) -> torch.Tensor:
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
     out = torch.empty(numel, dtype=torch.float32)
     _kernels().decoded_sums(*_rows(codec, codec.code_space, rows),
@@ -241,7 +243,8 @@ def decoded_sums(codec, rows, scale, count, numel):
     return out
 
 
-def decoded_own_scales(codec, rows, scales, count, numel):
+def decoded_own_scales(codec, rows: torch.Tensor, scales: torch.Tensor, count: int,
+                       numel: int) -> torch.Tensor:
     """The allgather's sum over the rows of ``codec.decode`` of their values, each row
     under its own scales (row of ``scales``)."""
     out = torch.empty(numel, dtype=torch.float32)
@@ -251,7 +254,8 @@ def decoded_own_scales(codec, rows, scales, count, numel):
     return out
 
 
-def decoded_segments(codec, rows, total_space: IntCodes, length, scale, count, numel):
+def decoded_segments(codec, rows: torch.Tensor, total_space: IntCodes, length: int,
+                     scale: torch.Tensor, count: int, numel: int) -> torch.Tensor:
     """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
     elements r length .. (r + 1) length - 1, packed in ``total_space``."""
     out = torch.empty(numel, dtype=torch.float32)

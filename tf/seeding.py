@@ -32,7 +32,7 @@ def _splitmix64_tf(x):
     return _xor_shift(x, 31)
 
 
-def stream_seed(seed, rank, step, index):
+def stream_seed(seed: int, rank: int, step, index: int) -> tf.Tensor:
     """``hvd_compress.seeding.stream_seed`` with ``step`` an int64 tensor (or an int)."""
     x = tf.constant(_int64(_splitmix64((seed ^ rank) & _MASK)), tf.int64)
     x = _splitmix64_tf(tf.bitwise.bitwise_xor(x, tf.cast(step, tf.int64)))
@@ -48,7 +48,7 @@ def _lowbias32(x):
     return _xor_shift(x, 16)
 
 
-def uniforms(key, numel):
+def uniforms(key: tf.Tensor, numel: int) -> tf.Tensor:
     """Draws 0 .. numel - 1 of the stream ``key`` (an int64 tensor), float32."""
     x = tf.bitwise.bitwise_xor(tf.range(numel, dtype=tf.int64),
                                tf.bitwise.bitwise_and(key, _MASK32))
