@@ -1,4 +1,6 @@
-"""Fused CPU kernels for dist-EF-blockSGD's per-element passes (numba, on numpy arrays).
+"""Fused CPU kernels for the codecs' per-element passes (numba, on numpy arrays):
+dist-EF-blockSGD's worker and server, TernGrad's and the QSGD family's scales, encoding and
+decoding.
 
 Eager tensor code makes one pass over memory per operation: the worker's compensation,
 block scales, signs, decoded message, residual and packing were nine passes and ~60 bytes
@@ -6,12 +8,14 @@ of memory traffic per gradient element, and the sharded server's unpack, average
 compensation, scales and second compression ~100 bytes per element of its shard. With more
 ranks than cores (4 on 2 in the benchmarks) that traffic, not the network, bounded the step.
 Each kernel here is one or two passes that produce exactly what the eager ops produce
-(same float32 operations in the same order; block sums in float64, as the reference), so
-the PyTorch port uses them for CPU tensors and keeps the eager ops, which run anywhere, for
+(same float32 operations in the same order; block sums and norms in float64, as the
+reference; the quantizers' draws those of ``seeding.uniforms``, computed in place), so the
+PyTorch port uses them for CPU tensors and keeps the eager ops, which run anywhere, for
 others. The TensorFlow port runs its steps inside ``tf.function`` graphs, where these do not.
 
 Signs follow ``codes.SignCodes``: bit k of byte j is element 8 j + k, set for -1, and
--1 is every element that is not >= 0 (NaN included), as ``BlockSign.encode``.
+-1 is every element that is not >= 0 (NaN included), as ``BlockSign.encode``; the
+quantizers' codes and sums ``codes.IntCodes``.
 
 Needs numba (``pip install hvd_compress[cpu]``); ``hvd_compress.pt.fused`` imports this module
 only where numba is installed, and only when a kernel is first needed.
