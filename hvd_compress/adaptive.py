@@ -17,7 +17,10 @@ The model is fed with quantities measured on the running job, never with constan
   packing) and after (unpacking, summing, decoding, the server's work), timed on the thread
   that runs it during the warm-up steps, when every tensor goes through the codec;
 - the fp16 casts' CPU time on each tensor;
-- the link: latency and seconds per byte, fitted to timed probe allreduces of two sizes.
+- the link, per carrier: latency and seconds per byte of an fp32 allreduce, an fp16
+  allreduce and a byte allgather (what packed codes travel by), fitted to timed probes of
+  a small and a large size. The carriers differ by more than their bytes: Horovod sums
+  fp16 on the CPU far slower than fp32, and an allgather sums nothing.
 
 CPU times are multiplied by ``contention``: the wall time over the CPU time of the work
 before the collectives (which never waits for the network), at least 1. With more ranks
@@ -25,9 +28,11 @@ than cores on a host, a CPU second of one rank costs more than a second of its s
 
 The timeline (``simulate``): the gradients become ready in backward order; a path's work
 before its collective runs on the backward's thread, so it delays every later gradient; the
-collectives share one link in order (per dependent round of messages one latency, then the
-bytes ``hvd_compress.cost`` counts as sent); the work after a collective runs in
-``synchronize``, tensor by tensor, once its collective is done and the backward pass is over.
+collectives share one link in order, each taking its carrier's time for the bytes
+``hvd_compress.cost`` counts as sent, and one latency per dependent round of messages when
+it finds the link idle (queued behind others, Horovod fuses it into their traffic and its
+round trips overlap their transfer); the work after a collective runs in ``synchronize``,
+tensor by tensor, once its collective is done and the backward pass is over.
 The step's exchange time is when the last tensor is decoded, past the end of the backward.
 
 Every rank takes the same decisions: the measurements are Max-allreduced before the model
@@ -91,10 +96,37 @@ class Adaptive:
                         f"{adaptive!r}")
 
 
+# What a path's collectives carry, each with its own ``Link``: (dtype, collective) of the
+# probes that measure it.
+CARRIERS = {"fp32": ("float32", "allreduce"), "fp16": ("float16", "allreduce"),
+            "bytes": ("uint8", "allgather")}
+# Probe sizes in bytes: the small one measures the latency; the large one grows from
+# PROBE_START by PROBE_GROWTH while it takes less than PROBE_SECONDS, up to PROBE_LARGEST,
+# so that a fast link is measured at sizes where its bandwidth, not its latency, shows.
+PROBE_SMALL = 4 << 10
+PROBE_START, PROBE_GROWTH, PROBE_LARGEST = 1 << 20, 8, 64 << 20
+PROBE_SECONDS = 0.025
+
+
+def probe_sent(carrier: str, nbytes: int, world_size: int) -> float:
+    """Bytes a worker sends in a probe of ``nbytes`` on ``carrier``."""
+    if CARRIERS[carrier][1] == "allgather":
+        return float((world_size - 1) * nbytes)
+    return cost.allreduce_traffic(nbytes, world_size).sent
+
+
+def next_probe(nbytes: int, seconds: float) -> int | None:
+    """The large probe's next size after one of ``nbytes`` took ``seconds`` (agreed by
+    every rank), or None when it is large enough."""
+    if seconds >= PROBE_SECONDS or nbytes * PROBE_GROWTH > PROBE_LARGEST:
+        return None
+    return nbytes * PROBE_GROWTH
+
+
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One collective's time: ``latency`` seconds per dependent round of messages plus
-    ``seconds_per_byte`` for each byte a worker sends."""
+    """One collective's time on a carrier: ``latency`` seconds per dependent round of
+    messages plus ``seconds_per_byte`` for each byte a worker sends."""
 
     latency: float
     seconds_per_byte: float
@@ -113,12 +145,13 @@ class Link:
 @dataclasses.dataclass(frozen=True)
 class PathCost:
     """One tensor on one path: CPU seconds before and after its collectives, the bytes
-    this worker sends and the dependent rounds of messages."""
+    this worker sends, the dependent rounds of messages, and the carrier (``CARRIERS``)."""
 
     before: float
     after: float
     sent: float
     rounds: int
+    carrier: str = "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,17 +165,20 @@ class TensorTiming:
     costs: Mapping[str, PathCost]
 
 
-def simulate(tensors: Sequence[TensorTiming], paths: Mapping[str, str], link: Link,
-             contention: float = 1.0) -> float:
+def simulate(tensors: Sequence[TensorTiming], paths: Mapping[str, str],
+             links: Mapping[str, Link], contention: float = 1.0) -> float:
     """Seconds from the first gradient's readiness until the last tensor is decoded, with
-    tensor ``t`` on ``paths[t.name]`` (see the module docstring)."""
+    tensor ``t`` on ``paths[t.name]`` and each carrier's ``links`` (see the module
+    docstring)."""
     delay = link_free = 0.0
     done = []
     for tensor in tensors:
         cost = tensor.costs[paths[tensor.name]]
+        link = links[cost.carrier]
         delay += cost.before * contention
-        start = max(tensor.ready + delay, link_free)
-        link_free = start + link.seconds(cost.sent, cost.rounds)
+        ready = tensor.ready + delay
+        start = ready + cost.rounds * link.latency if ready >= link_free else link_free
+        link_free = start + cost.sent * link.seconds_per_byte
         done.append((link_free, cost.after * contention))
     clock = (tensors[-1].ready + delay) if tensors else 0.0
     for finished, after in done:
@@ -150,8 +186,8 @@ def simulate(tensors: Sequence[TensorTiming], paths: Mapping[str, str], link: Li
     return clock
 
 
-def choose(tensors: Sequence[TensorTiming], link: Link, contention: float = 1.0,
-           pin: Mapping[str, str] | None = None) -> dict[str, str]:
+def choose(tensors: Sequence[TensorTiming], links: Mapping[str, Link],
+           contention: float = 1.0, pin: Mapping[str, str] | None = None) -> dict[str, str]:
     """The path of every tensor that minimises ``simulate``, found greedily: from the best
     of every tensor on one path and every tensor on its cheapest path alone, the largest
     tensors first, each tries its other paths with the others fixed, twice over. Never
@@ -161,10 +197,11 @@ def choose(tensors: Sequence[TensorTiming], link: Link, contention: float = 1.0,
     def alone(tensor):
         return min(tensor.costs, key=lambda p: (
             tensor.costs[p].before + tensor.costs[p].after +
-            link.seconds(tensor.costs[p].sent, tensor.costs[p].rounds), _PREFERENCE[p]))
+            links[tensor.costs[p].carrier].seconds(tensor.costs[p].sent,
+                                                   tensor.costs[p].rounds), _PREFERENCE[p]))
     starts = [uniform(tensors, path, pin) for path in sorted(PATHS, key=_PREFERENCE.get)]
     starts.append({t.name: pin.get(t.name) or alone(t) for t in tensors})
-    best, index = min((simulate(tensors, start, link, contention), index)
+    best, index = min((simulate(tensors, start, links, contention), index)
                       for index, start in enumerate(starts))
     paths = dict(starts[index])
     order = sorted((t for t in tensors if t.name not in pin),
@@ -177,7 +214,7 @@ def choose(tensors: Sequence[TensorTiming], link: Link, contention: float = 1.0,
                 if path == current:
                     continue
                 paths[tensor.name] = path
-                seconds = simulate(tensors, paths, link, contention)
+                seconds = simulate(tensors, paths, links, contention)
                 better = seconds < best or (seconds == best and
                                             _PREFERENCE[path] < _PREFERENCE[current])
                 if better:
@@ -188,17 +225,23 @@ def choose(tensors: Sequence[TensorTiming], link: Link, contention: float = 1.0,
     return paths
 
 
-def path_traffic(codec, numel: int, world_size: int, exchange: str,
-                 itemsize: int = 4) -> dict[str, tuple[float, int]]:
-    """(bytes this worker sends, dependent rounds of messages) of a tensor of ``numel``
-    elements of ``itemsize`` bytes on each path; its codec's through ``exchange``. A
-    shared scale's Max-allreduce is a round of its own before the codes, and the sharded
-    exchange's allgather waits for its alltoall."""
-    compressed = cost.compressed_traffic(codec, numel, world_size, exchange)
+def path_traffic(codec, numel: int, world_size: int, exchange: str, itemsize: int = 4,
+                 allreduce_dtypes: Sequence[str] = cost.TORCH_ALLREDUCE_DTYPES
+                 ) -> dict[str, tuple[float, int, str]]:
+    """(bytes this worker sends, dependent rounds of messages, carrier) of a tensor of
+    ``numel`` elements of ``itemsize`` bytes on each path; its codec's through
+    ``exchange``. A shared scale's Max-allreduce is a round of its own before the codes,
+    and the sharded exchange's allgather waits for its alltoall. Summed code values travel
+    in an integer or fp16 allreduce, packed codes by allgather or alltoall."""
+    compressed = cost.compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes)
     rounds = 1 + (codec.scaled and codec.shares_scale(exchange)) + (exchange == "sharded")
-    return {"fp32": (cost.uncompressed_traffic(numel, world_size, itemsize).sent, 1),
-            "fp16": (cost.uncompressed_traffic(numel, world_size, 2).sent, 1),
-            "codec": (compressed.sent, int(rounds))}
+    carrier = "bytes"
+    if exchange == "allreduce":
+        dtype = codec.value_space.allreduce_carrier(world_size, allreduce_dtypes)
+        carrier = "fp16" if dtype == "float16" else "fp32"
+    return {"fp32": (cost.uncompressed_traffic(numel, world_size, itemsize).sent, 1, "fp32"),
+            "fp16": (cost.uncompressed_traffic(numel, world_size, 2).sent, 1, "fp16"),
+            "codec": (compressed.sent, int(rounds), carrier)}
 
 
 def uniform(tensors: Sequence[TensorTiming], path: str,
@@ -216,7 +259,7 @@ class Decision:
     tensor."""
 
     step: int
-    link: Link
+    links: dict[str, Link]
     contention: float
     paths: dict[str, str]
     predicted: dict[str, float]
@@ -305,11 +348,11 @@ class Planner:
         if decision is None:
             return {"decided_at_step": None, "next_decision": self.next_decision,
                     "paths": dict(self.paths)}
-        link = decision.link
         return {"decided_at_step": decision.step, "next_decision": self.next_decision,
-                "link": {"latency_seconds": link.latency,
-                         "bytes_per_second": 1 / link.seconds_per_byte
-                         if link.seconds_per_byte else float("inf")},
+                "links": {carrier: {"latency_seconds": link.latency,
+                                    "bytes_per_second": 1 / link.seconds_per_byte
+                                    if link.seconds_per_byte else float("inf")}
+                          for carrier, link in decision.links.items()},
                 "contention": decision.contention,
                 "predicted_seconds": dict(decision.predicted),
                 "paths": dict(self.paths),
@@ -322,9 +365,11 @@ class Planner:
         return (", ".join(f"{counts[p]} by {p}" for p in PATHS if counts[p]) +
                 f"; predicted exchange {d.predicted['chosen'] * 1e3:.1f} ms against "
                 + ", ".join(f"{d.predicted[p] * 1e3:.1f} ms all {p}" for p in PATHS) +
-                f"; link {d.link.latency * 1e6:.0f} us + "
-                f"{d.link.seconds_per_byte * 1e9:.2f} ns/byte, CPU contention "
-                f"{d.contention:.1f}")
+                "; links " + ", ".join(
+                    f"{carrier} {link.latency * 1e6:.0f} us + "
+                    f"{link.seconds_per_byte * 1e9:.2f} ns/byte"
+                    for carrier, link in d.links.items()) +
+                f"; CPU contention {d.contention:.1f}")
 
     # ----- the decision -----
 
@@ -343,12 +388,12 @@ class Planner:
         return row
 
     def timings(self, agreed: Sequence[float],
-                traffic: Mapping[str, Mapping[str, tuple[float, int]]]
+                traffic: Mapping[str, Mapping[str, tuple[float, int, str]]]
                 ) -> tuple[list[TensorTiming], float]:
         """The tensors' timings from the ranks' ``agreed`` measurements and each path's
-        (bytes sent, rounds) in ``traffic[name]``, in the order their gradients became
-        ready, and the contention. A path whose CPU time nobody measured is not offered
-        (fp32 has none)."""
+        (bytes sent, rounds, carrier) in ``traffic[name]``, in the order their gradients
+        became ready, and the contention. A path whose CPU time nobody measured is not
+        offered (fp32 has none)."""
         width = 1 + len(self.MEASURED)
         contention, agreed = agreed[0], agreed[1:]
         result = []
@@ -366,17 +411,17 @@ class Planner:
             result.append(TensorTiming(name, max(ready, 0.0), costs))
         return sorted(result, key=lambda t: t.ready), contention
 
-    def decide(self, step: int, timings: Sequence[TensorTiming], link: Link,
+    def decide(self, step: int, timings: Sequence[TensorTiming], links: Mapping[str, Link],
                contention: float) -> Decision:
         """Chooses every compressible tensor's path from agreed measurements; returns the
         decision, whose ``paths`` are in force from the next step."""
-        paths = choose(timings, link, contention, self.options.pin)
-        predicted = {"chosen": simulate(timings, paths, link, contention)}
+        paths = choose(timings, links, contention, self.options.pin)
+        predicted = {"chosen": simulate(timings, paths, links, contention)}
         for path in PATHS:
-            predicted[path] = simulate(timings, uniform(timings, path, self.options.pin), link,
-                                       contention)
+            predicted[path] = simulate(timings, uniform(timings, path, self.options.pin),
+                                       links, contention)
         self.paths.update(paths)
-        self.decision = Decision(step, link, contention, dict(self.paths), predicted)
+        self.decision = Decision(step, dict(links), contention, dict(self.paths), predicted)
         every = self.options.every
         self.next_decision = step + every if every else None
         return self.decision

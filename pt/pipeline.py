@@ -15,7 +15,8 @@ import horovod.torch as hvd
 import torch
 
 from hvd_compress import agreement, cost, fusion
-from hvd_compress.adaptive import Link, Planner, path_traffic
+from hvd_compress.adaptive import (CARRIERS, PROBE_SMALL, PROBE_START, Link, Planner,
+                                   next_probe, path_traffic, probe_sent)
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 
@@ -63,9 +64,7 @@ log = logging.getLogger("hvd_compress")
 UNCOMPRESSED = "allreduce (uncompressed)"
 HALF = "allreduce (fp16)"
 
-# The link probe of the adaptive mode: allreduces of float32 tensors of these sizes (4 kB
-# and 1 MB), the fastest of ``_PROBE_REPEATS`` each, give its latency and bandwidth.
-_PROBE_SIZES = (1 << 10, 1 << 18)
+# The adaptive mode's probes: the fastest of this many of each (``_probe_links``).
 _PROBE_REPEATS = 3
 
 
@@ -452,36 +451,57 @@ class CompressionPipeline:
                 half.to(grad.dtype)
                 self.planner.record(name, "fp16", "before", middle - start)
                 self.planner.record(name, "fp16", "after", time.thread_time() - middle)
-        device = next(iter(self.plans)).device
-        probes = [self._probe(numel, device) for numel in _PROBE_SIZES]
-        agreed = hvd.allreduce(torch.tensor(self.planner.measurements() + probes,
-                                            dtype=torch.float64),
+        links = self._probe_links(next(iter(self.plans)).device)
+        agreed = hvd.allreduce(torch.tensor(self.planner.measurements(), dtype=torch.float64),
                                op=hvd.Max, name="hvdc.adaptive.measurements").tolist()
-        link = Link.fit(*(
-            (cost.uncompressed_traffic(numel, self.world_size).sent, seconds)
-            for numel, seconds in zip(_PROBE_SIZES, agreed[-len(probes):])))
         traffic = {name: path_traffic(self.codec, plan.numel, self.world_size, plan.exchange,
                                       param.element_size())
                    for name, (param, plan) in plans.items() if name in self.planner.paths}
-        timings, contention = self.planner.timings(agreed[:-len(probes)], traffic)
-        self.planner.decide(self.step, timings, link, contention)
+        timings, contention = self.planner.timings(agreed, traffic)
+        self.planner.decide(self.step, timings, links, contention)
         self._follow_planner()
         if self.rank == 0:
             log.info("hvd_compress adaptive, step %d: %s", self.step,
                      self.planner.describe())
 
-    def _probe(self, numel, device):
-        """Seconds of the fastest of ``_PROBE_REPEATS`` allreduces of ``numel`` float32
-        elements, after an allreduce that every rank must reach first, so that a late rank
-        delays the probe but is not measured as the link."""
-        tensor = torch.zeros(numel, dtype=torch.float32, device=device)
-        hvd.allreduce_(tensor[:1], op=hvd.Sum, name="hvdc.adaptive.arrive")
+    def _probe_links(self, device):
+        """Every carrier's ``Link``, fitted to a small and a large probe collective on
+        ``device`` (``adaptive.CARRIERS``); the large one grows until the link's bandwidth
+        shows. Each probe's time is the slowest rank's, so every rank grows and fits alike."""
+        links = {}
+        for carrier in CARRIERS:
+            small = self._probe(carrier, PROBE_SMALL, device)
+            nbytes = PROBE_START
+            while True:
+                large = self._probe(carrier, nbytes, device)
+                grown = next_probe(nbytes, large)
+                if grown is None:
+                    break
+                nbytes = grown
+            links[carrier] = Link.fit(
+                (probe_sent(carrier, PROBE_SMALL, self.world_size), small),
+                (probe_sent(carrier, nbytes, self.world_size), large))
+        return links
+
+    def _probe(self, carrier, nbytes, device):
+        """Seconds of the fastest of ``_PROBE_REPEATS`` collectives of ``nbytes`` on
+        ``carrier``, the slowest rank's. An allreduce that every rank must reach comes
+        first, so that a late rank delays the probe but is not measured as the link."""
+        dtype, collective = CARRIERS[carrier]
+        dtype = getattr(torch, dtype)
+        tensor = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=device)
+        name = f"hvdc.adaptive.{carrier}.{nbytes}"
+        hvd.allreduce_(torch.zeros(1, device=device), op=hvd.Sum, name="hvdc.adaptive.arrive")
         best = float("inf")
         for _ in range(_PROBE_REPEATS):
             start = time.perf_counter()
-            hvd.allreduce_(tensor, op=hvd.Sum, name=f"hvdc.adaptive.probe.{numel}")
+            if collective == "allgather":
+                hvd.allgather(tensor, name=name)
+            else:
+                hvd.allreduce_(tensor, op=hvd.Sum, name=name)
             best = min(best, time.perf_counter() - start)
-        return best
+        return hvd.allreduce(torch.tensor([best], dtype=torch.float64), op=hvd.Max,
+                             name=f"{name}.seconds").item()
 
     # ----- state -----
 

@@ -3,8 +3,9 @@ Horovod: exact timelines, the choices they imply, and the planner's bookkeeping.
 import pytest
 
 from hvd_compress import TernGrad
-from hvd_compress.adaptive import (Adaptive, Link, PathCost, Planner, TensorTiming, choose,
-                                   path_traffic, simulate, uniform)
+from hvd_compress.adaptive import (CARRIERS, Adaptive, Link, PathCost, Planner, TensorTiming,
+                                   choose, next_probe, path_traffic, probe_sent, simulate,
+                                   uniform)
 from hvd_compress.cost import compressed_traffic, uncompressed_traffic
 
 MB = 1e6
@@ -15,9 +16,14 @@ def _tensor(name, ready, megabytes, codec_cpu=(0.0, 0.0), ratio=16):
     1/``ratio`` of it in two rounds, at ``codec_cpu`` seconds before and after."""
     sent = megabytes * MB
     return TensorTiming(name, ready, {
-        "fp32": PathCost(0.0, 0.0, sent, 1),
-        "fp16": PathCost(0.001, 0.001, sent / 2, 1),
-        "codec": PathCost(codec_cpu[0], codec_cpu[1], sent / ratio, 2)})
+        "fp32": PathCost(0.0, 0.0, sent, 1, "fp32"),
+        "fp16": PathCost(0.001, 0.001, sent / 2, 1, "fp16"),
+        "codec": PathCost(codec_cpu[0], codec_cpu[1], sent / ratio, 2, "bytes")})
+
+
+def _links(latency, seconds_per_byte):
+    """The same link for every carrier."""
+    return dict.fromkeys(CARRIERS, Link(latency, seconds_per_byte))
 
 
 def test_link_fit_recovers_latency_and_bandwidth():
@@ -29,22 +35,32 @@ def test_link_fit_recovers_latency_and_bandwidth():
 
 
 def test_simulate_is_the_timeline_by_hand():
-    link = Link(latency=0.01, seconds_per_byte=1e-8)  # 100 MB/s
+    links = _links(latency=0.01, seconds_per_byte=1e-8)  # 100 MB/s
     tensors = [_tensor("a", 0.0, 1, codec_cpu=(0.02, 0.03)), _tensor("b", 0.05, 2)]
-    # a: encode 0.02 delays b; link 0.02 + 0.01 / 16 -> a done at 0.040625.
-    # b (fp32): ready 0.05 + 0.02 = 0.07, link free; 0.01 + 0.02 -> 0.10.
+    # a: encode 0.02 delays b; two rounds on the idle link 0.02, then 0.01 / 16 -> a done
+    # at 0.040625. b (fp32): ready 0.05 + 0.02 = 0.07, link idle; 0.01 + 0.02 -> 0.10.
     # After the backward (0.07): a decodes at max(0.07, 0.040625) + 0.03 = 0.10; b at 0.10.
-    assert simulate(tensors, {"a": "codec", "b": "fp32"}, link) == pytest.approx(0.10)
+    assert simulate(tensors, {"a": "codec", "b": "fp32"}, links) == pytest.approx(0.10)
     # Contention doubles every CPU second: a's encode (0.04) moves b to 0.09, and a decodes
     # for 0.06 after the backward ends there.
-    assert simulate(tensors, {"a": "codec", "b": "fp32"}, link, contention=2.0) == \
+    assert simulate(tensors, {"a": "codec", "b": "fp32"}, links, contention=2.0) == \
         pytest.approx(0.09 + 0.06)
+
+
+def test_a_collective_queued_behind_another_pays_no_latency():
+    links = _links(latency=0.01, seconds_per_byte=1e-8)
+    both = [_tensor("a", 0.0, 1), _tensor("b", 0.0, 1)]
+    # a: 0.01 + 0.01; b waits for the link and only adds its bytes.
+    assert simulate(both, {"a": "fp32", "b": "fp32"}, links) == pytest.approx(0.03)
+    # Carriers differ: the same bytes over an fp16 link twice as slow per byte.
+    slow_fp16 = dict(links, fp16=Link(0.01, 4e-8))
+    assert simulate(both[:1], {"a": "fp16"}, slow_fp16) == pytest.approx(0.01 + 0.02 + 0.002)
 
 
 def test_fast_link_keeps_fp32_and_slow_link_compresses():
     tensors = [_tensor(f"t{i}", 0.01 * i, 4, codec_cpu=(0.004, 0.004)) for i in range(6)]
-    fast = Link(latency=1e-4, seconds_per_byte=1 / 1.25e9)   # 10 Gbit/s
-    slow = Link(latency=1e-3, seconds_per_byte=1 / 12.5e6)   # 100 Mbit/s
+    fast = _links(latency=1e-4, seconds_per_byte=1 / 1.25e9)   # 10 Gbit/s
+    slow = _links(latency=1e-3, seconds_per_byte=1 / 12.5e6)   # 100 Mbit/s
     assert set(choose(tensors, fast).values()) == {"fp32"}
     assert set(choose(tensors, slow).values()) == {"codec"}
     for link in (fast, slow):
@@ -54,24 +70,37 @@ def test_fast_link_keeps_fp32_and_slow_link_compresses():
 
 
 def test_codec_slower_than_the_bytes_it_saves_is_declined():
-    link = Link(latency=1e-4, seconds_per_byte=1 / 125e6)    # 1 Gbit/s: 4 MB in 32 ms
+    links = _links(latency=1e-4, seconds_per_byte=1 / 125e6)    # 1 Gbit/s: 4 MB in 32 ms
     tensors = [_tensor("t", 0.0, 4, codec_cpu=(0.05, 0.05))]
-    assert choose(tensors, link) == {"t": "fp16"}
+    assert choose(tensors, links) == {"t": "fp16"}
+    # Where Horovod sums fp16 four times slower per byte than fp32, fp32 wins.
+    assert choose(tensors, dict(links, fp16=Link(1e-4, 8 / 125e6))) == {"t": "fp32"}
 
 
 def test_pins_are_kept_and_ties_go_to_the_simpler_path():
-    link = Link(latency=0.0, seconds_per_byte=0.0)  # no network: every path costs its CPU
+    links = _links(latency=0.0, seconds_per_byte=0.0)  # no network: paths cost their CPU
     tensors = [_tensor("a", 0.0, 1), _tensor("b", 0.0, 1)]
-    assert choose(tensors, link, pin={"b": "codec"}) == {"a": "fp32", "b": "codec"}
+    assert choose(tensors, links, pin={"b": "codec"}) == {"a": "fp32", "b": "codec"}
 
 
 def test_path_traffic_is_the_cost_model():
     codec = TernGrad(min_size=0)
     traffic = path_traffic(codec, 100_000, 4, "sharded")
-    assert traffic["fp32"] == (uncompressed_traffic(100_000, 4).sent, 1)
-    assert traffic["fp16"] == (uncompressed_traffic(100_000, 4, 2).sent, 1)
-    # The shared scale's Max-allreduce, the alltoall and the allgather.
-    assert traffic["codec"] == (compressed_traffic(codec, 100_000, 4, "sharded").sent, 3)
+    assert traffic["fp32"] == (uncompressed_traffic(100_000, 4).sent, 1, "fp32")
+    assert traffic["fp16"] == (uncompressed_traffic(100_000, 4, 2).sent, 1, "fp16")
+    # The shared scale's Max-allreduce, the alltoall and the allgather, of packed bytes.
+    assert traffic["codec"] == (compressed_traffic(codec, 100_000, 4, "sharded").sent, 3,
+                                "bytes")
+    # Summed ternary values of 4 workers fit fp16's exact integers: the fp16 carrier.
+    assert path_traffic(codec, 100_000, 4, "allreduce")["codec"][1:] == (2, "fp16")
+
+
+def test_probes_grow_until_the_bandwidth_shows():
+    assert next_probe(1 << 20, 0.002) == 8 << 20
+    assert next_probe(8 << 20, 0.03) is None           # long enough
+    assert next_probe(64 << 20, 0.001) is None         # the largest
+    assert probe_sent("bytes", 1000, 4) == 3000        # an allgather sends N - 1 copies
+    assert probe_sent("fp16", 1000, 4) == uncompressed_traffic(500, 4, 2).sent
 
 
 def test_planner_warms_up_decides_and_redecides():
@@ -93,13 +122,13 @@ def test_planner_warms_up_decides_and_redecides():
     # does no codec work.
     assert measured == [pytest.approx(2.0), pytest.approx(0.01), 0.002, 0.003, -1.0, -1.0,
                         0.0, -1, -1, -1, -1]
-    traffic = {name: {"fp32": (4 * MB, 1), "fp16": (2 * MB, 1), "codec": (MB / 4, 2)}
-               for name in "ab"}
+    traffic = {name: {"fp32": (4 * MB, 1, "fp32"), "fp16": (2 * MB, 1, "fp16"),
+                      "codec": (MB / 4, 2, "bytes")} for name in "ab"}
     timings, contention = planner.timings(measured, traffic)
     assert contention == pytest.approx(2.0)
     assert [t.name for t in timings] == ["b", "a"]  # in the order they became ready
     assert set(timings[1].costs) == {"fp32", "codec"} and set(timings[0].costs) == {"fp32"}
-    decision = planner.decide(2, timings, Link(1e-3, 1 / 12.5e6), 1.0)
+    decision = planner.decide(2, timings, _links(1e-3, 1 / 12.5e6), 1.0)
     assert decision.paths == {"a": "codec", "b": "fp32"}
     assert decision.predicted["chosen"] <= decision.predicted["fp32"]
     assert planner.due(5) and not planner.due(2)
@@ -109,7 +138,7 @@ def test_planner_warms_up_decides_and_redecides():
 
 def test_every_zero_decides_once():
     planner = Planner(Adaptive(warmup_steps=1, every=0), ["a"])
-    planner.decide(1, [], Link(0.0, 0.0), 1.0)
+    planner.decide(1, [], {}, 1.0)
     assert not any(planner.due(step) for step in range(100))
 
 
