@@ -114,7 +114,7 @@ class _DistributedOptimizer:
         breaks the bytes down by layer kind (conv, linear, recurrent, embedding, other),
         with the density: the fraction of elements this worker sent (below 1 only for
         sparse codecs). With ``adaptive``, ``"adaptive"`` holds the last decision: the
-        measured link, each tensor's path and the predicted exchange seconds per step of
+        measured links, each tensor's path and the predicted exchange seconds per step of
         the chosen paths and of every unpinned tensor on one path (``Planner.report``)."""
         pipeline = self._hvdc_pipeline
         uncompressed = pipeline.uncompressed_bytes()
