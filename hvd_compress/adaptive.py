@@ -15,7 +15,8 @@ The model is fed with quantities measured on the running job, never with constan
 - the backward timeline: when each gradient became ready, relative to the first;
 - each tensor's codec CPU time before its collective (compensation, scale, encoding,
   packing) and after (unpacking, summing, decoding, the server's work), timed on the thread
-  that runs it during the warm-up steps, when every tensor goes through the codec;
+  that runs it during the warm-up steps, when every tensor goes through the codec: the
+  least of those steps, since a worker's first steps also pay for its heap's growth;
 - the fp16 casts' CPU time on each tensor;
 - the link, per carrier: latency and seconds per byte of an fp32 allreduce, an fp16
   allreduce and a byte allgather (what packed codes travel by), fitted to timed probes of
@@ -23,7 +24,8 @@ The model is fed with quantities measured on the running job, never with constan
   fp16 on the CPU far slower than fp32, and an allgather sums nothing.
 
 CPU times are multiplied by ``contention``: the wall time over the CPU time of the work
-before the collectives (which never waits for the network), at least 1. With more ranks
+before the collectives (which never waits for the network), at least 1, the median of the
+steps measured since the warm-up began. With more ranks
 than cores on a host, a CPU second of one rank costs more than a second of its step.
 
 The timeline (``simulate``): the gradients become ready in backward order; a path's work
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 from typing import Mapping, Sequence
 
 from . import cost
@@ -59,18 +62,19 @@ class Adaptive:
     Args:
         warmup_steps: steps at the start (and after a change of world) in which every
             compressible tensor goes through the codec while its CPU time and the backward
-            timeline are measured; the first decision follows them. At least 1. Default 3:
-            the first step's allocations make it slower than the rest.
+            timeline are measured; the first decision follows them. At least 1. Default 5:
+            a worker's heap grows for its first three steps, which pay for fresh pages.
         every: re-probe the link and decide again every this many steps after the first
             decision (the codec times of the warm-up are kept). 0 decides once and never
-            switches. Default 500.
+            switches. Default 1000: a decision probes three carriers, about a second
+            on a fast link.
         pin: parameter names mapped to the path they always take (``"codec"``, ``"fp16"``
             or ``"fp32"``), whatever the model predicts. ``"codec"`` only for tensors the
             codec compresses.
     """
 
-    warmup_steps: int = 3
-    every: int = 500
+    warmup_steps: int = 5
+    every: int = 1000
     pin: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -104,8 +108,8 @@ CARRIERS = {"fp32": ("float32", "allreduce"), "fp16": ("float16", "allreduce"),
 # PROBE_START by PROBE_GROWTH while it takes less than PROBE_SECONDS, up to PROBE_LARGEST,
 # so that a fast link is measured at sizes where its bandwidth, not its latency, shows.
 PROBE_SMALL = 4 << 10
-PROBE_START, PROBE_GROWTH, PROBE_LARGEST = 1 << 20, 8, 64 << 20
-PROBE_SECONDS = 0.025
+PROBE_START, PROBE_GROWTH, PROBE_LARGEST = 1 << 20, 4, 16 << 20
+PROBE_SECONDS = 0.02
 
 
 def probe_sent(carrier: str, nbytes: int, world_size: int) -> float:
@@ -138,7 +142,7 @@ class Link:
         per_byte = max((t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
         return cls(max(t0 - per_byte * b0, 0.0), per_byte)
 
-    def seconds(self, sent: float, rounds: int) -> float:
+    def seconds(self, sent: float, rounds: float) -> float:
         return rounds * self.latency + sent * self.seconds_per_byte
 
 
@@ -150,7 +154,7 @@ class PathCost:
     before: float
     after: float
     sent: float
-    rounds: int
+    rounds: float
     carrier: str = "fp32"
 
 
@@ -227,21 +231,27 @@ def choose(tensors: Sequence[TensorTiming], links: Mapping[str, Link],
 
 def path_traffic(codec, numel: int, world_size: int, exchange: str, itemsize: int = 4,
                  allreduce_dtypes: Sequence[str] = cost.TORCH_ALLREDUCE_DTYPES
-                 ) -> dict[str, tuple[float, int, str]]:
+                 ) -> dict[str, tuple[float, float, str]]:
     """(bytes this worker sends, dependent rounds of messages, carrier) of a tensor of
     ``numel`` elements of ``itemsize`` bytes on each path; its codec's through
     ``exchange``. A shared scale's Max-allreduce is a round of its own before the codes,
-    and the sharded exchange's allgather waits for its alltoall. Summed code values travel
-    in an integer or fp16 allreduce, packed codes by allgather or alltoall."""
+    and the sharded exchange's allgather waits for its alltoall; the sharded rounds are
+    shared by the tensors of a fusion group (``hvd_compress.fusion``), each paying its part
+    of the group's bytes. Summed code values travel in an integer or fp16 allreduce, packed
+    codes by allgather or alltoall."""
     compressed = cost.compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes)
-    rounds = 1 + (codec.scaled and codec.shares_scale(exchange)) + (exchange == "sharded")
+    rounds = 1.0
+    if exchange == "sharded":
+        rounds = 2 * min(1.0, cost.alltoall_nbytes(codec, numel, world_size) /
+                         cost.FUSION_BYTES)
+    rounds += codec.scaled and codec.shares_scale(exchange)
     carrier = "bytes"
     if exchange == "allreduce":
         dtype = codec.value_space.allreduce_carrier(world_size, allreduce_dtypes)
         carrier = "fp16" if dtype == "float16" else "fp32"
     return {"fp32": (cost.uncompressed_traffic(numel, world_size, itemsize).sent, 1, "fp32"),
             "fp16": (cost.uncompressed_traffic(numel, world_size, 2).sent, 1, "fp16"),
-            "codec": (compressed.sent, int(rounds), carrier)}
+            "codec": (compressed.sent, rounds, carrier)}
 
 
 def uniform(tensors: Sequence[TensorTiming], path: str,
@@ -300,7 +310,7 @@ class Planner:
         self.cpu: dict[tuple[str, str, str], float] = {}
         self._step_cpu: collections.Counter = collections.Counter()
         self._before = self._before_wall = 0.0
-        self.contention = 1.0  # of the last step that did work before its collectives
+        self._contentions: list[float] = []  # of each step that did work before its collectives
 
     def path(self, name: str) -> str:
         return self.paths.get(name, "fp32")
@@ -330,13 +340,19 @@ class Planner:
             self._before += seconds
             self._before_wall += wall
 
+    @property
+    def contention(self) -> float:
+        return statistics.median(self._contentions) if self._contentions else 1.0
+
     def end_step(self) -> None:
-        """The step's CPU times replace those measured before on the same paths."""
+        """Keeps the least CPU time seen of every tensor's path and phase, and the step's
+        contention."""
         for (name, phase), seconds in self._step_cpu.items():
-            self.record(name, self.path(name), phase, seconds)
+            key = (name, self.path(name), phase)
+            self.record(name, self.path(name), phase, min(seconds, self.cpu.get(key, seconds)))
         # Below a millisecond of CPU the clocks' resolution would decide the ratio.
         if self._before > 1e-3:
-            self.contention = max(1.0, self._before_wall / self._before)
+            self._contentions.append(max(1.0, self._before_wall / self._before))
 
     def record(self, name: str, path: str, phase: str, seconds: float) -> None:
         """CPU ``seconds`` of tensor ``name`` on ``path`` in ``phase``, measured now."""
@@ -388,7 +404,7 @@ class Planner:
         return row
 
     def timings(self, agreed: Sequence[float],
-                traffic: Mapping[str, Mapping[str, tuple[float, int, str]]]
+                traffic: Mapping[str, Mapping[str, tuple[float, float, str]]]
                 ) -> tuple[list[TensorTiming], float]:
         """The tensors' timings from the ranks' ``agreed`` measurements and each path's
         (bytes sent, rounds, carrier) in ``traffic[name]``, in the order their gradients

@@ -65,7 +65,7 @@ UNCOMPRESSED = "allreduce (uncompressed)"
 HALF = "allreduce (fp16)"
 
 # The adaptive mode's probes: the fastest of this many of each (``_probe_links``).
-_PROBE_REPEATS = 3
+_PROBE_REPEATS = 2
 
 
 def _codes_name(name):
