@@ -6,6 +6,7 @@ import torch
 import hvd_compress
 import hvd_compress.pt as hc
 from hvd_compress.qsgd import nuqsgd_variance_bound, qsgd_variance_bound
+from hvd_compress.seeding import stream_seed, uniforms
 
 CODECS = [("qsgd", {}), ("qsgd-inf", {}), ("nuqsgd", {"bucket_size": 2048}),
           ("qsgd", {"bits": 2, "bucket_size": 128}), ("nuqsgd", {"bits": 5, "bucket_size": 100})]
@@ -48,10 +49,12 @@ def test_rounding_identity_and_port_agreement(name, params):
 
 
 def _samples(codec, g, draws, seed):
-    rng = np.random.default_rng(seed)
+    """Decoded messages of ``g`` with the draws of ``draws`` steps of the pipeline's
+    streams (``seeding.uniforms``)."""
     scale = codec.local_scale(g)
-    return np.stack([codec.decode(codec.values(codec.encode(g, scale, rng.random(g.size))),
-                                  scale, 1) for _ in range(draws)]).astype(np.float64)
+    return np.stack([codec.decode(codec.values(codec.encode(
+        g, scale, uniforms(stream_seed(seed, 0, step, 0), g.size))), scale, 1)
+        for step in range(draws)]).astype(np.float64)
 
 
 @pytest.mark.parametrize("name,params", CODECS[:3])

@@ -6,6 +6,7 @@ import torch
 import hvd_compress
 import hvd_compress.pt as hc
 from hvd_compress import simulate
+from hvd_compress.seeding import stream_seed, uniforms
 
 
 def gaussian(n, seed=0):
@@ -65,9 +66,10 @@ def test_empirical_mean_and_variance_over_seeds():
     s = ref.local_scale(g)
     clipped = np.clip(g, -s, s)
     draws = 4000
-    rng = np.random.default_rng(5)
-    samples = np.stack([ref.decode(ref.encode(g, s, rng.random(g.size)), s, 1)
-                        for _ in range(draws)])
+    # The pipeline's draws: the streams of ``draws`` steps.
+    samples = np.stack([ref.decode(ref.encode(g, s, uniforms(stream_seed(5, 0, step, 0),
+                                                              g.size)), s, 1)
+                        for step in range(draws)])
     # Exact variance of each element: s * min(|g|, s) - min(|g|, s)^2.
     a = np.minimum(np.abs(g), s)
     variance = a * (s - a)
