@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` (the main job, a representative subset, ~10
 # minutes; `make demo-full` runs every model and codec, ~30 minutes) and `make test` (every
-# test, what CI runs); `make test-fast` runs the unit tests only (no Horovod processes, no
+# test and the lint, what CI runs); `make lint` runs ruff alone; `make test-fast` runs the unit tests only (no Horovod processes, no
 # convergence training) for the edit-test loop; `make bench` runs the bandwidth-limited
 # benchmark matrix (needs root for the namespaces).
 # Each sets up the environment first (idempotent; the Horovod build is cached).
@@ -11,7 +11,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export MALLOC_MMAP_THRESHOLD_ := 1073741824
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
-.PHONY: setup demo demo-full test test-fast bench
+.PHONY: setup demo demo-full lint test test-fast bench
 
 setup:
 	bash launch/setup.sh
@@ -22,7 +22,10 @@ demo: setup
 demo-full: setup
 	$(PY) -m hvd_compress.cli demo --full
 
-test: setup
+lint: setup
+	$(PY) -m ruff check .
+
+test: setup lint
 	$(PY) -m pytest -ra -q --durations=15 tests
 
 test-fast: setup

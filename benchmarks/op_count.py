@@ -4,9 +4,9 @@ On a GPU every tensor op is at least one kernel launch (5-10 us each), so a code
 issues dozens of ops per gradient tensor costs milliseconds a step before it moves a byte.
 This counts, with ``torch.profiler`` on CPU, the ``aten::`` ops of one whole step (forward,
 backward, exchange, optimizer) that no other ``aten::`` op encloses, for one of the
-benchmark's models (the synthetic ResNet-50 by default), and reports each codec's count minus that of the same step with ``none``,
-divided by the model's tensors and by the tensors the codec compresses. The counts do not depend on the link, so
-the job runs on localhost:
+benchmark's models (the synthetic ResNet-50 by default), and reports each codec's count
+minus that of the same step with ``none``, divided by the model's tensors and by the tensors
+the codec compresses. The counts do not depend on the link, so the job runs on localhost:
 
     horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.op_count [--codecs ...] \
         [--model resnet50]

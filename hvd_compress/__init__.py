@@ -16,5 +16,6 @@ from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
 __all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK", "FP16",
-           "FloatCodes", "IntCodes", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad", "resolve"]
+           "FloatCodes", "IntCodes", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad",
+           "resolve"]
 __version__ = "0.1.0"

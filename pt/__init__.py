@@ -15,5 +15,6 @@ CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NU
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 
-__all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "CyclicLocalTopK", "Codec", "DistributedOptimizer",
-           "FP16", "LocalClipSGD", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]
+__all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "CyclicLocalTopK", "Codec",
+           "DistributedOptimizer", "FP16", "LocalClipSGD", "NUQSGD", "NoneCodec", "QSGD",
+           "QSGDInf", "TernGrad"]

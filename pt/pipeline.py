@@ -179,9 +179,10 @@ class CompressionPipeline:
         """Whether ``param``'s worker error feedback runs in ``fused``'s kernels, which can
         also take its momentum step (``WorkerMomentum.Deferred``)."""
         grad = param.grad
-        return self.worker_memory is not None and self.plans[param].route != UNCOMPRESSED \
-            and self.plans[param].route != HALF and not self.codec.sparse and grad is not None and not grad.is_sparse and \
-            grad.is_contiguous() and fused.applies(self.codec, grad)
+        return self.worker_memory is not None and \
+            self.plans[param].route not in (UNCOMPRESSED, HALF) and not self.codec.sparse and \
+            grad is not None and not grad.is_sparse and grad.is_contiguous() and \
+            fused.applies(self.codec, grad)
 
     def launch(self, param, ratio=1.0, momentum=None):
         """Starts the exchange of ``param.grad``; called once per parameter per step.

@@ -225,7 +225,8 @@ def test_optimizer_runs_the_kernels_and_trains_as_the_eager_calls(world, exchang
 QUANTIZERS = [hvd_compress.TernGrad(), hvd_compress.TernGrad(clip=0),
               hvd_compress.QSGD(bits=2, bucket_size=7), hvd_compress.QSGDInf(),
               hvd_compress.QSGDInf(bits=8, bucket_size=100),
-              hvd_compress.NUQSGD(bits=2, bucket_size=9), hvd_compress.NUQSGD(bits=3, bucket_size=9),
+              hvd_compress.NUQSGD(bits=2, bucket_size=9),
+              hvd_compress.NUQSGD(bits=3, bucket_size=9),
               hvd_compress.NUQSGD(bucket_size=2048), hvd_compress.NUQSGD(bits=5, bucket_size=100)]
 
 
