@@ -399,18 +399,20 @@ class CompressionPipeline:
         if self.server_memory is not None:
             by_name = {plan.name: plan for plan in self.plans.values()}
             for name in list(self.server_memory.residuals):
-                self._server_residual_to_worker(by_name[name], size if self.average else 1)
+                self._server_residual_to_worker(by_name[name], size)
         self.world_size, self.rank = size, rank
         self._choose_exchanges()
         if self.planner is not None:
             self.planner.restart(self.step)
             self._follow_planner()
 
-    def _server_residual_to_worker(self, plan, count):
+    def _server_residual_to_worker(self, plan, world):
         """Moves the server residual of ``plan``'s tensor into this rank's worker residual,
-        so that the next exchange whose result is divided by ``count`` delivers it: the
-        replicated server's (held by every rank) times count / N, a sharded server's (this
-        rank's shard only) times ``count`` at that shard's positions."""
+        so that the next exchange among ``world`` ranks, whose sum is divided by count
+        (``world`` for an average, 1 for a sum), delivers it: the replicated server's (held
+        by every rank) times count / world, a sharded server's (this rank's shard of the
+        current world only) times count at that shard's positions."""
+        count = world if self.average else 1
         residual = self.server_memory.residuals.pop(plan.name)
         if plan.exchange == "sharded":
             shard = make_exchange("sharded", self.codec, plan.numel, self.world_size,
@@ -419,7 +421,7 @@ class CompressionPipeline:
             full[shard] = residual * count
             residual = full
         else:
-            residual = residual * (count / self.world_size)
+            residual = residual * (count / world)
         self.worker_memory.residuals[plan.name] = \
             self.worker_memory.compensate(plan.name, residual)
 
@@ -435,7 +437,7 @@ class CompressionPipeline:
             path = self.planner.path(plan.name)
             if plan.path == "codec" and path != "codec" and self.server_memory is not None \
                     and plan.name in self.server_memory.residuals:
-                self._server_residual_to_worker(plan, self.world_size if self.average else 1)
+                self._server_residual_to_worker(plan, self.world_size)
             plan.path = path
 
     def _decide(self):
