@@ -243,8 +243,8 @@ def bench(args):
                     run_job(LocalHosts(workers), spec, args.timeout, lambda rate: None,
                             progress, events)
                 write(result, args.out)
-        codecs = [m for m in args.methods if m in CODEC_METHODS and m in METHODS and
-                  not m.endswith(report.AUTO_SUFFIX)]
+        codecs = [m for m in args.methods
+                  if m in CODEC_METHODS and not m.endswith(report.AUTO_SUFFIX)]
         if codecs and not args.no_op_counts:
             result["op_counts"] = {model: op_counts(model, codecs, args.timeout)
                                    for model in args.models}

@@ -142,9 +142,6 @@ class Link:
         per_byte = max((t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
         return cls(max(t0 - per_byte * b0, 0.0), per_byte)
 
-    def seconds(self, sent: float, rounds: float) -> float:
-        return rounds * self.latency + sent * self.seconds_per_byte
-
 
 @dataclasses.dataclass(frozen=True)
 class PathCost:
@@ -155,7 +152,7 @@ class PathCost:
     after: float
     sent: float
     rounds: float
-    carrier: str = "fp32"
+    carrier: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +301,6 @@ class Planner:
         pin), every measurement forgotten."""
         self.paths = {name: self.options.pin.get(name, "codec") for name in self.compressible}
         self.next_decision = step + self.options.warmup_steps
-        self.order: list[str] = []          # backward order of the last step
         self.ready: dict[str, float] = {}   # seconds after the first gradient, last step
         # (name, path, phase) -> CPU seconds, the latest step that measured them.
         self.cpu: dict[tuple[str, str, str], float] = {}
@@ -322,14 +318,13 @@ class Planner:
     # ----- what the pipeline measures during a step -----
 
     def start_step(self) -> None:
-        self.order, self._step_cpu = [], collections.Counter()
+        self._step_cpu = collections.Counter()
         self._before = self._before_wall = 0.0
 
     def ready_at(self, name: str, since_first: float) -> None:
         """Tensor ``name``'s gradient arrived ``since_first`` seconds (wall) after the
         step's first; the paths' work before their collectives so far this step, which ran
         on the same thread, is taken out."""
-        self.order.append(name)
         self.ready[name] = max(since_first - self._before, 0.0)
 
     def spent(self, name: str, phase: str, seconds: float, wall: float) -> None:
@@ -349,7 +344,7 @@ class Planner:
         contention."""
         for (name, phase), seconds in self._step_cpu.items():
             key = (name, self.path(name), phase)
-            self.record(name, self.path(name), phase, min(seconds, self.cpu.get(key, seconds)))
+            self.cpu[key] = min(seconds, self.cpu.get(key, seconds))
         # Below a millisecond of CPU the clocks' resolution would decide the ratio.
         if self._before > 1e-3:
             self._contentions.append(max(1.0, self._before_wall / self._before))

@@ -51,7 +51,7 @@ class TensorPlan:
 class _InFlight:
     plan: TensorPlan
     param: torch.Tensor
-    stage: str                 # "scale", "codes", "plain" or "half"
+    stage: str                 # "scale", "codes" or "plain" (an allreduce, fp32 or fp16)
     handle: object = None
     vector: torch.Tensor = None  # the flattened gradient, plus the worker residual
     scale: torch.Tensor = None
@@ -224,9 +224,8 @@ class CompressionPipeline:
         if plan.route in (UNCOMPRESSED, HALF) or grad.is_sparse:
             # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
             # unless sparse_as_dense densified them.
-            half = plan.route == HALF and not grad.is_sparse
-            self._in_flight[param] = _InFlight(plan, param, "half" if half else "plain",
-                                               self._launch_plain(plan, grad, ratio, half))
+            self._in_flight[param] = _InFlight(
+                plan, param, "plain", self._launch_plain(plan, grad, ratio, plan.route == HALF))
             if plan.name in self._fusions:
                 self._fusions[plan.name].withdraw(_codes_name(plan.name))
         elif self.codec.sparse:
@@ -338,7 +337,7 @@ class CompressionPipeline:
                     flight.handle = flight.exchange.advance(flight.handle)
         known = {}  # param -> whether its gradient is finite, as its exchange knows
         for param, flight in self._in_flight.items():
-            if flight.stage in ("plain", "half"):
+            if flight.stage == "plain":
                 output = wait(flight.handle) if isinstance(flight.handle, int) \
                     else flight.handle()
                 if output.is_sparse:
