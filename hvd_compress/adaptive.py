@@ -48,6 +48,7 @@ import statistics
 from typing import Mapping, Sequence
 
 from . import cost
+from .validation import check_int
 
 PATHS = ("codec", "fp16", "fp32")
 
@@ -78,10 +79,8 @@ class Adaptive:
     pin: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        for name, value, low in (("warmup_steps", self.warmup_steps, 1),
-                                 ("every", self.every, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"Adaptive: {name} must be an integer >= {low}, got {value!r}")
+        check_int("Adaptive", "warmup_steps", self.warmup_steps, low=1)
+        check_int("Adaptive", "every", self.every, low=0)
         bad = {name: path for name, path in dict(self.pin).items() if path not in PATHS}
         if bad:
             raise ValueError(f"Adaptive: pin maps parameter names to one of {PATHS}; got {bad}")

@@ -147,8 +147,8 @@ def test_every_zero_decides_once():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(warmup_steps=0), "warmup_steps must be an integer >= 1"),
-    (dict(every=-1), "every must be an integer >= 0"),
+    (dict(warmup_steps=0), "Adaptive: warmup_steps must be >= 1, got 0"),
+    (dict(every=-1), "Adaptive: every must be >= 0, got -1"),
     (dict(pin={"a": "int8"}), "pin maps parameter names to one of"),
 ])
 def test_bad_options_name_the_parameter(options, message):
