@@ -40,7 +40,10 @@ class FusionGroup:
     """The bookkeeping of a fusion group, whatever the framework: collects each member's
     rows (a uint8 tensor of one row per rank), and once the last member's are in, has the
     port start one alltoall of them side by side (``_alltoall``) and notes which columns
-    are whose (``columns``).
+    are whose (``columns``). The columns follow the order of ``members``, not the order in
+    which the members arrive: that order follows the completion of their scales'
+    allreduces, which can differ between ranks (with several NCCL streams), while every
+    rank reads the columns it receives by its own slices.
 
     Args:
         members: names of the member tensors; every rank must give the same ones.
@@ -49,6 +52,7 @@ class FusionGroup:
 
     def __init__(self, members, name):
         self.name = name
+        self.members = list(members)
         self.waiting = set(members)
         self.rows = {}
         self.columns = {}
@@ -67,11 +71,14 @@ class FusionGroup:
         self.waiting.remove(member)
         if self.waiting or not self.rows:
             return
-        start = 0
-        for key, rows in self.rows.items():
-            self.columns[key] = slice(start, start + rows.shape[1])
-            start += rows.shape[1]
-        self._alltoall(list(self.rows.values()))
+        start, joined = 0, []
+        for member in self.members:
+            rows = self.rows.get(member)
+            if rows is not None:
+                self.columns[member] = slice(start, start + rows.shape[1])
+                start += rows.shape[1]
+                joined.append(rows)
+        self._alltoall(joined)
         self.rows.clear()  # the alltoall's payload holds the bytes now
 
     def _alltoall(self, rows):

@@ -27,6 +27,33 @@ def test_groups_follow_the_backward_order_and_close_at_the_threshold():
     assert fusion.alltoall_groups(codec, [], 4) == []
 
 
+class _Recorded(fusion.FusionGroup):
+    """A fusion group that keeps the rows its alltoall would have joined."""
+
+    def _alltoall(self, rows):
+        self.joined = rows
+
+
+def test_columns_follow_the_members_order_whatever_order_they_arrive_in():
+    """Members arrive in the order their scale allreduces complete, which may differ between
+    ranks (several NCCL streams); the columns, which every rank reads by the same slices,
+    must not depend on it."""
+    members = ["a", "b", "c", "d"]
+    rows = {m: torch.full((2, width), i, dtype=torch.uint8)
+            for i, (m, width) in enumerate(zip(members, (3, 1, 4, 2)))}
+    layouts = []
+    for arrival in (["a", "b", "c", "d"], ["d", "c", "b", "a"], ["c", "a", "d", "b"]):
+        group = _Recorded(members, "g")
+        for member in arrival:
+            if member == "b":
+                group.withdraw(member)   # on every rank alike
+            else:
+                group.send(member, rows[member])
+        layouts.append((dict(group.columns), [r[0, 0].item() for r in group.joined]))
+    assert layouts[0] == ({"a": slice(0, 3), "c": slice(3, 7), "d": slice(7, 9)}, [0, 2, 3])
+    assert all(layout == layouts[0] for layout in layouts)
+
+
 SHAPES = [(300, 40), (40,), (50, 300), (7, 50), (1000,), (33, 7)]
 
 
