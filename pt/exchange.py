@@ -31,6 +31,10 @@ from .buckets import per_bucket_
 from .packing import pack, unpack, unpack_scaled_signs
 
 
+# What horovod.torch's allreduce sums: no bfloat16 (nor 8- or 16-bit integers).
+ALLREDUCE_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int32,
+                              torch.int64})
+
 # Bounds of the sleeps between polls in ``wait``: short enough that a small collective's
 # latency hardly grows, long enough that a waiting rank leaves its core to the others.
 _FIRST_SLEEP, _LONGEST_SLEEP = 20e-6, 1e-3
@@ -47,6 +51,25 @@ def wait(handle):
         time.sleep(sleep)
         sleep = min(2 * sleep, _LONGEST_SLEEP)
     return hvd.synchronize(handle)
+
+
+def allreducible(tensor):
+    """``tensor`` as horovod.torch's allreduce takes it: contiguous (a channels_last
+    convolution's gradient is not), and in float32 where Horovod has no sum for its dtype
+    (bfloat16). ``tensor`` itself where it already is."""
+    if tensor.dtype not in ALLREDUCE_DTYPES:
+        tensor = tensor.to(torch.float32)
+    return tensor.contiguous()
+
+
+def grouped_allreduce_in_place(tensors, op, name, meter):
+    """Horovod's grouped allreduce of ``tensors`` into them, whatever their dtype and
+    layout (through ``allreducible`` copies where needed); waits for it."""
+    carried = [allreducible(t) for t in tensors]
+    wait(hvd.grouped_allreduce_async_([meter.hand(c) for c in carried], op=op, name=name))
+    for tensor, result in zip(tensors, carried):
+        if result is not tensor:
+            tensor.copy_(result)
 
 
 class Meter:
@@ -451,7 +474,8 @@ class LeaderAllreduce(_Exchange):
         sent = torch.zeros_like(compensated)
         sent[indices] = values
         self.memory.update(self.key, compensated, sent, self.codec.beta)
-        return hvd.allreduce_async(self.meter.hand(values), op=hvd.Sum, name=name), indices
+        return hvd.allreduce_async(self.meter.hand(allreducible(values)), op=hvd.Sum,
+                                   name=name), indices
 
     def finish(self, pending):
         handle, indices = pending

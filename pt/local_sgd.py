@@ -27,7 +27,7 @@ from hvd_compress.registry import resolve
 from hvd_compress.validation import check_choice, check_float, check_int
 
 from . import CODECS
-from .exchange import Meter, wait
+from .exchange import Meter, allreducible, grouped_allreduce_in_place, wait
 from .optimizer import STATE_KEY, _classifier_names, _named_parameters, wrap_in_subclass
 from .pipeline import CompressionPipeline
 
@@ -98,7 +98,8 @@ class _LocalClipSGD:
     def _hvdc_averaged_gradient_norm(self):
         """||g_bar||, the norm of the average of all workers' gradients (one more allreduce)."""
         # Every rank must hand over the same tensors, also for parameters without a gradient.
-        grads = [self._hvdc_meter.hand(torch.zeros_like(p) if p.grad is None else p.grad)
+        grads = [self._hvdc_meter.hand(allreducible(torch.zeros_like(p) if p.grad is None
+                                                    else p.grad))
                  for _, p in self._hvdc_named]
         averaged = wait(hvd.grouped_allreduce_async(grads, op=hvd.Average,
                                                     name="hvdc.local_sgd.gradients"))
@@ -125,15 +126,13 @@ class _LocalClipSGD:
         """One averaging round: the parameters by one grouped allreduce (or the codec), the
         floating-point buffers by another."""
         if self._hvdc_pipeline is None:
-            parameters = [self._hvdc_meter.hand(p.detach()) for _, p in self._hvdc_named]
-            wait(hvd.grouped_allreduce_async_(parameters, op=hvd.Average,
-                                              name="hvdc.local_sgd.parameters"))
+            grouped_allreduce_in_place([p.detach() for _, p in self._hvdc_named], hvd.Average,
+                                       "hvdc.local_sgd.parameters", self._hvdc_meter)
         else:
             self._hvdc_exchange_moves()
         if self._hvdc_buffers:
-            wait(hvd.grouped_allreduce_async_(
-                [self._hvdc_meter.hand(b) for b in self._hvdc_buffers], op=hvd.Average,
-                name="hvdc.local_sgd.buffers"))
+            grouped_allreduce_in_place(self._hvdc_buffers, hvd.Average,
+                                       "hvdc.local_sgd.buffers", self._hvdc_meter)
         self.syncs += 1
 
     def _hvdc_exchange_moves(self):

@@ -21,7 +21,7 @@ from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 
 from . import fused, seeding
-from .exchange import Meter, make_exchange, make_sparse_exchange, wait
+from .exchange import Meter, allreducible, make_exchange, make_sparse_exchange, wait
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
 
@@ -281,8 +281,7 @@ class CompressionPipeline:
             return hvd.sparse_allreduce_async(grad, name=name, op=op)
         if self.worker_memory is not None and plan.name in self.worker_memory.residuals:
             grad = self.worker_memory.flush(plan.name, grad.reshape(-1), ratio).view(grad.shape)
-        if half:
-            grad = grad.to(torch.float16)
+        grad = allreducible(grad.to(torch.float16) if half else grad)
         self.meter.hand(grad)
         return hvd.allreduce_async_(grad, name=name, op=op,
                                     prescale_factor=self.prescale_factor,
