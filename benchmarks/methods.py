@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hvd_compress.pt as hc
 from hvd_compress import cost
+from hvd_compress.adaptive import TRIAL_STEPS
 from hvd_compress.pt.pipeline import HALF, UNCOMPRESSED
 from hvd_compress.registry import resolve
 
@@ -102,8 +103,9 @@ class CodecTrainer(Trainer):
         super().__init__(model, optimizer, world_size)
         self.codec = resolve(codec, hc.CODECS)
         if adaptive:
-            # The decision follows the adaptive warm-up; one more step runs its paths.
-            self.warmup_steps = hc.Adaptive().warmup_steps + 2
+            # The decision follows the adaptive warm-up, and its trial the decision; one
+            # more step runs the paths that stood.
+            self.warmup_steps = hc.Adaptive().warmup_steps + TRIAL_STEPS + 2
             self.per_rate = True
 
     def handed(self):

@@ -113,16 +113,21 @@ def _auto_table(rows):
         decision = auto["adaptive"] or {}
         predicted = decision.get("predicted_seconds", {})
         counts = decision.get("counts", {})
+        trial = decision.get("trial")
         ratio = auto["over_fastest"]
         lines.append([r["workers"], r["rate"], r["method"], _ms(r["seconds"]),
                       auto["fastest"] or "-", _x(ratio),
                       "yes" if ratio is not None and ratio <= AUTO_BOUND else "no",
                       " ".join(f"{p} {counts[p]}" for p in sorted(counts)) or "-",
                       " / ".join(_ms(predicted.get(p)) for p in ("chosen", "codec", "fp16",
-                                                                 "fp32"))])
+                                                                 "fp32")),
+                      "-" if trial is None else
+                      f"{'kept' if trial['kept'] else 'reverted'} "
+                      f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])})"])
     return _table(["N", "rate", "method", "step", "fastest other", "over fastest",
                    f"within {AUTO_BOUND}x", "tensors by path",
-                   "predicted exchange: chosen / codec / fp16 / fp32"], lines) if lines else None
+                   "predicted exchange: chosen / codec / fp16 / fp32",
+                   "trial: decision vs all codec (ms)"], lines) if lines else None
 
 
 def _ms(seconds):

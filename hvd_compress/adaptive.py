@@ -39,6 +39,14 @@ The step's exchange time is when the last tensor is decoded, past the end of the
 
 Every rank takes the same decisions: the measurements are Max-allreduced before the model
 runs, and the model is a deterministic function of them.
+
+A decision that changes paths is then tried: it stands only if its next ``TRIAL_STEPS``
+steps take no longer (median, the slowest rank's) than the last ``TRIAL_STEPS`` under the
+paths it replaced; otherwise those paths come back until the next decision. The model can
+be wrong where its probes are: a probe runs alone on a quiet link, while the step's
+collectives share the CPU with the backward pass of every rank on the host, which with more
+ranks than cores makes an uncompressed allreduce far slower than its probe predicts. The
+trial makes "never slower than the paths in force" a measurement rather than a forecast.
 """
 from __future__ import annotations
 
@@ -54,6 +62,10 @@ PATHS = ("codec", "fp16", "fp32")
 
 # On equal predicted times the simpler path wins: fewer passes over memory, no rounding.
 _PREFERENCE = {"fp32": 0, "fp16": 1, "codec": 2}
+# Steps whose median time judges a decision against the paths it replaced: an odd number,
+# so that the median is a measured step and one outlier (a first step's allocations) is
+# outvoted.
+TRIAL_STEPS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +78,9 @@ class Adaptive:
             timeline are measured; the first decision follows them. At least 1. Default 5:
             a worker's heap grows for its first three steps, which pay for fresh pages.
         every: re-probe the link and decide again every this many steps after the first
-            decision (the codec times of the warm-up are kept). 0 decides once and never
-            switches. Default 1000: a decision probes three carriers, about a second
-            on a fast link.
+            decision (the codec times of the warm-up are kept). 0 decides once (and tries
+            it, ``TRIAL_STEPS``) and never switches again. Default 1000: a decision probes
+            three carriers, about a second on a fast link.
         pin: parameter names mapped to the path they always take (``"codec"``, ``"fp16"``
             or ``"fp32"``), whatever the model predicts. ``"codec"`` only for tensors the
             codec compresses.
@@ -269,15 +281,20 @@ class Decision:
     contention: float
     paths: dict[str, str]
     predicted: dict[str, float]
+    # The trial (``TRIAL_STEPS``): the median step seconds under the paths replaced and
+    # under the decision's, and whether the decision stood; None until it is judged (and
+    # where the decision changed no path).
+    trial: dict[str, float | bool] | None = None
 
 
 class Planner:
     """The adaptive mode's state across steps: when to measure and decide, the latest
     measurements of every tensor, and the paths in force.
 
-    The pipeline of a framework port reports what it measures (``ready``, ``spent``) and,
-    when ``due``, probes the link, agrees on the measurements with the other ranks and
-    calls ``decide``.
+    The pipeline of a framework port reports what it measures (``ready``, ``spent``,
+    ``end_step``) and, when ``due``: while ``judging``, agrees on the ``trial_seconds`` with
+    the other ranks and calls ``judge``; otherwise probes the link, agrees on the
+    ``measurements`` and calls ``decide``.
 
     Args:
         options: the ``Adaptive`` options.
@@ -306,6 +323,10 @@ class Planner:
         self._step_cpu: collections.Counter = collections.Counter()
         self._before = self._before_wall = 0.0
         self._contentions: list[float] = []  # of each step that did work before its collectives
+        # Seconds of the latest steps under the paths in force (the trial's window).
+        self._steps: collections.deque = collections.deque(maxlen=TRIAL_STEPS)
+        # While a decision is on trial: the paths it replaced and their median step.
+        self._replaced: tuple[dict[str, str], float] | None = None
 
     def path(self, name: str) -> str:
         return self.paths.get(name, "fp32")
@@ -338,9 +359,12 @@ class Planner:
     def contention(self) -> float:
         return statistics.median(self._contentions) if self._contentions else 1.0
 
-    def end_step(self) -> None:
-        """Keeps the least CPU time seen of every tensor's path and phase, and the step's
-        contention."""
+    def end_step(self, seconds: float) -> None:
+        """Keeps the least CPU time seen of every tensor's path and phase, the step's
+        contention, and its ``seconds`` from the first gradient's readiness until the
+        exchange was done (what the paths change; the forward pass and the update do not
+        depend on them)."""
+        self._steps.append(seconds)
         for (name, phase), seconds in self._step_cpu.items():
             key = (name, self.path(name), phase)
             self.cpu[key] = min(seconds, self.cpu.get(key, seconds))
@@ -359,6 +383,7 @@ class Planner:
             return {"decided_at_step": None, "next_decision": self.next_decision,
                     "paths": dict(self.paths)}
         return {"decided_at_step": decision.step, "next_decision": self.next_decision,
+                "judging": self.judging, "trial": decision.trial,
                 "links": {carrier: {"latency_seconds": link.latency,
                                     "bytes_per_second": 1 / link.seconds_per_byte
                                     if link.seconds_per_byte else float("inf")}
@@ -424,7 +449,9 @@ class Planner:
     def decide(self, step: int, timings: Sequence[TensorTiming], links: Mapping[str, Link],
                contention: float) -> Decision:
         """Chooses every compressible tensor's path from agreed measurements; returns the
-        decision, whose ``paths`` are in force from the next step."""
+        decision, whose ``paths`` are in force from the next step, on trial if they differ
+        from those in force now."""
+        replaced = dict(self.paths)
         paths = choose(timings, links, contention, self.options.pin)
         predicted = {"chosen": simulate(timings, paths, links, contention)}
         for path in PATHS:
@@ -432,6 +459,45 @@ class Planner:
                                        links, contention)
         self.paths.update(paths)
         self.decision = Decision(step, dict(links), contention, dict(self.paths), predicted)
+        if self.paths != replaced and self._steps:
+            self._replaced = (replaced, statistics.median(self._steps))
+            self._steps.clear()
+            self.next_decision = step + TRIAL_STEPS
+        else:
+            self._schedule(step)
+        return self.decision
+
+    @property
+    def judging(self) -> bool:
+        """Whether the decision in force is on trial: the next ``due`` step judges it."""
+        return self._replaced is not None
+
+    def trial_seconds(self) -> list[float]:
+        """This rank's median step seconds under the replaced paths and under the
+        decision's, to be Max-allreduced with the other ranks'."""
+        return [self._replaced[1], statistics.median(self._steps)]
+
+    def judge(self, step: int, agreed: Sequence[float]) -> bool:
+        """Keeps the decision on trial if its steps took no longer than the replaced
+        paths' (``agreed`` ``trial_seconds``), else brings those paths back; returns
+        whether it stood."""
+        (replaced, _), (before, after) = self._replaced, agreed
+        kept = after <= before
+        if not kept:
+            self.paths = replaced
+            self._steps.clear()
+        self.decision.trial = {"replaced_seconds": before, "seconds": after, "kept": kept}
+        self._replaced = None
+        self._schedule(step)
+        return kept
+
+    def verdict(self) -> str:
+        """The last trial's outcome in one line, for the log."""
+        trial = self.decision.trial
+        return (f"{'kept' if trial['kept'] else 'reverted'}: "
+                f"{trial['seconds'] * 1e3:.1f} ms a step against "
+                f"{trial['replaced_seconds'] * 1e3:.1f} ms under the paths it replaced")
+
+    def _schedule(self, step: int) -> None:
         every = self.options.every
         self.next_decision = step + every if every else None
-        return self.decision

@@ -362,9 +362,12 @@ class CompressionPipeline:
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
         self.step += 1
         if self.planner is not None:
-            self.planner.end_step()
+            self.planner.end_step(time.perf_counter() - self._step_started)
             if self.planner.due(self.step):
-                self._decide()
+                if self.planner.judging:
+                    self._judge()
+                else:
+                    self._decide()
 
     def all_finite(self, skip=()):
         """Whether every exchanged gradient of this step, but those of ``skip``, is finite;
@@ -464,6 +467,18 @@ class CompressionPipeline:
         if self.rank == 0:
             log.info("hvd_compress adaptive, step %d: %s", self.step,
                      self.planner.describe())
+
+    def _judge(self):
+        """Agrees with every rank on the step times of the decision on trial and keeps or
+        reverts it (``adaptive.Planner.judge``); called between steps, on every rank at
+        the same step."""
+        agreed = hvd.allreduce(torch.tensor(self.planner.trial_seconds(), dtype=torch.float64),
+                               op=hvd.Max, name="hvdc.adaptive.trial").tolist()
+        self.planner.judge(self.step, agreed)
+        self._follow_planner()
+        if self.rank == 0:
+            log.info("hvd_compress adaptive, step %d: decision of step %d %s", self.step,
+                     self.planner.decision.step, self.planner.verdict())
 
     def _probe_links(self, device):
         """Every carrier's ``Link``, fitted to a small and a large probe collective on

@@ -3,9 +3,9 @@ Horovod: exact timelines, the choices they imply, and the planner's bookkeeping.
 import pytest
 
 from hvd_compress import TernGrad
-from hvd_compress.adaptive import (CARRIERS, Adaptive, Link, PathCost, Planner, TensorTiming,
-                                   choose, next_probe, path_traffic, probe_sent, simulate,
-                                   uniform)
+from hvd_compress.adaptive import (CARRIERS, TRIAL_STEPS, Adaptive, Link, PathCost, Planner,
+                                   TensorTiming, choose, next_probe, path_traffic, probe_sent,
+                                   simulate, uniform)
 from hvd_compress.cost import (FUSION_BYTES, alltoall_nbytes, compressed_traffic,
                                uncompressed_traffic)
 
@@ -117,7 +117,7 @@ def test_planner_warms_up_decides_and_redecides():
     planner.ready_at("a", 0.011)  # 0.01 of backward after b's 0.001 of work
     planner.spent("a", "before", 0.002, wall=0.004)
     planner.spent("a", "after", 0.003, wall=0.5)  # waits too: not a measure of contention
-    planner.end_step()
+    planner.end_step(0.1)
     assert planner.ready == {"b": 0.0, "a": pytest.approx(0.01)}
     assert planner.cpu[("a", "codec", "after")] == 0.003
     assert planner.contention == pytest.approx(2.0)
@@ -138,6 +138,41 @@ def test_planner_warms_up_decides_and_redecides():
     assert planner.due(5) and not planner.due(2)
     planner.restart(7)
     assert planner.paths == {"a": "codec", "b": "fp32"} and planner.due(9)
+
+
+def _decide_on(planner, step, link):
+    """A decision over tensors "a" and "b" (100 MB each, a codec of 4 ms a side) on
+    ``link``: fp32 everywhere when it is fast, the codec when it is slow."""
+    tensors = [_tensor(name, 0.0, 100, codec_cpu=(0.004, 0.004)) for name in "ab"]
+    return planner.decide(step, tensors, _links(*link), 1.0)
+
+
+FAST, SLOW = (1e-5, 1 / 125e9), (1e-4, 1 / 12.5e6)
+
+
+@pytest.mark.parametrize("trial_seconds, kept", [(0.09, True), (0.1, True), (0.11, False)])
+def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_no_slower(
+        trial_seconds, kept):
+    planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
+    for seconds in (0.5, 0.1, 0.1):  # the first step's allocations are outvoted
+        planner.end_step(seconds)
+    decision = _decide_on(planner, 3, FAST)
+    assert planner.paths == {"a": "fp32", "b": "fp32"} and planner.judging
+    assert planner.due(3 + TRIAL_STEPS) and not planner.due(2 + TRIAL_STEPS)
+    for _ in range(TRIAL_STEPS):
+        planner.end_step(trial_seconds)
+    assert planner.trial_seconds() == [pytest.approx(0.1), pytest.approx(trial_seconds)]
+    assert planner.judge(3 + TRIAL_STEPS, planner.trial_seconds()) is kept
+    assert not planner.judging and decision.trial["kept"] is kept
+    assert planner.paths == dict.fromkeys("ab", "fp32" if kept else "codec")
+    assert planner.report()["trial"] == decision.trial
+    assert planner.verdict().startswith("kept" if kept else "reverted")
+    # Counted from the judgement; a decision that changes nothing is not tried.
+    judged = 3 + TRIAL_STEPS
+    assert planner.next_decision == judged + 10
+    planner.end_step(0.1)
+    _decide_on(planner, judged + 10, FAST if kept else SLOW)
+    assert not planner.judging and planner.next_decision == judged + 20
 
 
 def test_every_zero_decides_once():

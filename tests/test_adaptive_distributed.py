@@ -3,13 +3,17 @@ rank at the probe, and error feedback kept whole when a tensor leaves its codec.
 import pytest
 import torch
 
+from hvd_compress.adaptive import TRIAL_STEPS
+
 from .harness import run_parallel
 from .test_pt_distributed import Net
 
 pytestmark = pytest.mark.multiprocess
 
-# Steps 2 and 5 end in decisions (warm-up of 2, again every 3).
-STEPS, WARMUP, EVERY = 7, 2, 3
+# Step 2 ends in a decision (warm-up of 2); if it changed paths, step 5 judges it (trial
+# of TRIAL_STEPS) and step 8 decides again, else steps 5 and 8 decide (every 3).
+WARMUP, EVERY = 2, 3
+STEPS = WARMUP + TRIAL_STEPS + EVERY
 LATE_SECONDS = 1.5
 
 
@@ -101,9 +105,16 @@ def test_every_rank_takes_the_same_decisions(adaptive_runs):
     assert first["routes"] == second["routes"]
     torch.testing.assert_close(first["params"], second["params"], rtol=0, atol=0)
     decided = [r["decided_at_step"] for r in first["reports"]]
-    # Decided after the warm-up, then every EVERY steps.
-    assert decided == [None] * (WARMUP - 1) + [WARMUP] * EVERY + \
-        [WARMUP + EVERY] * (STEPS - WARMUP + 1 - EVERY)
+    # Decided after the warm-up; then, after the trial if the decision changed paths,
+    # every EVERY steps.
+    tried = first["reports"][WARMUP - 1]["judging"]
+    second_decision = WARMUP + (TRIAL_STEPS if tried else 0) + EVERY
+    assert decided == [None] * (WARMUP - 1) + [WARMUP] * (second_decision - WARMUP) + \
+        [second_decision] * (STEPS + 1 - second_decision)
+    if tried:
+        judged = first["reports"][WARMUP + TRIAL_STEPS - 1]
+        assert not judged["judging"] and set(judged["trial"]) == {
+            "replaced_seconds", "seconds", "kept"}
     report = first["reports"][-1]
     assert set(report["predicted_seconds"]) == {"chosen", "codec", "fp16", "fp32"}
     assert report["predicted_seconds"]["chosen"] <= min(
