@@ -122,6 +122,6 @@ class WorkerMomentum:
                 "learning_rate": dict(self.learning_rate)}
 
     def load_state_dict(self, state):
-        self.momentum = {k: v.clone() for k, v in state["momentum"].items()}
-        self.decay = {k: v.clone() for k, v in state["decay"].items()}
+        self.momentum = {k: v.clone() for k, v in self.pipeline.placed(state["momentum"]).items()}
+        self.decay = {k: v.clone() for k, v in self.pipeline.placed(state["decay"]).items()}
         self.learning_rate = dict(state["learning_rate"])

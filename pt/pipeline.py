@@ -536,11 +536,19 @@ class CompressionPipeline:
         self.rank = int(state.get("rank", self.rank))
         for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
             if memory is not None and role in state:
-                memory.load_state_dict(state[role])
+                memory.load_state_dict(self.placed(state[role]))
         if self.planner is not None:
             # Measurements are of this machine and job: a restored run warms up again.
             self.planner.restart(self.step)
             self._follow_planner()
+
+    def placed(self, tensors):
+        """``tensors`` (parameter name -> state tensor) on their parameters' devices: a
+        checkpoint is usually loaded with ``map_location="cpu"``, and its state must live
+        where the gradients are."""
+        devices = {plan.name: param.device for param, plan in self.plans.items()}
+        return {name: tensor.to(devices.get(name, tensor.device))
+                for name, tensor in tensors.items()}
 
     # ----- accounting -----
 

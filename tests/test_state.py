@@ -3,6 +3,7 @@ with non-finite gradients that leave no trace."""
 import pytest
 import torch
 
+from .devices import DEVICES, rank_device
 from .harness import run_parallel
 from .test_pt_distributed import Net, _flat
 
@@ -20,10 +21,10 @@ CASES = [("none", "none", {}, None), ("fp16", "fp16", {}, None),
          ("adacomp", "adacomp", {}, None), ("clt-k", "clt-k", {}, None)]
 
 
-def _setup(name, params, error_feedback, exchange="auto"):
+def _setup(name, params, error_feedback, exchange="auto", device="cpu"):
     import hvd_compress.pt as hc
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(rank_device(device))
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     optimizer = hc.DistributedOptimizer(base, model.named_parameters(),
                                         compression=hc.CODECS[name](**params),
@@ -35,8 +36,10 @@ def _setup(name, params, error_feedback, exchange="auto"):
 
 def _step(model, optimizer, schedule, step, rank, scaler=None, poison=False):
     data = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(8, 64, generator=data)
-    loss = torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (8,), generator=data))
+    device = next(model.parameters()).device
+    x = torch.randn(8, 64, generator=data).to(device)
+    y = torch.randint(0, 10, (8,), generator=data).to(device)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
     if poison:
         loss = loss * float("nan")
     optimizer.zero_grad()
@@ -53,14 +56,14 @@ def _step(model, optimizer, schedule, step, rank, scaler=None, poison=False):
     schedule.step()
 
 
-def _train_and_checkpoint(directory, steps, save_at):
+def _train_and_checkpoint(directory, steps, save_at, device):
     """Every case trains ``steps`` steps; each rank saves its own checkpoint at ``save_at``
     (worker residuals are per rank)."""
     import horovod.torch as hvd
     hvd.init()
     trajectories = {}
     for label, name, params, error_feedback in CASES:
-        model, optimizer, schedule = _setup(name, params, error_feedback)
+        model, optimizer, schedule = _setup(name, params, error_feedback, device=device)
         hvd.broadcast_parameters(model.state_dict(), 0)
         trajectory = []
         for step in range(steps):
@@ -69,33 +72,38 @@ def _train_and_checkpoint(directory, steps, save_at):
                             "schedule": schedule.state_dict()},
                            f"{directory}/{label}-rank{hvd.rank()}.pt")
             _step(model, optimizer, schedule, step, hvd.rank())
-            trajectory.append(_flat(model))
+            trajectory.append(_flat(model).cpu())
         trajectories[label] = trajectory
     return trajectories
 
 
-def _resume(directory, steps, save_at):
+def _resume(directory, steps, save_at, device):
+    """Resumes every case from its checkpoint, loaded the usual way: onto the CPU, whatever
+    the device it was saved from (the state must follow the parameters to theirs)."""
     import horovod.torch as hvd
     hvd.init()
     trajectories = {}
     for label, name, params, error_feedback in CASES:
-        model, optimizer, schedule = _setup(name, params, error_feedback)
-        checkpoint = torch.load(f"{directory}/{label}-rank{hvd.rank()}.pt", weights_only=True)
+        model, optimizer, schedule = _setup(name, params, error_feedback, device=device)
+        checkpoint = torch.load(f"{directory}/{label}-rank{hvd.rank()}.pt", map_location="cpu",
+                                weights_only=True)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         schedule.load_state_dict(checkpoint["schedule"])
         trajectory = []
         for step in range(save_at, steps):
             _step(model, optimizer, schedule, step, hvd.rank())
-            trajectory.append(_flat(model))
+            trajectory.append(_flat(model).cpu())
         trajectories[label] = trajectory
     return trajectories
 
 
-def test_resumed_runs_continue_bitwise_identically(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_resumed_runs_continue_bitwise_identically(tmp_path, device):
     steps, save_at = 12, 5  # the learning rate halves at steps 4 and 8
-    uninterrupted = run_parallel(_train_and_checkpoint, 2, str(tmp_path), steps, save_at)
-    resumed = run_parallel(_resume, 2, str(tmp_path), steps, save_at)
+    uninterrupted = run_parallel(_train_and_checkpoint, 2, str(tmp_path), steps, save_at,
+                                 device)
+    resumed = run_parallel(_resume, 2, str(tmp_path), steps, save_at, device)
     for rank in range(2):
         for label, *_ in CASES:
             for offset, params in enumerate(resumed[rank][label]):
