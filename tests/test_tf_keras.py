@@ -98,3 +98,43 @@ def test_fit_keeps_ranks_identical_after_every_batch(world):
         if codec.two_way:
             assert "_hvdc_pipeline/server_memory/residuals" in saved
             assert "_hvdc_pipeline/worker_memory/residuals" in saved
+
+
+def _jit_compiled():
+    """What ``model.fit`` with ``jit_compile=True`` (Keras 3's default on a GPU) and a tape in
+    an XLA-compiled ``tf.function`` raise."""
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+    hvd.init()
+    x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=htf.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                     compression="terngrad"),
+                  loss="mse", jit_compile=True)
+    errors = []
+    try:
+        model.fit(x, y, verbose=0)
+    except ValueError as error:
+        errors.append(str(error))
+
+    @tf.function(jit_compile=True)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        return htf.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    try:
+        step()
+    except ValueError as error:
+        errors.append(str(error))
+    return errors
+
+
+def test_xla_compiled_steps_are_refused_with_the_remedy():
+    [errors] = run_parallel(_jit_compiled, 1, timeout=300)
+    assert len(errors) == 2
+    for error in errors:
+        assert "XLA cannot compile Horovod's collectives" in error
+        assert "jit_compile=False" in error

@@ -34,7 +34,7 @@ from hvd_compress.registry import resolve
 from hvd_compress.validation import check_choice, check_float, check_int
 
 from . import CODECS
-from .exchange import Meter
+from .exchange import Meter, refuse_xla
 from .optimizer import wrap_in_subclass
 from .pipeline import make_pipeline, variable_name
 
@@ -100,6 +100,7 @@ class _LocalClipSGD:
     def apply(self, grads, trainable_variables=None):
         """One local clipped step; after every ``sync_every``-th, the variables are
         averaged."""
+        refuse_xla("LocalClipSGD")
         grads = list(grads)
         if trainable_variables is None:
             variables = self._trainable_variables

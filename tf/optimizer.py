@@ -85,7 +85,8 @@ def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
     optimizer's state. Its compression plan is made when Keras builds the optimizer on the
     model's variables. Broadcast the initial state with
     ``hvd_compress.tf.callbacks.BroadcastGlobalVariablesCallback``. On a GPU, compile the
-    model with ``jit_compile=False``: XLA cannot compile Horovod's collectives.
+    model with ``jit_compile=False``: XLA cannot compile Horovod's collectives, and an
+    XLA-compiled step is refused with a ValueError.
 
     Args:
         optimizer: the ``keras.optimizers.Optimizer`` to wrap.

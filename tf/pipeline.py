@@ -20,7 +20,8 @@ from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
 
 from . import seeding
-from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange
+from .exchange import (TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange,
+                       refuse_xla)
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
 
@@ -162,6 +163,7 @@ class CompressionPipeline(tf.Module):
         if len(grads) != len(self.plans):
             raise ValueError(f"CompressionPipeline: got {len(grads)} gradients for "
                              f"{len(self.plans)} variables")
+        refuse_xla("hvd_compress")
         fusions = self._fusion_groups()
         outputs = [None] * len(self.plans)
         sent_elements = [plan.numel for plan in self.plans]
