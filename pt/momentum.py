@@ -96,7 +96,6 @@ class WorkerMomentum:
     def applied_by_worker(self):
         """Adds weight decay (with its own momentum) to the exchanged direction, then lets
         the base SGD step run as plain SGD."""
-        saved = []
         for group in self.optimizer.param_groups:
             mu, decay = group["momentum"], group["weight_decay"]
             for param in group["params"]:
@@ -108,7 +107,17 @@ class WorkerMomentum:
                 buffer = step.clone() if buffer is None else buffer.mul_(mu).add_(step)
                 self.decay[name] = buffer
                 param.grad.add_(step).add_(buffer, alpha=mu)
-            saved.append((group, mu, decay, group["nesterov"]))
+        with self.plain_sgd():
+            yield
+
+    @contextlib.contextmanager
+    def plain_sgd(self):
+        """Switches the base SGD's momentum, weight decay and Nesterov off in every group,
+        and back on at the end: this mode applies them itself, so the base step must not,
+        and plain SGD keeps no state (no ``momentum_buffer``)."""
+        saved = []
+        for group in self.optimizer.param_groups:
+            saved.append((group, group["momentum"], group["weight_decay"], group["nesterov"]))
             group.update(momentum=0, weight_decay=0, nesterov=False)
         try:
             yield

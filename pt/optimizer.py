@@ -24,9 +24,16 @@ class _DistributedOptimizer:
     ``DistributedOptimizer``); the base class is called explicitly, never through ``super``,
     because these functions are copied into a class built at run time."""
 
-    def _hvdc_setup(self, base, pipeline, backward_passes_per_step, worker_momentum):
+    def _hvdc_setup(self, base, pipeline, backward_passes_per_step, worker_momentum,
+                    sparse_as_dense):
         self._hvdc_base = base
         self._hvdc_pipeline = pipeline
+        # Horovod's optimizer keeps {parameter: name} under this private name, sorted by name,
+        # and code written against it reads it.
+        self._parameter_names = {p: plan.name for p, plan in
+                                 sorted(pipeline.plans.items(), key=lambda item: item[1].name)}
+        self._hvdc_sparse_as_dense = sparse_as_dense
+        self._hvdc_densified = {}  # parameter -> sparse_dim of the gradient it densified
         self._hvdc_momentum = WorkerMomentum(self, pipeline) \
             if worker_momentum else None
         self._hvdc_passes = backward_passes_per_step
@@ -46,11 +53,23 @@ class _DistributedOptimizer:
         self._hvdc_delay[param] -= 1
         if self._hvdc_delay[param] == 0:
             self._hvdc_launched.add(param)
+            self._hvdc_densify(param)
             ratio, momentum = 1.0, None
             if self._hvdc_momentum is not None:
                 ratio, momentum = self._hvdc_momentum.before_exchange(
                     param, defer=self._hvdc_pipeline.fuses(param))
             self._hvdc_pipeline.launch(param, ratio, momentum)
+
+    def _hvdc_densify(self, param):
+        """With ``sparse_as_dense``, replaces a sparse gradient by its dense form when it is
+        read for the exchange, as Horovod does: a tensor hook may not change a gradient's
+        layout, and gradients accumulated over several backward passes stay sparse until
+        then. ``synchronize`` makes the average sparse again with the same ``sparse_dim``,
+        for optimizers that take only sparse gradients (``SparseAdam``)."""
+        grad = param.grad
+        if self._hvdc_sparse_as_dense and grad is not None and grad.is_sparse:
+            self._hvdc_densified[param] = grad.sparse_dim()
+            param.grad = grad.to_dense()
 
     def synchronize(self):
         """Waits for every gradient exchange of this step and writes the averaged
@@ -58,7 +77,12 @@ class _DistributedOptimizer:
         ``skip_synchronize()``."""
         missing = [p for p in self._hvdc_pipeline.plans
                    if p.requires_grad and p not in self._hvdc_launched]
+        for param in missing:
+            self._hvdc_densify(param)
         self._hvdc_pipeline.synchronize(missing)
+        for param, sparse_dim in self._hvdc_densified.items():
+            param.grad = param.grad.to_sparse(sparse_dim)
+        self._hvdc_densified.clear()
         self._hvdc_launched.clear()
         self._hvdc_delay = dict.fromkeys(self._hvdc_delay, self._hvdc_passes)
         self._hvdc_synchronized = True
@@ -156,7 +180,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
     Args:
         optimizer: the ``torch.optim.Optimizer`` to wrap.
         named_parameters: ``model.named_parameters()``; names key the exchanges and the
-            compression state. Without it parameters are named ``noname.<group>.<index>``.
+            compression state. Without it parameters are named
+            ``allreduce.noname.<group>.<index>``, as in Horovod.
         compression: a codec instance (``hvd_compress.pt.TernGrad(clip=2.5)``,
             ``hvd_compress.pt.AdaComp.for_model(model)``) or a registry name (``"none"``,
             ``"fp16"``, ``"terngrad"``, ``"adacomp"``, ``"clt-k"``, ...).
@@ -165,7 +190,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         gradient_predivide_factor: as in Horovod, for the uncompressed allreduces (sums of
             integer codes are exact, so compressed tensors do not need it).
         num_groups, groups: must be left unset; tensors are fused by Horovod's fusion buffer.
-        sparse_as_dense: densify sparse gradients so they can be compressed.
+        sparse_as_dense: densify sparse gradients (sparse embeddings) when they are read for
+            the exchange, so they can be compressed; the optimizer gets the average as a
+            sparse gradient again, as in Horovod.
         process_set: only the global process set is supported.
         exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
             ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
@@ -226,9 +253,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         WorkerMomentum.check(optimizer)
 
     named = _named_parameters(optimizer, named_parameters)
-    if sparse_as_dense:
-        for _, p in named:
-            p.register_hook(lambda grad: grad.to_dense() if grad.is_sparse else grad)
     whole = set(uncompressed)
     unknown = whole - {name for name, _ in named}
     if unknown:
@@ -246,15 +270,31 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         uncompressed=whole, prescale_factor=1.0 / predivide, postscale_factor=predivide,
         error_feedback=error_feedback, adaptive=adaptive)
 
-    wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer)
-    wrapped._hvdc_setup(optimizer.__class__, pipeline, passes, bool(worker_momentum))
+    wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, local_step=_local_step)
+    wrapped._hvdc_setup(optimizer.__class__, pipeline, passes, bool(worker_momentum),
+                        bool(sparse_as_dense))
     return wrapped
 
 
-def wrap_in_subclass(optimizer, methods):
+def _local_step(self, closure=None):
+    """The base optimizer's step without an exchange: what ``hvd.broadcast_optimizer_state``
+    runs with zero gradients (``super(type(opt), opt).step()``) to create the state of an
+    optimizer that has none. In the worker-momentum mode the base SGD runs as plain SGD, as
+    in every step of that mode, so this step creates no state either, and rank 0's loaded
+    state stays what every rank ends with; with the groups' momentum on, it created
+    ``momentum_buffer`` entries that no step of the mode reads."""
+    if self._hvdc_momentum is None:
+        return self._hvdc_base.step(self, closure)
+    with self._hvdc_momentum.plain_sgd():
+        return self._hvdc_base.step(self, closure)
+
+
+def wrap_in_subclass(optimizer, methods, local_step=None):
     """An instance of a subclass of ``optimizer``'s class, built at run time with the
     methods of the class ``methods`` added, that shares ``optimizer``'s state, parameter
-    groups and hooks."""
+    groups and hooks. ``local_step``, if given, is what ``super(type(wrapped),
+    wrapped).step()`` runs instead of the base class's ``step``: a class between the two
+    holds it."""
     base = optimizer.__class__
     methods = {k: v for k, v in vars(methods).items() if not k.startswith("__")}
     # horovod.torch.broadcast_optimizer_state recognises a distributed optimizer by this
@@ -262,7 +302,9 @@ def wrap_in_subclass(optimizer, methods):
     # (super(type(opt), opt).step()); any other module gets a full step(), which would
     # start collectives on only the ranks whose state is empty and hang.
     methods["__module__"] = horovod_optimizer.DistributedOptimizer.__module__
-    cls = type(base.__name__, (base,), methods)
+    parent = base if local_step is None else \
+        type(base.__name__, (base,), {"step": local_step, "__module__": __name__})
+    cls = type(base.__name__, (parent,), methods)
     wrapped = cls.__new__(cls)
     # Share the state, parameter groups and hooks of the given optimizer, but not
     # instance-level overrides of our methods (LR schedulers wrap ``opt.step`` that way).
@@ -274,7 +316,7 @@ def _named_parameters(optimizer, named_parameters):
     """(name, parameter) pairs for every parameter of the optimizer, checked like Horovod."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        return [(f"noname.{i}.{j}", p) for i, group in enumerate(optimizer.param_groups)
+        return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(optimizer.param_groups)
                 for j, p in enumerate(group["params"])]
     named = list(named_parameters)
     if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):

@@ -1,0 +1,225 @@
+"""The PyTorch DistributedOptimizer where Horovod code relies on Horovod's optimizer: sparse
+embeddings with and without ``sparse_as_dense``, ``hvd.broadcast_optimizer_state`` after rank
+0 alone loaded a checkpoint (every ``torch.optim`` optimizer Horovod's own test broadcasts,
+with ``none``, TernGrad, QSGD-inf and ef-sign), and ``_parameter_names``. One 2-process job
+runs all three."""
+import inspect
+import io
+import itertools
+
+import pytest
+import torch
+
+from .harness import run_parallel
+
+pytestmark = pytest.mark.multiprocess
+
+# (codec, sparse_as_dense, backward_passes_per_step, optimizer): codecs that compress the
+# embedding once it is dense (min_size=0; the head is the classifier, sent whole), an
+# accumulation of sparse gradients over two passes, and Horovod's own case, SparseAdam on the
+# embedding alone (then the classifier, compressed only if told).
+SPARSE_CASES = [(codec, dense, 1, "SGD") for codec in ("none", "terngrad:min_size=0")
+                for dense in (False, True)] + [
+    ("ef-sign:min_size=0", True, 1, "SGD"), ("terngrad:min_size=0", True, 2, "SGD"),
+    ("none", False, 1, "SparseAdam"), ("none", True, 1, "SparseAdam"),
+    ("terngrad:min_size=0:compress_classifier=True", True, 1, "SparseAdam")]
+SPARSE_STEPS = 3
+LOOKED_UP = {0, 1, 3, 4, 5, 10, 11}  # the embedding's rows some rank looks up (``_tokens``)
+
+BROADCAST_CODECS = ("none", "terngrad:min_size=0", "qsgd-inf:min_size=0", "ef-sign:min_size=0")
+# Horovod 0.28.1's test_broadcast_state: each optimizer takes the options it has.
+BROADCAST_OPTIONS = (dict(lr=0.2, momentum=0.9, weight_decay=0.1, centered=True), dict(lr=0.2))
+
+
+def _broadcast_optimizers():
+    """Horovod's test's optimizers, AdamW included: every optimizer of ``torch.optim`` but
+    L-BFGS (which Horovod cannot broadcast), SparseAdam (sparse gradients only) and Muon (2-d
+    parameters only)."""
+    return [cls for name, cls in sorted(vars(torch.optim).items())
+            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and
+            name not in ("Optimizer", "LBFGS", "SparseAdam", "Muon")]
+
+
+def _tokens(rank, step):
+    """This rank's lookups at ``step``: over the ranks and steps the rows of ``LOOKED_UP``,
+    rows 0, 1 and 4 at every step."""
+    return torch.tensor([[rank, 3 + step, 10 + rank], [1, 5 - step, 4]])
+
+
+def _sparse_run(codec, sparse_as_dense, passes, optimizer_name):
+    """Trains an embedding (sparse gradients) and a linear head; returns the weights after
+    every step, whether the optimizer was handed sparse embedding gradients, and the bytes
+    of the last step handed to Horovod against a plain allreduce's."""
+    import horovod.torch as hvd
+    import hvd_compress.pt as hc
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50, 8, sparse=True)
+    head = torch.nn.Linear(8, 3)
+    named = [("embedding.weight", embedding.weight)]
+    if optimizer_name == "SparseAdam":
+        base = torch.optim.SparseAdam([embedding.weight], lr=0.1)
+    else:
+        named += [("head.weight", head.weight), ("head.bias", head.bias)]
+        base = torch.optim.SGD([p for _, p in named], lr=0.5, momentum=0.9)
+    optimizer = hc.DistributedOptimizer(base, named, compression=codec,
+                                        sparse_as_dense=sparse_as_dense,
+                                        backward_passes_per_step=passes)
+    weights, sparse = [], []
+    for step in range(SPARSE_STEPS):
+        optimizer.zero_grad()
+        for _ in range(passes):
+            head(embedding(_tokens(hvd.rank(), step))).pow(2).sum().backward()
+        optimizer.step()
+        sparse.append(embedding.weight.grad.is_sparse)
+        weights.append((embedding.weight.detach().clone(), head.weight.detach().clone()))
+    stats = optimizer.compression_stats()
+    return weights, sparse, (stats["bytes_handed"], stats["bytes_uncompressed"])
+
+
+def _state(optimizer):
+    """A copy of the optimizer's ``state`` and ``param_groups`` (the compression state
+    apart): what ``hvd.broadcast_optimizer_state`` sends."""
+    state = optimizer.state_dict()
+    return {"state": {pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                      for pid, s in state["state"].items()},
+            "param_groups": state["param_groups"]}
+
+
+def _broadcast_run(cls, options, codec):
+    """One step, rank 0 saves, every rank rebuilds, rank 0 alone loads, then the usual
+    broadcasts; returns rank 0's loaded state (None elsewhere), every rank's state after the
+    broadcasts, and rank 0's compression state before and after them."""
+    import horovod.torch as hvd
+    import hvd_compress.pt as hc
+    accepted = inspect.signature(cls.__init__).parameters
+    data = torch.Generator().manual_seed(hvd.rank())
+
+    def build():
+        torch.manual_seed(hvd.rank())  # different weights on every rank
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+        base = cls(model.parameters(), **{k: v for k, v in options.items() if k in accepted})
+        return model, hc.DistributedOptimizer(base, model.named_parameters(), compression=codec)
+
+    model, optimizer = build()
+    optimizer.zero_grad()
+    model(torch.randn(4, 6, generator=data)).pow(2).sum().backward()
+    optimizer.step()
+    checkpoint = io.BytesIO()
+    if hvd.rank() == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   checkpoint)
+    model, optimizer = build()
+    loaded = compression = None
+    if hvd.rank() == 0:
+        checkpoint.seek(0)
+        saved = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        loaded, compression = _state(optimizer), optimizer.state_dict()["hvd_compress"]
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    return loaded, _state(optimizer), compression, optimizer.state_dict()["hvd_compress"]
+
+
+def _parameter_names():
+    """Horovod's own test of unnamed parameters (two groups, no ``named_parameters``), and
+    named ones; returns the names in parameter order and in the map's order."""
+    import hvd_compress.pt as hc
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
+    unnamed = hc.DistributedOptimizer(torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.001))
+    named = hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.001),
+                                    reversed(list(model.named_parameters())),
+                                    compression="terngrad")
+    return {which: ([optimizer._parameter_names[p] for p in model.parameters()],
+                    list(optimizer._parameter_names.values()))
+            for which, optimizer in (("unnamed", unnamed), ("named", named))}
+
+
+def _dropin_job():
+    import horovod.torch as hvd
+    hvd.init()
+    return {
+        "sparse": [_sparse_run(*case) for case in SPARSE_CASES],
+        "broadcast": {(cls.__name__, index, codec): _broadcast_run(cls, options, codec)
+                      for cls, (index, options), codec in itertools.product(
+                          _broadcast_optimizers(), enumerate(BROADCAST_OPTIONS),
+                          BROADCAST_CODECS)},
+        "names": _parameter_names(),
+    }
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_parallel(_dropin_job, 2, timeout=300)
+
+
+@pytest.mark.parametrize("case", range(len(SPARSE_CASES)),
+                         ids=[f"{c}/dense={d}/passes={p}/{o}" for c, d, p, o in SPARSE_CASES])
+def test_sparse_embedding_trains_with_and_without_sparse_as_dense(job, case):
+    (weights, sparse, (handed, whole)), (other_weights, *_) = \
+        (rank["sparse"][case] for rank in job)
+    codec, dense = SPARSE_CASES[case][:2]
+    if dense:
+        # The embedding went by the dense allreduce, or compressed by the codec.
+        assert handed == whole if codec == "none" else 0 < handed < whole
+    for (embedding, head), (other_embedding, other_head) in zip(weights, other_weights):
+        assert torch.equal(embedding, other_embedding) and torch.equal(head, other_head)
+    # As in Horovod, the optimizer is handed sparse gradients either way (SparseAdam
+    # takes no others).
+    assert all(sparse)
+    torch.manual_seed(0)
+    before = torch.nn.Embedding(50, 8, sparse=True).weight.detach()
+    changed = set((weights[-1][0] != before).any(1).nonzero().reshape(-1).tolist())
+    assert {0, 1, 4} <= changed
+    if not codec.startswith("ef-sign"):
+        # Rows no rank looked up stay (ef-sign's one bit per element has no zero).
+        assert changed <= LOOKED_UP
+
+
+def test_sparse_as_dense_averages_as_the_sparse_allreduce(job):
+    """``none`` by a dense allreduce and by Horovod's sparse allreduce: the same training."""
+    index = {case[:2]: i for i, case in enumerate(SPARSE_CASES) if case[2:] == (1, "SGD")}
+    sparse, dense = (job[0]["sparse"][index["none", d]][0] for d in (False, True))
+    for (embedding, head), (dense_embedding, dense_head) in zip(sparse, dense):
+        torch.testing.assert_close(dense_embedding, embedding, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense_head, head, rtol=1e-5, atol=1e-5)
+
+
+def _equal(a, b):
+    """Same structure, types and values; tensors bit for bit."""
+    if type(a) is not type(b):
+        return False
+    if torch.is_tensor(a):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_broadcast_after_rank0_loads_leaves_the_loaded_state_everywhere(job):
+    broadcasts = job[0]["broadcast"]
+    assert len(_broadcast_optimizers()) >= 12
+    assert len(broadcasts) == \
+        len(_broadcast_optimizers()) * len(BROADCAST_OPTIONS) * len(BROADCAST_CODECS)
+    for key, (loaded, _, compression, compression_after) in broadcasts.items():
+        for rank in job:
+            after = rank["broadcast"][key][1]
+            assert after["state"].keys() == loaded["state"].keys(), key
+            assert _equal(after, loaded), key
+        # The broadcast's initialising step leaves rank 0's compression state alone.
+        assert _equal(compression_after, compression), key
+
+
+def test_parameter_names_as_in_horovod(job):
+    names = job[0]["names"]
+    assert all(rank["names"] == names for rank in job)
+    in_order, in_map = names["unnamed"]
+    assert in_order == ["allreduce.noname.0.0", "allreduce.noname.0.1",
+                        "allreduce.noname.1.0", "allreduce.noname.1.1"]
+    assert in_map == sorted(in_map)
+    in_order, in_map = names["named"]
+    assert in_order == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert in_map == sorted(in_order)
