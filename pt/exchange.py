@@ -220,34 +220,50 @@ class Allgather(_Exchange):
         # Equal lengths: gathered as rows.
         return [hvd.allgather_async(self.meter.hand(payload.reshape(1, -1)), name=name)], scale
 
-    def _codes(self, handles):
-        """Each worker's codes (rows) and own scales, from the gathered payloads."""
-        if self.elias:
-            chunks = _gathered_payloads(handles)
-            codes = torch.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in chunks])
-            heads = torch.stack([c[:self.scale_bytes] for c in chunks])
-        else:
-            data = wait(handles[0])
-            codes = unpack(data[:, self.scale_bytes:], self.codec.code_space, self.numel)
-            heads = data[:, :self.scale_bytes]
-        return codes, _floats(heads)
+    def _codes(self, gathered):
+        """Each worker's codes and own scales, one worker at a time in rank order, from
+        the ``gathered`` payloads: (codes, scales), each a row. One at a time, the eager
+        decode holds a few copies of the tensor, not N."""
+        for payload in gathered:
+            payload = payload.reshape(1, -1)
+            codes = elias.decode(payload[0, self.scale_bytes:], self.numel).reshape(1, -1) \
+                if self.elias else \
+                unpack(payload[:, self.scale_bytes:], self.codec.code_space, self.numel)
+            yield codes, _floats(payload[:, :self.scale_bytes])
+
+    def _decoded_sum(self, rows, count):
+        """The sum over the workers, in rank order, of their codes (``rows`` of codes and
+        own scales) decoded under their own scales and ``count``."""
+        total = None
+        for codes, scales in rows:
+            decoded = self.codec.decode(self.codec.values(codes), scales, count).reshape(-1)
+            total = decoded if total is None else total.add_(decoded)
+        return total
 
     def finish(self, pending):
         handles, scale = pending
+        gathered = _gathered_payloads(handles) if self.elias else wait(handles[0])
         if self.server is not None:  # two-way codecs pack at a fixed width
-            return self._serve(wait(handles[0]))
+            return self._serve(gathered)
+        return self.decode(gathered, scale)
+
+    def decode(self, gathered, scale):
+        """The decoded average (or sum) of every worker's payload: ``gathered`` holds them
+        as rows, or for Elias codes as a list; ``scale`` is the shared scale, if any."""
         if not self.elias and self._fused(scale):
-            rows = wait(handles[0])
-            codes = rows[:, self.scale_bytes:]
+            codes = gathered[:, self.scale_bytes:]
             if not self.own_scale:
                 return fused.decoded_sums(self.codec, codes, scale, self.count, self.numel)
-            return fused.decoded_own_scales(self.codec, codes, _floats(rows[:, :self.scale_bytes]),
-                                            self.count, self.numel)
-        codes, own_scales = self._codes(handles)
-        values = self.codec.values(codes)
-        if not self.own_scale:
-            return self.codec.decode(_sum_rows(values), scale, self.count)
-        return self.codec.decode(values, own_scales, self.count).sum(dim=0)
+            return fused.decoded_own_scales(
+                self.codec, codes, _floats(gathered[:, :self.scale_bytes]), self.count,
+                self.numel)
+        if self.own_scale:
+            return self._decoded_sum(self._codes(gathered), self.count)
+        total = None
+        for codes, _ in self._codes(gathered):
+            values = self.codec.values(codes)
+            total = _sum_rows(values) if total is None else total.add_(values[0])
+        return self.codec.decode(total, scale, self.count)
 
     def _serve(self, rows):
         """The replicated server: every rank runs the same server step on every worker's
@@ -258,8 +274,9 @@ class Allgather(_Exchange):
             packed, server_scale = fused.server_step(self.server, self.codec, bits,
                                                      own_scales[:, 0], self.count, self.numel)
             return self._servers_signs(packed.reshape(1, -1), server_scale, self.numel)[0]
-        values = self.codec.values(unpack(bits, self.codec.code_space, self.numel))
-        average = self.codec.decode(values, own_scales, 1).sum(dim=0) / self.count
+        rows = ((unpack(bits[r:r + 1], self.codec.code_space, self.numel), own_scales[r:r + 1])
+                for r in range(bits.shape[0]))
+        average = self._decoded_sum(rows, 1) / self.count
         return self.server(self.codec, average)[2]
 
 

@@ -357,6 +357,25 @@ def _scales(codec, numel, rows, seed, bad):
     return scales
 
 
+@pytest.mark.parametrize("reference", QUANTIZERS, ids=repr)
+@pytest.mark.parametrize("numel", [4097])
+def test_allgather_eager_decode_row_by_row_is_the_kernels_sum(monkeypatch, reference, numel):
+    """The allgather's eager decode (what CUDA tensors run), which unpacks one worker at a
+    time and accumulates, gives the kernels' in-order sum bit for bit, shared scale or own
+    scales."""
+    from hvd_compress.pt.exchange import Allgather, Meter
+    world = 5
+    codec = _port(reference)
+    exchange = Allgather(codec, numel, world, Meter(), world)
+    own = _scales(codec, numel, world, numel + 1, None)
+    head = own.view(torch.uint8) if exchange.own_scale else own[:, :0].view(torch.uint8)
+    gathered = torch.cat([head, _received(codec, world, numel, numel + world)], dim=1)
+    scale = None if exchange.own_scale else own[0]
+    kernels = exchange.decode(gathered, scale)
+    monkeypatch.setattr(fused, "ENABLED", False)
+    np.testing.assert_array_equal(exchange.decode(gathered, scale).numpy(), kernels.numpy())
+
+
 @pytest.mark.parametrize("reference", QUANTIZERS[::2], ids=repr)
 @pytest.mark.parametrize("numel", LENGTHS)
 @pytest.mark.parametrize("world", [1, 4])
