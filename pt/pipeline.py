@@ -138,6 +138,7 @@ class CompressionPipeline:
                 plan.name for plan in self.plans.values() if plan.reason == "compressed"])
             self._follow_planner()
         self._step_started = None  # perf_counter() of the step's first gradient
+        self._step_agreed = False   # whether every rank has taken the same step counter
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
         problem = agreement.disagreement(hvd.allgather_object(agreement.describe(
@@ -190,6 +191,8 @@ class CompressionPipeline:
         ``momentum`` (``WorkerMomentum.Deferred``, only where ``fuses``) is applied to the
         gradient on the way."""
         if not self._in_flight:
+            if not self._step_agreed:
+                self._agree_on_step()
             self._follow_world()
             self._fusions = self._fusion_groups()
             self._step_started = time.perf_counter()
@@ -380,6 +383,19 @@ class CompressionPipeline:
         extremes = [torch.stack(torch.aminmax(g)) for g in grads
                     if g.numel() and g.is_floating_point()]
         return bool(torch.isfinite(torch.cat(extremes)).all()) if extremes else True
+
+    def _agree_on_step(self):
+        """Takes the largest step counter of any rank, once, before the first exchange.
+        After rank 0 alone loaded a checkpoint and ``hvd.broadcast_optimizer_state`` shared
+        the optimizer's state (which does not carry this pipeline's), the other ranks would
+        count from 0; the counter chooses CLT-k's leader and the adaptive mode's decision
+        steps, which every rank must take alike or hang."""
+        self.step = int(hvd.allreduce(torch.tensor([self.step], dtype=torch.int64),
+                                      op=hvd.Max, name="hvdc.step").item())
+        self._step_agreed = True
+        if self.planner is not None:
+            self.planner.restart(self.step)
+            self._follow_planner()
 
     def _follow_world(self):
         """Adapts to a world that elastic Horovod changed between steps (``hvd.elastic``).

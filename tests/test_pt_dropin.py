@@ -121,6 +121,51 @@ def _broadcast_run(cls, options, codec):
     return loaded, _state(optimizer), compression, optimizer.state_dict()["hvd_compress"]
 
 
+# Codecs whose collectives depend on the step counter: CLT-k's leader, and the adaptive
+# mode's decision steps.
+RESUME_CASES = ("clt-k", "terngrad+adaptive")
+RESUME_STEPS = 3
+
+
+def _resume_on_rank0(case):
+    """Trains RESUME_STEPS steps; rank 0 saves, every rank rebuilds, rank 0 alone loads,
+    the state is broadcast, and RESUME_STEPS more steps run. Returns the parameters and
+    the step counter of the compression state."""
+    import horovod.torch as hvd
+    import hvd_compress.pt as hc
+    data = torch.Generator().manual_seed(hvd.rank())
+    codec, adaptive = (case.split("+")[0], case.endswith("+adaptive"))
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 500), torch.nn.Linear(500, 3))
+        return model, hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+            compression=hc.CODECS[codec](min_size=100),
+            adaptive=hc.Adaptive(warmup_steps=2, every=2) if adaptive else False)
+
+    def train(model, optimizer):
+        for _ in range(RESUME_STEPS):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(torch.randn(4, 6, generator=data)),
+                                              torch.randint(0, 3, (4,), generator=data)
+                                              ).backward()
+            optimizer.step()
+
+    model, optimizer = build()
+    train(model, optimizer)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    model, optimizer = build()
+    if hvd.rank() == 0:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    train(model, optimizer)
+    return ([p.detach().clone() for p in model.parameters()],
+            optimizer.compression_stats()["step"])
+
+
 def _parameter_names():
     """Horovod's own test of unnamed parameters (two groups, no ``named_parameters``), and
     named ones; returns the names in parameter order and in the map's order."""
@@ -146,6 +191,7 @@ def _dropin_job():
                           _broadcast_optimizers(), enumerate(BROADCAST_OPTIONS),
                           BROADCAST_CODECS)},
         "names": _parameter_names(),
+        "resume": {case: _resume_on_rank0(case) for case in RESUME_CASES},
     }
 
 
@@ -223,3 +269,14 @@ def test_parameter_names_as_in_horovod(job):
     in_order, in_map = names["named"]
     assert in_order == ["0.weight", "0.bias", "1.weight", "1.bias"]
     assert in_map == sorted(in_order)
+
+
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_ranks_resume_at_the_step_rank_0_loaded(job, case):
+    """The step counter, which CLT-k's leader and the adaptive mode's decisions follow,
+    is taken from rank 0's checkpoint by every rank (the others would count from 0 and
+    start different collectives)."""
+    (params, step), (other_params, other_step) = (rank["resume"][case] for rank in job)
+    assert step == other_step == 2 * RESUME_STEPS
+    for a, b in zip(params, other_params):
+        assert torch.equal(a, b)
