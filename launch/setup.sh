@@ -8,6 +8,11 @@
 # Environment:
 #   HVD_COMPRESS_VENV   where the venv goes            (default: <repo>/.venv)
 #   HVD_COMPRESS_CACHE  where built wheels are cached  (default: ~/.cache/hvd_compress)
+#   HVD_COMPRESS_GPU    auto (default): the GPU build where nvidia-smi lists a GPU and nvcc
+#                       is on PATH; 1: the GPU build; 0: the CPU build. The GPU build
+#                       installs the CUDA builds of torch and TensorFlow and builds Horovod
+#                       with NCCL (HOROVOD_GPU_OPERATIONS=NCCL). It has never run: no GPU was
+#                       available to this project (docs/building-horovod.md).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +23,14 @@ TORCH_VERSION=2.13.0
 TF_VERSION=2.21.0
 
 log() { printf '[setup] %s\n' "$*"; }
+
+case "${HVD_COMPRESS_GPU:-auto}" in
+    0) GPU=0 ;;
+    1) GPU=1 ;;
+    auto) if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU &&
+              command -v nvcc >/dev/null 2>&1; then GPU=1; else GPU=0; fi ;;
+    *) echo "HVD_COMPRESS_GPU must be auto, 0 or 1, got '$HVD_COMPRESS_GPU'" >&2; exit 2 ;;
+esac
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -35,19 +48,51 @@ install_system_packages() {
     fi
 }
 
+# launch/requirements.txt, with TensorFlow's CUDA build for the GPU build (PyPI's torch
+# wheel for Linux is its CUDA build).
+requirements() {
+    if [ "$GPU" = 1 ]; then
+        sed 's/^tensorflow-cpu==/tensorflow[and-cuda]==/' "$REPO/launch/requirements.txt"
+    else
+        cat "$REPO/launch/requirements.txt"
+    fi
+}
+
 create_venv() {
     if [ ! -x "$VENV/bin/python" ]; then
         log "creating $VENV"
         python3 -m venv "$VENV"
     fi
-    # A stamp of the requirements file skips pip's slow no-op resolution on re-runs.
-    local stamp="$VENV/.hvd_compress-requirements" want
-    want="$(sha256sum "$REPO/launch/requirements.txt" | cut -d' ' -f1)"
+    # A stamp of the requirements skips pip's slow no-op resolution on re-runs.
+    local stamp="$VENV/.hvd_compress-requirements" want file
+    want="$(requirements | sha256sum | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-        log "installing Python packages (launch/requirements.txt)"
-        "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REPO/launch/requirements.txt"
+        log "installing Python packages (launch/requirements.txt, $([ "$GPU" = 1 ] && echo GPU || echo CPU) build)"
+        file="$(mktemp --suffix=.txt)"
+        requirements > "$file"
+        "$VENV/bin/pip" install -q --disable-pip-version-check -r "$file"
+        rm -f "$file"
         echo "$want" > "$stamp"
     fi
+}
+
+# The NCCL the GPU build links: HOROVOD_NCCL_HOME if set, the system's (libnccl-dev), or
+# the one torch's CUDA wheel brings (nvidia-nccl-cu12), whose library lacks the unversioned
+# name CMake looks for, so a link to it is made in $1.
+nccl_environment() {
+    local links="$1" nccl
+    if [ -n "${HOROVOD_NCCL_HOME:-}" ] || [ -e /usr/include/nccl.h ]; then
+        return
+    fi
+    nccl="$("$VENV/bin/python" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)"
+    if [ -z "$nccl" ] || [ ! -e "$nccl/include/nccl.h" ]; then
+        echo "the GPU build needs NCCL: set HOROVOD_NCCL_HOME or install libnccl-dev" >&2
+        exit 1
+    fi
+    mkdir -p "$links"
+    ln -sf "$nccl/lib/libnccl.so.2" "$links/libnccl.so"
+    export HOROVOD_NCCL_INCLUDE="$nccl/include" HOROVOD_NCCL_LIB="$links"
+    export HOROVOD_NCCL_LINK=SHARED
 }
 
 # Builds Horovod from its sdist with the three CMake edits that torch >= 2.1 and
@@ -68,6 +113,11 @@ build_horovod_wheel() {
     sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     mkdir -p "$wheel_dir"
+    if [ "$GPU" = 1 ]; then
+        nccl_environment "$work/nccl"
+        export HOROVOD_GPU_OPERATIONS=NCCL
+        export HOROVOD_CUDA_HOME="${HOROVOD_CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}"
+    fi
     # pip's cmake 4.x rejects the bundled gloo: the system cmake is used (PATH has /usr/bin).
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
     HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
@@ -82,12 +132,16 @@ install_horovod() {
     local py key wheel_dir
     py="$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
     key="horovod-${HOROVOD_VERSION}_torch-${TORCH_VERSION}_tf-${TF_VERSION}_${py}_$(uname -m)"
+    if [ "$GPU" = 1 ]; then
+        key="${key}_nccl_$(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/cuda\1/p')"
+    fi
     wheel_dir="$CACHE/$key"
-    if "$VENV/bin/python" - "$HOROVOD_VERSION" <<'PY' 2>/dev/null; then
+    if "$VENV/bin/python" - "$HOROVOD_VERSION" "$GPU" <<'PY' 2>/dev/null; then
 import sys, importlib.metadata as md
 assert md.version("horovod") == sys.argv[1]
 import horovod.torch, horovod.common.util as u
 assert u.gloo_built() and u.mpi_built()
+assert u.nccl_built() == (sys.argv[2] == "1")
 PY
         log "Horovod $HOROVOD_VERSION already installed"
         return
@@ -117,4 +171,13 @@ install_system_packages
 create_venv
 install_horovod
 install_project
-log "done: $("$VENV/bin/python" -c 'import importlib.metadata as m; print(", ".join(f"{p} {m.version(p)}" for p in ("horovod", "torch", "tensorflow-cpu")))')"
+log "done ($([ "$GPU" = 1 ] && echo GPU || echo CPU) build): $("$VENV/bin/python" - <<'PY'
+import importlib.metadata as m
+def version(name):
+    try:
+        return f"{name} {m.version(name)}"
+    except m.PackageNotFoundError:
+        return None
+print(", ".join(filter(None, map(version, ("horovod", "torch", "tensorflow-cpu", "tensorflow")))))
+PY
+)"

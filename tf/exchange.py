@@ -28,7 +28,6 @@ from tensorflow.python.ops import control_flow_util
 from hvd_compress.codes import shard_length
 
 from . import elias
-from .buckets import expand
 from .codec import divide
 from .packing import pack, unpack
 
@@ -258,12 +257,12 @@ class ShardedServer(_Exchange):
         rank = hvd.rank()
         scales = _floats(received[:, :self.scale_bytes])
         signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
-        # Every worker's block scales over the whole tensor, then this rank's shard of them.
-        full = expand(scales, self.world_size * self.length,
-                      self.codec.bucket_length(self.numel))
         start, valid = rank * self.length, self.valid(rank)
+        # Every worker's scales of the blocks this shard's elements are in: N x numel / N
+        # of them, not every block's scale expanded over the whole tensor (N x numel).
+        blocks = tf.range(start, start + valid) // self.codec.bucket_length(self.numel)
         average = divide(tf.reduce_sum(tf.cast(signs[:, :valid], tf.float32) *
-                                       full[:, start:start + valid], axis=0), self.count)
+                                       tf.gather(scales, blocks, axis=1), axis=0), self.count)
         codes, server_scale, _ = self.server(self.codec, average)
         padded_scale = tf.pad(server_scale, [[0, self.server_scale_bytes // 4 -
                                               self.codec.buckets(valid)]])
