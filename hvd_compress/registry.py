@@ -12,18 +12,28 @@ CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NU
                                              BlockSign, AdaComp, CyclicLocalTopK)}
 
 
+# Horovod's own compressors (``hvd.Compression.none`` and ``.fp16``, classes of
+# horovod.torch.compression and horovod.tensorflow.compression), by class name: code written
+# for Horovod's wrappers passes them, and the codecs of the same names do the same.
+HOROVOD_COMPRESSORS = {"NoneCompressor": "none", "FP16Compressor": "fp16"}
+
+
 def resolve(compression, classes=None):
     """Returns a codec instance of the port ``classes`` (name -> class) for ``compression``.
 
     ``compression`` is a registry name, optionally with hyperparameters for command lines
     (``"ef-sign:max_block_size=256"``, ``"qsgd:bits=2:bucket_size=128"``; values are Python
-    literals), a codec instance or ``None`` (no compression). An instance of another port
-    (for example the numpy reference) is rebuilt with the same hyperparameters as the
-    matching class of ``classes``.
+    literals), a codec instance, ``None`` (no compression) or Horovod's
+    ``hvd.Compression.none`` / ``.fp16``. An instance of another port (for example the numpy
+    reference) is rebuilt with the same hyperparameters as the matching class of
+    ``classes``.
     """
     classes = CODECS if classes is None else classes
     if compression is None:
         compression = "none"
+    if isinstance(compression, type) and compression.__module__.startswith("horovod.") and \
+            compression.__name__ in HOROVOD_COMPRESSORS:
+        compression = HOROVOD_COMPRESSORS[compression.__name__]
     if isinstance(compression, str):
         name, *settings = compression.split(":")
         if name not in classes:
@@ -43,8 +53,8 @@ def resolve(compression, classes=None):
             raise ValueError(f"codec {compression.name!r} is not available here; "
                              f"available: {sorted(classes)}")
         return compression if isinstance(compression, cls) else cls(**compression.params())
-    raise TypeError(f"compression must be a codec name ({', '.join(sorted(classes))}) or a "
-                    f"codec instance, got {type(compression).__name__}")
+    raise TypeError(f"compression must be a codec name ({', '.join(sorted(classes))}), a "
+                    f"codec instance or hvd.Compression.none / .fp16, got {compression!r}")
 
 
 def _setting(compression, item):

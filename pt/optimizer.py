@@ -10,7 +10,8 @@ import torch
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import EXCHANGES, exchanges_for
 from hvd_compress.registry import resolve
-from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
+from hvd_compress.validation import (check_choice, check_error_feedback, check_float,
+                                     check_horovod_defaults, check_int)
 
 from . import CODECS
 from .momentum import WorkerMomentum
@@ -233,9 +234,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
         raise ValueError("DistributedOptimizer: gradient_predivide_factor must be > 0")
     if predivide != 1.0 and op != hvd.Average:
         raise ValueError("DistributedOptimizer: gradient_predivide_factor needs op=hvd.Average")
-    if num_groups or groups is not None:
-        raise ValueError("DistributedOptimizer: num_groups and groups are not supported; "
-                         "Horovod's fusion buffer already batches the collectives")
+    check_horovod_defaults("DistributedOptimizer", num_groups=num_groups, groups=groups)
     if process_set is not hvd.global_process_set:
         raise ValueError("DistributedOptimizer: only hvd.global_process_set is supported")
     check_choice("DistributedOptimizer", "exchange", exchange, ("auto",) + EXCHANGES)

@@ -9,6 +9,7 @@ import pytest
 import hvd_compress
 
 from .harness import run_parallel
+from .test_validation import NOT_DEFAULT
 
 pytestmark = pytest.mark.multiprocess
 
@@ -102,7 +103,8 @@ def test_fit_keeps_ranks_identical_after_every_batch(world):
 
 def _jit_compiled():
     """What ``model.fit`` with ``jit_compile=True`` (Keras 3's default on a GPU) and a tape in
-    an XLA-compiled ``tf.function`` raise."""
+    an XLA-compiled ``tf.function`` raise, and which of Horovod's keywords the TensorFlow
+    wrappers refuse away from their defaults."""
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
@@ -129,12 +131,42 @@ def _jit_compiled():
         step()
     except ValueError as error:
         errors.append(str(error))
-    return errors
+    # Horovod's keywords taken at their defaults only (test_validation checks each one).
+    refusals = {}
+    for wrapper, keywords in (
+            (lambda **k: htf.DistributedOptimizer(keras.optimizers.SGD(0.1), **k),
+             ("name", "device_dense", "device_sparse", "backward_passes_per_step",
+              "average_aggregated_gradients", "num_groups", "groups", "scale_local_gradients")),
+            (lambda **k: htf.DistributedGradientTape(tf.GradientTape(), **k),
+             ("device_dense", "device_sparse", "num_groups", "groups",
+              "scale_local_gradients"))):
+        wrapper()  # every default accepted
+        for keyword in keywords:
+            try:
+                wrapper(**{keyword: NOT_DEFAULT[keyword]})
+            except ValueError as error:
+                refusals[keyword] = str(error)
+    return errors, refusals
 
 
-def test_xla_compiled_steps_are_refused_with_the_remedy():
-    [errors] = run_parallel(_jit_compiled, 1, timeout=300)
+def test_xla_compiled_steps_are_refused_with_the_remedy(tf_refusals):
+    errors, _ = tf_refusals
     assert len(errors) == 2
     for error in errors:
         assert "XLA cannot compile Horovod's collectives" in error
         assert "jit_compile=False" in error
+
+
+def test_horovod_keywords_other_than_their_defaults_are_refused(tf_refusals):
+    _, refusals = tf_refusals
+    assert set(refusals) == {"name", "device_dense", "device_sparse", "backward_passes_per_step",
+                             "average_aggregated_gradients", "num_groups", "groups",
+                             "scale_local_gradients"}
+    for keyword, error in refusals.items():
+        assert f": {keyword}=" in error and "is not supported" in error
+
+
+@pytest.fixture(scope="module")
+def tf_refusals():
+    [result] = run_parallel(_jit_compiled, 1, timeout=300)
+    return result

@@ -1,10 +1,13 @@
 """Bad input gets an error that names the parameter and what is allowed."""
+import re
+
 import pytest
 import torch
 
 import hvd_compress
 import hvd_compress.pt as hc
 from hvd_compress.registry import resolve
+from hvd_compress.validation import HOROVOD_DEFAULTS, check_horovod_defaults
 
 
 def test_unknown_codec_name_lists_the_choices():
@@ -25,6 +28,14 @@ def test_codec_specs_with_hyperparameters():
         resolve("qsgd:bits=two")
     with pytest.raises(ValueError, match="max_block_size must be >= 1"):
         resolve("ef-sign:max_block_size=0")
+
+
+def test_horovods_own_compressors_are_the_codecs_of_the_same_name():
+    import horovod.torch as hvd
+    assert resolve(hvd.Compression.none, hc.CODECS) == hc.NoneCodec()
+    assert resolve(hvd.Compression.fp16, hc.CODECS) == hc.FP16()
+    with pytest.raises(TypeError, match="codec instance or hvd.Compression.none / .fp16, got"):
+        resolve(object, hc.CODECS)
 
 
 def test_negative_clip():
@@ -71,3 +82,29 @@ def test_every_hyperparameter_is_documented():
         for name in hvd_compress.resolve(cls.name).params():
             documented = "\n".join([cls.__doc__ or "", hvd_compress.Codec.__doc__])
             assert f"{name} (" in documented, f"{cls.__name__} does not document {name}"
+
+
+# A value other than Horovod's default for every keyword of its wrappers that hvd_compress
+# takes at the default only.
+NOT_DEFAULT = {"num_groups": 2, "groups": [[]], "device_dense": "/gpu:0",
+               "device_sparse": "/cpu:0", "backward_passes_per_step": 2,
+               "average_aggregated_gradients": True, "scale_local_gradients": False,
+               "name": "mine", "use_locking": True}
+
+
+@pytest.mark.parametrize("keyword", sorted(HOROVOD_DEFAULTS))
+def test_horovod_keywords_are_taken_at_their_default_and_refused_otherwise(keyword):
+    default, why, instead = HOROVOD_DEFAULTS[keyword]
+    check_horovod_defaults("Wrapper", **{keyword: default})
+    with pytest.raises(ValueError, match=rf"^Wrapper: {keyword}=.* is not supported "
+                                         rf"\({re.escape(why)}\); {re.escape(instead)}, or "
+                                         rf"leave it at"):
+        check_horovod_defaults("Wrapper", **{keyword: NOT_DEFAULT[keyword]})
+
+
+@pytest.mark.parametrize("keyword", ["num_groups", "groups"])
+def test_pytorch_optimizer_refuses_grouping(keyword):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=f"DistributedOptimizer: {keyword}="):
+        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                **{keyword: NOT_DEFAULT[keyword]})

@@ -11,6 +11,8 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
+from hvd_compress.validation import check_horovod_defaults
+
 from . import CODECS
 from .momentum import WorkerMomentum
 from .pipeline import check_options, make_pipeline, variable_name
@@ -75,7 +77,9 @@ def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
                          gradient_predivide_factor=1.0, sparse_as_dense=False,
                          process_set=hvd.global_process_set, *, exchange="auto", seed=0,
                          uncompressed=(), error_feedback=None, worker_momentum=None,
-                         adaptive=False):
+                         adaptive=False, name=None, device_dense="", device_sparse="",
+                         backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, scale_local_gradients=True):
     """Wraps a Keras 3 optimizer so that gradients are compressed, exchanged across all
     Horovod ranks and averaged before every update, in ``model.fit`` and in
     ``optimizer.apply_gradients``.
@@ -113,7 +117,16 @@ def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
             (``WorkerMomentum``). None: on for ``ef-sign`` with an SGD that has momentum.
         adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
             here (``docs/adaptive.md``). Default False.
+        name, device_dense, device_sparse, backward_passes_per_step,
+            average_aggregated_gradients, num_groups, groups, scale_local_gradients:
+            Horovod's, taken at their defaults only (``validation.HOROVOD_DEFAULTS`` says
+            why).
     """
+    check_horovod_defaults(
+        "DistributedOptimizer", name=name, device_dense=device_dense, device_sparse=device_sparse,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+        groups=groups, scale_local_gradients=scale_local_gradients)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -3,6 +3,8 @@ that compresses gradients with any codec of ``hvd_compress``."""
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvd_compress.validation import check_horovod_defaults
+
 from . import CODECS
 from .pipeline import check_options, make_pipeline, variable_name
 
@@ -45,12 +47,18 @@ class DistributedGradientTape:
             it to the next gradient. None: the codec's default (on for ``ef-sign``).
         adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
             here (``docs/adaptive.md``). Default False.
+        device_dense, device_sparse, num_groups, groups, scale_local_gradients: Horovod's,
+            taken at their defaults only (``validation.HOROVOD_DEFAULTS`` says why).
     """
 
     def __init__(self, gradtape, compression="none", op=hvd.Average,
                  gradient_predivide_factor=1.0, sparse_as_dense=False,
                  process_set=hvd.global_process_set, *, exchange="auto", seed=0,
-                 uncompressed=(), error_feedback=None, adaptive=False):
+                 uncompressed=(), error_feedback=None, adaptive=False, device_dense="",
+                 device_sparse="", num_groups=0, groups=None, scale_local_gradients=True):
+        check_horovod_defaults(
+            "DistributedGradientTape", device_dense=device_dense, device_sparse=device_sparse,
+            num_groups=num_groups, groups=groups, scale_local_gradients=scale_local_gradients)
         self._tape = gradtape
         self._sparse_as_dense = sparse_as_dense
         self._codec, self._options = check_options(
