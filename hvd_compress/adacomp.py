@@ -52,6 +52,10 @@ where the text was not available:
 * Non-finite gradients: a NaN or Inf anywhere in G makes the scale NaN, and a message with a
   non-finite scale decodes to all NaN, so every rank sees the overflow (as with TernGrad).
 """
+from __future__ import annotations
+
+from typing import Mapping
+
 import numpy as np
 
 from . import buckets
@@ -88,8 +92,10 @@ class AdaComp(Codec):
     error_feedback_default = True
     default_min_size = 1024
 
-    def __init__(self, bin_lengths=None, *, named_bin_lengths=None, layers=None,
-                 min_size=None, compress_classifier=None):
+    def __init__(self, bin_lengths: Mapping[str, int] | None = None, *,
+                 named_bin_lengths: Mapping[str, int] | None = None,
+                 layers: Mapping[str, str] | None = None, min_size: int | None = None,
+                 compress_classifier: bool | None = None) -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         owner = type(self).__name__
         bin_lengths = dict(bin_lengths or {})

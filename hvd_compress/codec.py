@@ -25,6 +25,8 @@ themselves (``hvd_compress.pt.exchange``): variable-length messages on an allgat
 sizes (not ``summable``), or values at indices every worker shares on an allreduce
 (``summable``). Their ``code_space`` is the alphabet of the values they send.
 """
+from __future__ import annotations
+
 import inspect
 
 import numpy as np
@@ -80,7 +82,9 @@ class Codec:
     compress_classifier_default = True
     sparse = False
 
-    def __init__(self, *, min_size=None, compress_classifier=None):
+    def __init__(self, *,
+                 min_size: int | None = None,
+                 compress_classifier: bool | None = None) -> None:
         owner = type(self).__name__
         self.min_size = check_int(owner, "min_size",
                                   self.default_min_size if min_size is None else min_size,

@@ -22,6 +22,8 @@ in the README). On an allgather each worker's own scales travel with its codes i
 NUQSGD's level indices are not additive; their values 2^s * level = 2^(index - 1) are integers
 in [-2^s, 2^s], which are.
 """
+from __future__ import annotations
+
 import math
 
 import numpy as np
@@ -88,8 +90,10 @@ class QSGD(_BucketedQuantizer, UniformQuantizer):
     name = "qsgd"
     norm = "l2"
 
-    def __init__(self, bits=4, bucket_size=512, *, min_size=None, compress_classifier=None,
-                 wire="fixed"):
+    def __init__(self, bits: int = 4, bucket_size: int = 512, *,
+                 min_size: int | None = None,
+                 compress_classifier: bool | None = None,
+                 wire: str = "fixed") -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         self._init_bits(bits, bucket_size, wire)
 
@@ -140,8 +144,10 @@ class NUQSGD(_BucketedQuantizer, Codec):
     scaled = True
     stochastic = True
 
-    def __init__(self, bits=4, bucket_size=8192, *, min_size=None, compress_classifier=None,
-                 wire="fixed"):
+    def __init__(self, bits: int = 4, bucket_size: int = 8192, *,
+                 min_size: int | None = None,
+                 compress_classifier: bool | None = None,
+                 wire: str = "fixed") -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         self._init_bits(bits, bucket_size, wire)
 

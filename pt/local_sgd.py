@@ -18,12 +18,14 @@ local step. Iteration 0's average is the ``hvd.broadcast_parameters`` that every
 program starts with, so T calls of ``step()`` make floor(T / I) averaging rounds, and after
 any multiple of I steps all ranks hold the same parameters.
 """
+from __future__ import annotations
+
 import contextlib
 
 import horovod.torch as hvd
 import torch
 
-from hvd_compress.registry import resolve
+from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import check_choice, check_float, check_int
 
 from . import CODECS
@@ -197,8 +199,9 @@ class _LocalClipSGD:
         }
 
 
-def LocalClipSGD(optimizer, model, *, clip, sync_every=8, clipping="local",
-                 average_buffers=True, compression="none", seed=0):
+def LocalClipSGD(optimizer: torch.optim.SGD, model: torch.nn.Module, *, clip: float,
+                 sync_every: int = 8, clipping: str = "local", average_buffers: bool = True,
+                 compression: Compression = "none", seed: int = 0) -> torch.optim.SGD:
     """Wraps a ``torch.optim.SGD`` so that every Horovod rank trains locally with clipped
     steps and the ranks average their models every ``sync_every`` steps (CELGC).
 

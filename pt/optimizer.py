@@ -1,7 +1,10 @@
 """``DistributedOptimizer``: a drop-in for ``horovod.torch.DistributedOptimizer`` that
 compresses gradients with any codec of ``hvd_compress``."""
+from __future__ import annotations
+
 import contextlib
 import warnings
+from typing import Any, Iterable
 
 import horovod.torch as hvd
 import horovod.torch.optimizer as horovod_optimizer
@@ -9,7 +12,7 @@ import torch
 
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import EXCHANGES, exchanges_for
-from hvd_compress.registry import resolve
+from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import (check_choice, check_error_feedback, check_float,
                                      check_horovod_defaults, check_int)
 
@@ -72,7 +75,7 @@ class _DistributedOptimizer:
             self._hvdc_densified[param] = grad.sparse_dim()
             param.grad = grad.to_dense()
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Waits for every gradient exchange of this step and writes the averaged
         gradients into ``.grad``. Call it before gradient clipping, then ``step()`` inside
         ``skip_synchronize()``."""
@@ -134,7 +137,7 @@ class _DistributedOptimizer:
             if self._hvdc_momentum is not None and "momentum" in ours:
                 self._hvdc_momentum.load_state_dict(ours["momentum"])
 
-    def compression_stats(self):
+    def compression_stats(self) -> dict:
         """What the last step handed to Horovod, and how each tensor travels. ``"layers"``
         breaks the bytes down by layer kind (conv, linear, recurrent, embedding, other),
         with the density: the fraction of elements this worker sent (below 1 only for
@@ -159,12 +162,16 @@ class _DistributedOptimizer:
         return stats
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression="none",
-                         backward_passes_per_step=1, op=hvd.Average,
-                         gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=hvd.global_process_set, *,
-                         exchange="auto", seed=0, uncompressed=(), error_feedback=None,
-                         worker_momentum=None, adaptive=False):
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                         compression: Compression = "none", backward_passes_per_step: int = 1,
+                         op: int = hvd.Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: hvd.ProcessSet = hvd.global_process_set, *,
+                         exchange: str = "auto", seed: int = 0,
+                         uncompressed: Iterable[str] = (), error_feedback: bool | None = None,
+                         worker_momentum: bool | None = None,
+                         adaptive: bool | Adaptive = False) -> torch.optim.Optimizer:
     """Wraps a ``torch.optim.Optimizer`` so that gradients are compressed, exchanged across
     all Horovod ranks and averaged before every ``step()``.
 

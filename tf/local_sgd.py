@@ -24,13 +24,15 @@ The step counter, the round counter and the other state are ``tf.Variable``\\ s,
 rounds run inside ``model.fit``'s ``tf.function`` (as ``tf.cond`` branches that every rank
 takes alike) and ``tf.train.Checkpoint(optimizer=...)`` saves them.
 """
+from __future__ import annotations
+
 import contextlib
 
 import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
-from hvd_compress.registry import resolve
+from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import check_choice, check_float, check_int
 
 from . import CODECS
@@ -233,8 +235,9 @@ class _LocalClipSGD:
         }
 
 
-def LocalClipSGD(optimizer, model, *, clip, sync_every=8, clipping="local",
-                 average_buffers=True, compression="none", seed=0):
+def LocalClipSGD(optimizer: keras.optimizers.SGD, model: keras.Model, *, clip: float,
+                 sync_every: int = 8, clipping: str = "local", average_buffers: bool = True,
+                 compression: Compression = "none", seed: int = 0) -> keras.optimizers.SGD:
     """Wraps a ``keras.optimizers.SGD`` so that every Horovod rank trains locally with
     clipped steps and the ranks average their models every ``sync_every`` steps (CELGC).
 

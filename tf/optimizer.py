@@ -7,10 +7,16 @@ custom loops alike.
 ``apply_gradients``), so under Keras 3 it trains without averaging. This wrapper exchanges
 in ``apply``, which ``apply_gradients`` and every Keras 3 training path go through.
 """
+from __future__ import annotations
+
+from typing import Any, Iterable
+
 import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
+from hvd_compress.adaptive import Adaptive
+from hvd_compress.registry import Compression
 from hvd_compress.validation import check_horovod_defaults
 
 from . import CODECS
@@ -62,7 +68,7 @@ class _DistributedOptimizer:
         with self._hvdc_momentum.applied_by_worker(self):
             return self._hvdc_base.apply(self, grads, trainable_variables)
 
-    def compression_stats(self):
+    def compression_stats(self) -> dict:
         """What the last step handed to Horovod, and how each tensor travels."""
         return self._hvdc_pipeline.compression_stats()
 
@@ -73,13 +79,19 @@ class _DistributedOptimizer:
         return list(self._hvdc_pipeline.variables)
 
 
-def DistributedOptimizer(optimizer, compression="none", op=hvd.Average,
-                         gradient_predivide_factor=1.0, sparse_as_dense=False,
-                         process_set=hvd.global_process_set, *, exchange="auto", seed=0,
-                         uncompressed=(), error_feedback=None, worker_momentum=None,
-                         adaptive=False, name=None, device_dense="", device_sparse="",
-                         backward_passes_per_step=1, average_aggregated_gradients=False,
-                         num_groups=0, groups=None, scale_local_gradients=True):
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
+                         compression: Compression = "none", op: int = hvd.Average,
+                         gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
+                         process_set: hvd.ProcessSet = hvd.global_process_set, *,
+                         exchange: str = "auto", seed: int = 0,
+                         uncompressed: Iterable[str] = (), error_feedback: bool | None = None,
+                         worker_momentum: bool | None = None,
+                         adaptive: bool | Adaptive = False, name: str | None = None,
+                         device_dense: str = "", device_sparse: str = "",
+                         backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None, scale_local_gradients: bool = True
+                         ) -> keras.optimizers.Optimizer:
     """Wraps a Keras 3 optimizer so that gradients are compressed, exchanged across all
     Horovod ranks and averaged before every update, in ``model.fit`` and in
     ``optimizer.apply_gradients``.

@@ -1,8 +1,14 @@
 """``DistributedGradientTape``: a drop-in for ``horovod.tensorflow.DistributedGradientTape``
 that compresses gradients with any codec of ``hvd_compress``."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvd_compress.adaptive import Adaptive
+from hvd_compress.registry import Compression
 from hvd_compress.validation import check_horovod_defaults
 
 from . import CODECS
@@ -51,11 +57,14 @@ class DistributedGradientTape:
             taken at their defaults only (``validation.HOROVOD_DEFAULTS`` says why).
     """
 
-    def __init__(self, gradtape, compression="none", op=hvd.Average,
-                 gradient_predivide_factor=1.0, sparse_as_dense=False,
-                 process_set=hvd.global_process_set, *, exchange="auto", seed=0,
-                 uncompressed=(), error_feedback=None, adaptive=False, device_dense="",
-                 device_sparse="", num_groups=0, groups=None, scale_local_gradients=True):
+    def __init__(self, gradtape: tf.GradientTape, compression: Compression = "none",
+                 op: int = hvd.Average, gradient_predivide_factor: float = 1.0,
+                 sparse_as_dense: bool = False,
+                 process_set: hvd.ProcessSet = hvd.global_process_set, *,
+                 exchange: str = "auto", seed: int = 0, uncompressed: Iterable[str] = (),
+                 error_feedback: bool | None = None, adaptive: bool | Adaptive = False,
+                 device_dense: str = "", device_sparse: str = "", num_groups: int = 0,
+                 groups: Any = None, scale_local_gradients: bool = True) -> None:
         check_horovod_defaults(
             "DistributedGradientTape", device_dense=device_dense, device_sparse=device_sparse,
             num_groups=num_groups, groups=groups, scale_local_gradients=scale_local_gradients)
