@@ -4,18 +4,20 @@
                       [--steps 3000] [--optimizer sgd] [--seed 0]
     hvd-compress bench [--workers 2,4] [--rates 10G,1G,100M] ...   (see benchmarks/bench.py)
 
-``demo`` is the main job: it trains on MNIST-1D under ``horovodrun`` (Gloo, localhost) once
-per run, ``[model/]workers:codec[@optimizer]``, with the same seed and data for every run of
-a model, and prints a table of test accuracy (against the baseline run of the same model,
-worker count and optimizer), bytes handed to Horovod per worker per step, compression ratio
-and median step time. By default it runs ``DEFAULT_RUNS``, a representative subset (about 10
-minutes on 2 cores); ``--full`` runs every model and codec, ``FULL_RUNS`` (about 30 minutes).
-The models are the examples' scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default),
-the same CNN in Keras with ``model.fit`` (``keras``), and the GRU of the CELGC example
-(``gru``), whose "codecs" are ``sync`` (clipped synchronous SGD, its baseline) and ``local``
-(``LocalClipSGD``, averaging every 8 steps). A codec may carry hyperparameters, as in
-``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``), and a PyTorch CNN's
-codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``).
+``demo`` is the main job: it trains under ``horovodrun`` (Gloo, localhost) once per run,
+``[model/]workers:codec[@optimizer]``, with the same seed and data for every run of a model,
+and prints a table of test accuracy on MNIST-1D or a language model's validation loss
+(against the baseline run of the same model, worker count and optimizer), bytes handed to
+Horovod per worker per step, compression ratio and median step time. By default it runs
+``DEFAULT_RUNS``, a representative subset (about 10 minutes on 2 cores); ``--full`` runs
+every model and codec, ``FULL_RUNS`` (about 50 minutes). The models are the examples'
+scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default), the same CNN in Keras with
+``model.fit`` (``keras``), the GRU of the CELGC example (``gru``), whose "codecs" are
+``sync`` (clipped synchronous SGD, its baseline) and ``local`` (``LocalClipSGD``, averaging
+every 8 steps), and a byte-level transformer language model trained with AdamW on the Python
+standard library's source (``lm``, ``hvd_compress.corpus``). A codec may carry
+hyperparameters, as in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
+and a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``).
 """
 import argparse
 import json
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from hvd_compress import examples
+from hvd_compress import corpus, examples
 
 # The source checkout, when running from one: the benchmark harness (benchmarks/) is not
 # installed with the package.
@@ -32,12 +34,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Example:
-    """A model of the demo: its example script, its baseline run, and the script's arguments
-    for a run of ``codec``."""
+    """A model of the demo: its example script, its baseline run, the script's arguments for a
+    run of ``codec``, and the optimizer it brings (None: the demo's ``--optimizer``)."""
 
-    def __init__(self, script, title, baseline, arguments):
+    def __init__(self, script, title, baseline, arguments, optimizer=None):
         self.script, self.title, self.baseline = script, title, baseline
-        self.arguments = arguments
+        self.arguments, self.optimizer = arguments, optimizer
 
     @property
     def path(self):
@@ -64,10 +66,20 @@ def _gru_arguments(mode, optimizer, args):
     return ["--mode", mode]  # the example's own schedule: 2000 steps, I = 8
 
 
+def _lm_arguments(codec, optimizer, args):
+    if optimizer is not None:
+        raise argparse.ArgumentTypeError(
+            f"lm runs are lm/workers:codec with the example's own AdamW; got @{optimizer}")
+    return ["--compression", codec]  # the example's own schedule: 600 steps
+
+
 EXAMPLES = {
     "cnn": Example("mnist1d_torch.py", "PyTorch CNN", "none", _cnn_arguments),
     "keras": Example("mnist1d_keras.py", "Keras CNN, model.fit", "none", _cnn_arguments),
-    "gru": Example("mnist1d_gru_torch.py", "PyTorch GRU, CELGC", "sync", _gru_arguments),
+    "gru": Example("mnist1d_gru_torch.py", "PyTorch GRU, CELGC", "sync", _gru_arguments,
+                   "clipped sgd"),
+    "lm": Example("lm_torch.py", "PyTorch byte-level transformer LM", "none", _lm_arguments,
+                  "adamw"),
 }
 
 # ef-sign as dist-EF-blockSGDM, with Nesterov momentum, in blocks of at most 256 elements: with
@@ -76,11 +88,13 @@ EXAMPLES = {
 # (docs/algorithms.md, dist-EF-blockSGD). Each run is compared with `none` under its own
 # optimizer, so ef-sign brings its Nesterov baseline.
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
-# Every model and codec (--full, ~30 minutes on 2 cores); tests/test_convergence.py runs it
-# without the 4-worker CNN pair.
+# Every model and codec (--full, ~50 minutes on 2 cores); tests/test_convergence.py runs its
+# MNIST-1D runs but the 4-worker CNN pair and the adaptive run.
 FULL_RUNS = ["2:none", "2:terngrad", "2:terngrad+auto", "2:qsgd-inf", "2:nuqsgd", "2:adacomp",
              "2:clt-k", "2:none@nesterov", f"2:{EF_SIGN}", "4:none@nesterov", f"4:{EF_SIGN}",
-             "keras/2:none@nesterov", f"keras/2:{EF_SIGN}", "gru/4:sync", "gru/4:local"]
+             "keras/2:none@nesterov", f"keras/2:{EF_SIGN}", "gru/4:sync", "gru/4:local"] + [
+    f"lm/2:{codec}" for codec in ("none", "fp16", "terngrad", "qsgd", "qsgd-inf", "nuqsgd",
+                                  "ef-sign", "adacomp", "clt-k")]
 # What a newcomer waits for (~10 minutes): one codec of each kind (ternary, uniform 4-bit,
 # 1-bit with error feedback), each beside its baseline. The steps stay the full schedule's:
 # at half of it TernGrad ended 2.4 points below its baseline on seed 0
@@ -114,15 +128,16 @@ def _parse_runs(text):
                 f"{', '.join(EXAMPLES)} and optimizer one of {', '.join(OPTIMIZERS)}; got "
                 f"{item!r}")
         run = Run(model, int(workers), codec, optimizer if at else None)
-        if model == "gru":
-            _gru_arguments(codec, run.optimizer, None)
+        if EXAMPLES[model].optimizer is not None:  # checks the run's codec and optimizer
+            EXAMPLES[model].arguments(codec, run.optimizer, None)
         runs.append(run)
     return runs
 
 
 def _run_example(run, args, outdir, log):
     out = os.path.join(outdir, f"{run}.json".replace("/", "-"))
-    optimizer = None if run.model == "gru" else run.optimizer or args.optimizer
+    example = EXAMPLES[run.model]
+    optimizer = None if example.optimizer else run.optimizer or args.optimizer
     command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"),
                "-np", str(run.workers), "-H", f"localhost:{run.workers}", "--gloo",
                sys.executable, EXAMPLES[run.model].path,
@@ -139,31 +154,48 @@ def _run_example(run, args, outdir, log):
     except subprocess.CalledProcessError as error:
         sys.exit(f"demo: {run} failed with exit code {error.returncode}")
     with open(out) as f:
-        return dict(json.load(f), model=run.model, label=run.codec, optimizer=optimizer)
+        return dict(json.load(f), model=run.model, label=run.codec,
+                    optimizer=optimizer or example.optimizer)
+
+
+def baseline_result(results, result):
+    """The baseline run with the model, workers and optimizer of ``result``, or None."""
+    baseline = EXAMPLES[result["model"]].baseline
+    return next((r for r in results
+                 if (r["model"], r["workers"], r["optimizer"], r["label"]) ==
+                 (result["model"], result["workers"], result["optimizer"], baseline)), None)
 
 
 def baseline_accuracy(results, result):
-    """Test accuracy of the baseline run with the model, workers and optimizer of ``result``,
-    or None."""
-    baseline = EXAMPLES[result["model"]].baseline
-    return next((r["test_accuracy"] for r in results
-                 if (r["model"], r["workers"], r["optimizer"], r["label"]) ==
-                 (result["model"], result["workers"], result["optimizer"], baseline)), None)
+    """Test accuracy of the baseline run of ``result`` (a classifier's), or None."""
+    base = baseline_result(results, result)
+    return None if base is None else base["test_accuracy"]
+
+
+def _quality(result, base):
+    """A result's cell and its difference to its baseline ``base`` (None: n/a): test
+    accuracy in points, or a language model's validation loss in bits per byte."""
+    if "validation_bits_per_byte" in result:
+        bits = result["validation_bits_per_byte"]
+        return (f"{bits:.3f} bits/byte", "n/a" if base is None else
+                f"{bits - base['validation_bits_per_byte']:+.3f} bits/byte")
+    accuracy = result["test_accuracy"]
+    return (f"{100 * accuracy:.2f}%",
+            "n/a" if base is None else f"{100 * (accuracy - base['test_accuracy']):+.2f} pt")
 
 
 def format_table(results):
     """A Markdown table of the demo's results, each compared with the baseline run (``none``,
     or ``sync`` for the GRU) of the same model with the same workers and optimizer."""
-    lines = ["| model | workers | optimizer | codec | test accuracy | vs. baseline "
-             "| bytes/step/worker | compression | median step |",
+    lines = ["| model | workers | optimizer | codec | test accuracy or validation loss "
+             "| vs. baseline | bytes/step/worker | compression | median step |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        base = baseline_accuracy(results, r)
-        versus = "n/a" if base is None else f"{100 * (r['test_accuracy'] - base):+.2f} pt"
+        quality, versus = _quality(r, baseline_result(results, r))
         lines.append(
             f"| {EXAMPLES[r['model']].title} | {r['workers']} | "
-            f"{r['optimizer'] or 'clipped sgd'} | {r['label']} | "
-            f"{100 * r['test_accuracy']:.2f}% | {versus} | {r['bytes_per_step']:,} | "
+            f"{r['optimizer']} | {r['label']} | "
+            f"{quality} | {versus} | {r['bytes_per_step']:,} | "
             f"{r['compression_ratio']:.1f}x | {r['median_step_ms']:.1f} ms |")
     return "\n".join(lines)
 
@@ -181,14 +213,19 @@ def demo(args):
             bar.set_postfix_str(str(run))
             results.append(_run_example(run, args, outdir, log=bar.write))
     models = {run.model for run in args.runs}
-    settings = [f"MNIST-1D, Horovod workers over Gloo, seed {args.seed} and the same data for "
-                f"every run."]
-    if models - {"gru"}:
+    settings = [f"Horovod workers over Gloo, seed {args.seed} and the same data for every run."]
+    if models & {"cnn", "keras", "gru"}:
+        settings.append("MNIST-1D.")
+    if models & {"cnn", "keras"}:
         settings.append(f"CNNs: {args.steps} steps, lr {args.lr} (cosine), global batch 100, "
                         f"momentum 0.9.")
     if "gru" in models:
         settings.append("GRU: the example's 2000 steps, global batch 128, lr 3.0, gamma 1.0 "
                         "(cosine).")
+    if "lm" in models:
+        settings.append(f"LM: {corpus.describe()}; the example's 600 steps of AdamW (lr "
+                        f"0.002, 60 warm-up steps, cosine, weight decay 0.1, norm clipped at "
+                        f"1), global batch 16 x 64 bytes.")
     print("\n" + " ".join(settings) + "\n")
     print(format_table(results))
     if args.out:
@@ -217,7 +254,7 @@ def main(argv=None):
                        help="comma-separated [model/]workers:codec runs, in order (default "
                             f"{','.join(DEFAULT_RUNS)}: ~10 minutes on 2 cores)")
     which.add_argument("--full", action="store_true",
-                       help="every model and codec (~30 minutes on 2 cores): "
+                       help="every model and codec (~50 minutes on 2 cores): "
                             f"{','.join(FULL_RUNS)}")
     run.add_argument("--steps", type=int, default=3000,
                      help="training steps of the CNN runs (default 3000); the GRU runs the "

@@ -47,13 +47,20 @@ class RunRecord:
         }
 
 
+def quality(result):
+    """What a run reached: its test accuracy, or a language model's validation loss."""
+    if "validation_bits_per_byte" in result:
+        return f"validation {result['validation_bits_per_byte']:.3f} bits/byte"
+    return f"test accuracy {100 * result['test_accuracy']:.2f}%"
+
+
 def publish(result, rank, out=None, label=None):
     """Rank 0 prints ``result`` (under ``label``, the compression by default) and writes it as
     JSON to ``out``."""
     if rank != 0:
         return
-    print(f"{label or result['compression']}: test accuracy "
-          f"{100 * result['test_accuracy']:.2f}%, train loss {result['train_loss']:.4f}, "
+    loss = f", train loss {result['train_loss']:.4f}" if "train_loss" in result else ""
+    print(f"{label or result['compression']}: {quality(result)}{loss}, "
           f"{result['bytes_per_step']} bytes/step/worker "
           f"(ratio {result['compression_ratio']:.2f}x), "
           f"median step {result['median_step_ms']:.2f} ms", flush=True)

@@ -3,8 +3,9 @@ below its baseline (uncompressed training with the same optimizer, or synchronou
 for the GRU) with the same model, workers, seed and steps; every baseline reaches 90%; and
 every run hands Horovod at least 5x fewer bytes than its baseline.
 
-CI runs every run of ``make demo-full`` (``cli.FULL_RUNS``) except the 4-worker CNN pair and
-the adaptive run, on the demo's own schedule (3000 CNN steps). Half of it, 1500 steps with the
+CI runs every MNIST-1D run of ``make demo-full`` (``cli.FULL_RUNS``) except the 4-worker CNN
+pair and the adaptive run, on the demo's own schedule (3000 CNN steps); the language model's
+runs, which measure rather than assert, are the demo's only. Half of it, 1500 steps with the
 cosine decay ending at the last, does not show the claim: the compressed runs have not caught
 up by then. On
 2026-11-25, on a fresh machine of CI's type, seeds 0-2 at 1500 steps gave AdaComp -2.1 / -1.0 /
@@ -27,8 +28,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.convergence]
 SINGLE_SEED_TOLERANCE = 0.020
 # The adaptive run is left out: on localhost it sends by fp32 what its baseline sends, and its
 # switching is tested in tests/test_adaptive_distributed.py.
-RUNS = [run for run in cli.FULL_RUNS
-        if not run.startswith("4:") and not run.endswith(cli.ADAPTIVE_SUFFIX)]
+RUNS = [run for run in cli.FULL_RUNS if not run.startswith(("4:", "lm/")) and
+        not run.endswith(cli.ADAPTIVE_SUFFIX)]
 
 
 @pytest.mark.timeout(3000)  # twelve training runs of one to four minutes, one at a time
