@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import hvd_compress.pt as hc
+from hvd_compress.pt.device import rank_device
 from hvd_compress.corpus import load_stdlib_text
 from hvd_compress.report import RunRecord, publish
 
@@ -91,10 +92,7 @@ def main(argv=None):
     args = parser().parse_args(argv)
     hvd.init()
     torch.manual_seed(args.seed)
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(hvd.local_rank())
-        device = torch.device("cuda", hvd.local_rank())
+    device = rank_device()
     train, validation = load_stdlib_text()
     model = ByteLM(context=args.context).to(device)
     # Decoupled weight decay on the matrices only, as transformers are trained.

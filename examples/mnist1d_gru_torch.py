@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import hvd_compress.pt as hc
+from hvd_compress.pt.device import rank_device
 from hvd_compress.datasets import load_mnist1d
 from hvd_compress.report import RunRecord, publish
 
@@ -87,10 +88,7 @@ def main(argv=None):
 
     hvd.init()
     torch.manual_seed(args.seed)
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(hvd.local_rank())
-        device = torch.device("cuda", hvd.local_rank())
+    device = rank_device()
     x_train, y_train, x_test, y_test = (torch.from_numpy(a).to(device) for a in load_mnist1d())
     # Each worker trains on its own shard of the training set.
     x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]

@@ -15,13 +15,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import hvd_compress.tf as hc  # noqa: E402
 from hvd_compress.datasets import load_mnist1d  # noqa: E402
 from hvd_compress.example_args import cnn_parser  # noqa: E402
 from hvd_compress.report import RunRecord, publish  # noqa: E402
 from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback  # noqa: E402
+from hvd_compress.tf.device import rank_device  # noqa: E402
 
 
 def torch_init(fan_in):
@@ -71,9 +71,7 @@ def main(argv=None):
         parser.error("--adaptive: the TensorFlow port has no adaptive mode")
 
     hvd.init()
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+    rank_device()
     keras.utils.set_random_seed(args.seed)
     x_train, y_train, x_test, y_test = load_mnist1d()
     # Each worker trains on its own shard of the training set.
