@@ -187,7 +187,8 @@ def _quality(result, base):
 def format_table(results):
     """A Markdown table of the demo's results, each compared with the baseline run (``none``,
     or ``sync`` for the GRU) of the same model with the same workers and optimizer."""
-    lines = ["| model | workers | optimizer | codec | test accuracy or validation loss "
+    measures = ["test accuracy" if "test_accuracy" in r else "validation loss" for r in results]
+    lines = [f"| model | workers | optimizer | codec | {' or '.join(dict.fromkeys(measures))} "
              "| vs. baseline | bytes/step/worker | compression | median step |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
