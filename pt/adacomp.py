@@ -59,6 +59,8 @@ class AdaComp(reference.AdaComp, Codec):
 
     def encode_message(self, compensated, selected, bin_length):
         residue = compensated.reshape(-1)
+        # The one read of the device per message: its length is the number selected, which
+        # the host needs to hand it to the allgather.
         positions = torch.nonzero(selected).reshape(-1)
         magnitudes = residue[positions].abs().to(torch.float64)
         scale = (magnitudes.sum() / max(positions.numel(), 1)).to(torch.float32)
@@ -76,11 +78,12 @@ class AdaComp(reference.AdaComp, Codec):
         scale = message[:4].clone().view(torch.float32)
         start = 4 + fields.packed_nbytes(bins)
         counts = unpack(message[4:start], fields, bins)
+        # The one read of the device per message: the number of records sizes the slices.
         sent = int(counts.sum())
         end = start + fields.packed_nbytes(sent)
         offsets = unpack(message[start:end], fields, sent)
         signs = unpack(message[end:], SignCodes(), sent)
         starts = torch.arange(bins, device=message.device) * bin_length
         values = torch.zeros(numel, dtype=torch.float32, device=message.device)
-        values[torch.repeat_interleave(starts, counts) + offsets] = signs * scale
+        values[torch.repeat_interleave(starts, counts, output_size=sent) + offsets] = signs * scale
         return torch.where(torch.isfinite(scale), values, torch.nan)

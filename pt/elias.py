@@ -10,10 +10,23 @@ def _bit_length(values):
     return exponent.to(torch.int64)
 
 
+def _out_of_range(values):
+    return ((values < 1) | (values >= 2 ** 32)).any()
+
+
+def _range_error():
+    return ValueError("Elias omega codes integers in [1, 2^32)")
+
+
 def omega_codes(values):
     values = values.to(torch.int64)
-    if bool((values < 1).any()) or bool((values >= 2 ** 32).any()):
-        raise ValueError("Elias omega codes integers in [1, 2^32)")
+    if bool(_out_of_range(values)):
+        raise _range_error()
+    return _omega_codes(values)
+
+
+def _omega_codes(values):
+    """``omega_codes`` without its range check, which ``encode`` reads with its sizes."""
     groups = [values]
     for _ in range(MAX_DEPTH - 1):
         groups.append(torch.clamp(_bit_length(groups[-1]) - 1, min=1))
@@ -34,18 +47,29 @@ def _packbits(bits):
 
 def encode(codes):
     codes = codes.reshape(-1)
+    # The payload's length depends on the codes and the host needs it to hand the payload to
+    # the allgather: two reads of the device per tensor, the number of nonzeros here and the
+    # sizes below.
     where = torch.nonzero(codes).reshape(-1)
     if where.numel() == 0:
         return torch.zeros(4, dtype=torch.uint8, device=codes.device)
-    gap_code, gap_len = omega_codes(torch.diff(where, prepend=where.new_full((1,), -1)))
-    level_code, level_len = omega_codes(codes[where].abs())
+    gaps = torch.diff(where, prepend=where.new_full((1,), -1))
+    levels = codes[where].abs().to(torch.int64)
+    gap_code, gap_len = _omega_codes(gaps)
+    level_code, level_len = _omega_codes(levels)
     sign = (codes[where] < 0).to(torch.int64)
     symbols = torch.stack([gap_code, sign, level_code], dim=1).reshape(-1)
     lengths = torch.stack([gap_len, torch.ones_like(sign), level_len], dim=1).reshape(-1)
     ends = torch.cumsum(lengths, dim=0)
     starts = ends - lengths
-    bits = torch.zeros(int(ends[-1]), dtype=torch.int64, device=codes.device)
-    for j in range(int(lengths.max())):
+    # One read: the bit count, the longest symbol (the loop's bound) and the range check.
+    nbits, longest, out_of_range = torch.stack(
+        [ends[-1], lengths.max(), (_out_of_range(gaps) | _out_of_range(levels)).to(torch.int64)]
+    ).tolist()
+    if out_of_range:
+        raise _range_error()
+    bits = torch.zeros(nbits, dtype=torch.int64, device=codes.device)
+    for j in range(longest):
         # Symbols shorter than j + 1 bits add a 0 to their own last bit (no boolean masks,
         # which are slow on the CPU and force a device sync on a GPU).
         shift = torch.clamp(lengths - 1 - j, min=0)
@@ -73,7 +97,10 @@ def _omega(data, position):
     for _ in range(MAX_DEPTH):
         window = _window(data, position)
         more = _bits(window, position, 1) == 1
-        if not bool(more.any()):
+        # Once no value reads on, the rounds left change nothing. Stopping early saves them
+        # on the CPU; on a GPU reading ``more`` would wait for the device in every round of
+        # the decoder's loop, so there all rounds run.
+        if position.device.type == "cpu" and not bool(more.any()):
             break
         width = torch.clamp(value + 1, max=32)
         value = torch.where(more, _bits(window, position, width), value)
@@ -82,7 +109,9 @@ def _omega(data, position):
 
 
 def decode(data, numel):
-    count = int(data[:4].clone().view(torch.int32)[0])  # clone: views need aligned storage
+    # clone: views need aligned storage. The one read of the device per payload: the number
+    # of records sizes the decoding.
+    count = int(data[:4].clone().view(torch.int32)[0])
     codes = torch.zeros(numel, dtype=torch.int32, device=data.device)
     if count == 0:
         return codes

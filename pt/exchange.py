@@ -107,8 +107,11 @@ def _floats(rows):
 
 def _allgather_with_sizes(payload, name, meter):
     """Starts allgathers of a flat byte payload whose length differs between workers, and
-    of its length (so the gathered bytes can be split apart)."""
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    of its length (so the gathered bytes can be split apart). The lengths travel as a CPU
+    tensor whatever the payload's device: the split needs them on the host, where a CPU
+    tensor's are without a wait for the device (a GPU tensor's would cost one to send it and
+    one to read the gathered lengths back)."""
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
     return [hvd.allgather_async(meter.hand(payload), name=name),
             hvd.allgather_async(meter.hand(size), name=f"{name}.size")]
 
@@ -153,8 +156,11 @@ class _Exchange:
     def _servers_signs(self, packed, scales, length):
         """The first ``length`` signs of each server's row of ``packed`` times that server's
         one scale (``scales``, one per row). Every value is +-its server's scale, NaN for a
-        non-finite one, so ``finite`` is read off the scales."""
-        self.finite = bool(torch.isfinite(scales).all())
+        non-finite one, so ``finite`` is read off the scales: on the CPU only, where reading
+        it costs nothing; on a GPU it would wait for the device once per tensor, so there it
+        stays None and the pipeline's one finiteness check of the step covers this result."""
+        self.finite = bool(torch.isfinite(scales).all()) if scales.device.type == "cpu" \
+            else None
         unpack_signs = fused.scaled_signs if fused.applies(self.codec, scales) else \
             unpack_scaled_signs
         return unpack_signs(packed, scales, length)

@@ -7,6 +7,7 @@ import hvd_compress
 from hvd_compress import seeding, simulate
 from hvd_compress.seeding import stream_seed
 
+from .devices import rank_device
 from .harness import run_parallel
 
 pytestmark = pytest.mark.multiprocess
@@ -320,3 +321,39 @@ def test_waiting_for_a_late_rank_leaves_the_core_free():
     assert total == [2.0] * 4
     assert waited > 0.5
     assert cpu < 0.1 * waited, (cpu, waited)
+
+
+def _backward_without_host_syncs(compression):
+    """A second step of ``compression`` on this rank's GPU, its backward pass (whose hooks
+    encode the gradients and start their exchanges) under CUDA's sync debug mode set to raise
+    on any wait of the host for the device. The first step settles what happens once."""
+    import horovod.torch as hvd
+    import hvd_compress.pt as hc
+    hvd.init()
+    device = rank_device("cuda")
+    torch.manual_seed(0)
+    model = Net().to(device)
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
+        compression=compression)
+    x = torch.randn(8, 64, device=device)
+    y = torch.randint(0, 10, (8,), device=device)
+    for checked in (False, True):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        optimizer.step()
+    return [reason for _, _, _, reason in optimizer.compression_stats()["tensors"]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("compression", ["terngrad", "qsgd-inf", "ef-sign"])
+def test_gradient_hooks_do_not_wait_for_the_gpu(compression):
+    # One rank is enough: the pipeline's hooks exchange at N = 1 as at any N.
+    (reasons,) = run_parallel(_backward_without_host_syncs, 1, compression, timeout=120)
+    assert "compressed" in reasons
