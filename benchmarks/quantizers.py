@@ -19,9 +19,9 @@ import torch
 
 import hvd_compress
 import hvd_compress.pt as hc
-from hvd_compress.qsgd import nuqsgd_variance_bound, qsgd_variance_bound
 from hvd_compress.pt import elias
 from hvd_compress.pt.packing import pack, unpack
+from hvd_compress.qsgd import nuqsgd_variance_bound, qsgd_variance_bound
 
 
 def relative_variance(codec, vectors, draws, rng, scales=None):

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import hvd_compress.pt as hc
-from hvd_compress.pt.device import rank_device
 from hvd_compress.corpus import load_stdlib_text
+from hvd_compress.pt.device import rank_device
 from hvd_compress.report import RunRecord, publish
 
 # Validation: this many windows of the context length, evenly spaced over the held-out files.

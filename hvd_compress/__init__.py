@@ -10,8 +10,8 @@ from .adaptive import Adaptive
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .codes import FloatCodes, IntCodes
-from .registry import CODECS, resolve
 from .qsgd import NUQSGD, QSGD, QSGDInf
+from .registry import CODECS, resolve
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 

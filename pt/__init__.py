@@ -12,8 +12,8 @@ from .terngrad import TernGrad
 CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
                                              BlockSign, AdaComp, CyclicLocalTopK)}
 
-from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
+from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 
 __all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "CyclicLocalTopK", "Codec",
            "DistributedOptimizer", "FP16", "LocalClipSGD", "NUQSGD", "NoneCodec", "QSGD",

@@ -30,7 +30,6 @@ from . import elias, fused
 from .buckets import per_bucket_
 from .packing import pack, unpack, unpack_scaled_signs
 
-
 # What horovod.torch's allreduce sums: no bfloat16 (nor 8- or 16-bit integers).
 ALLREDUCE_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int32,
                               torch.int64})

@@ -13,8 +13,13 @@ import torch
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import EXCHANGES, exchanges_for
 from hvd_compress.registry import Compression, resolve
-from hvd_compress.validation import (check_choice, check_error_feedback, check_float,
-                                     check_horovod_defaults, check_int)
+from hvd_compress.validation import (
+    check_choice,
+    check_error_feedback,
+    check_float,
+    check_horovod_defaults,
+    check_int,
+)
 
 from . import CODECS
 from .momentum import WorkerMomentum

@@ -15,8 +15,16 @@ import horovod.torch as hvd
 import torch
 
 from hvd_compress import agreement, cost, fusion
-from hvd_compress.adaptive import (CARRIERS, PROBE_SMALL, PROBE_START, Link, Planner,
-                                   next_probe, path_traffic, probe_sent)
+from hvd_compress.adaptive import (
+    CARRIERS,
+    PROBE_SMALL,
+    PROBE_START,
+    Link,
+    Planner,
+    next_probe,
+    path_traffic,
+    probe_sent,
+)
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 

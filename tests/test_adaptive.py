@@ -3,11 +3,27 @@ Horovod: exact timelines, the choices they imply, and the planner's bookkeeping.
 import pytest
 
 from hvd_compress import TernGrad
-from hvd_compress.adaptive import (CARRIERS, TRIAL_STEPS, Adaptive, Link, PathCost, Planner,
-                                   TensorTiming, choose, next_probe, path_traffic, probe_sent,
-                                   simulate, uniform)
-from hvd_compress.cost import (FUSION_BYTES, alltoall_nbytes, compressed_traffic,
-                               uncompressed_traffic)
+from hvd_compress.adaptive import (
+    CARRIERS,
+    TRIAL_STEPS,
+    Adaptive,
+    Link,
+    PathCost,
+    Planner,
+    TensorTiming,
+    choose,
+    next_probe,
+    path_traffic,
+    probe_sent,
+    simulate,
+    uniform,
+)
+from hvd_compress.cost import (
+    FUSION_BYTES,
+    alltoall_nbytes,
+    compressed_traffic,
+    uncompressed_traffic,
+)
 
 MB = 1e6
 

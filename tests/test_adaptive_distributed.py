@@ -22,6 +22,7 @@ def _adaptive_run():
     import time
 
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     torch.manual_seed(0)
@@ -54,6 +55,7 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
     after ``switch_at`` steps, as a decision would send it; returns every step's local
     gradients and exchanged averages of that tensor."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     torch.manual_seed(0)
     model = Net()
@@ -88,6 +90,7 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
 
 def _leave_codec_runs():
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     return {exchange: _leave_codec(hc.BlockSign(min_size=1000), exchange)

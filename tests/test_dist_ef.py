@@ -60,6 +60,7 @@ def _train_ef(exchange, steps=50, drop_at=25, codec=None, momentum=0.9, nesterov
     """Momentum SGD with error feedback on random data (by default dist-EF-blockSGDM with
     every tensor compressed); records what the invariant needs."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     if codec is None:
@@ -161,6 +162,7 @@ def test_error_feedback_with_any_codec_keeps_what_was_not_sent(codec):
 
 def _identity_against_sgd(steps=10):
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     torch.manual_seed(0)

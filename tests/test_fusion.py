@@ -62,6 +62,7 @@ def _train_fused(configs):
     every tensor through the sharded exchange; the parameters, the bytes of every step and
     the names of the alltoalls handed to Horovod."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     results = []

@@ -62,6 +62,7 @@ def _train(sync_every, clipping, compression, steps=STEPS, model_class=Net, **op
     after its local update (a step post-hook of the wrapped SGD fires there, before any
     averaging round) and after the step, and the worker residuals after each step."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     torch.manual_seed(hvd.rank())  # different on every rank until the broadcast
     model = model_class()
@@ -100,6 +101,7 @@ COMPRESSED = [(2, "local", {"name": "terngrad", "min_size": 100}),
 
 def _train_many(configs):
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     results = []
@@ -208,6 +210,7 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.085):
     step size min(eta_t, gamma_t / ||g||), gamma_t = gamma eta_t / eta_0, written out,
     under momentum, weight decay and a learning-rate decay."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     settings = dict(lr=lr, momentum=0.9, weight_decay=1e-3)
@@ -252,6 +255,7 @@ def _resume(split, steps=10, compression="none"):
     """Trains ``steps`` steps straight, and again with a checkpoint after ``split`` steps
     loaded into a new model and optimizer; returns both final parameters."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
 

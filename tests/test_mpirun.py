@@ -11,8 +11,8 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _train_on_mpi4py_comm():
-    from mpi4py import MPI
     import horovod.torch as hvd
+    from mpi4py import MPI
     hvd.init(comm=MPI.COMM_WORLD)
     assert hvd.mpi_enabled() and hvd.size() == MPI.COMM_WORLD.Get_size()
     return _train(hvd_compress.TernGrad(**TERNGRAD), "sharded")

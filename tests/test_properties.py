@@ -4,7 +4,8 @@ is refused with a clear error; and summed codes never overflow their carrier."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hvd_compress
 import hvd_compress.pt as hc

@@ -37,6 +37,7 @@ def _train(codec, exchange, steps=3, passes=1, clip_norm=None, nan_at=None, op="
     """Trains ``Net`` on random data of this rank; records, each step, the local gradient,
     the exchanged gradient and the parameters."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     torch.manual_seed(0)
@@ -170,6 +171,7 @@ def test_backward_passes_and_clipping_through_synchronize():
 
 def _compare_with_horovod(steps=4):
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     torch.manual_seed(0)
@@ -203,6 +205,7 @@ def test_none_matches_horovods_own_optimizer():
 def _broadcast_after_checkpoint(tmpdir):
     """Rank 0 alone loads a checkpoint (with momentum state), then the usual broadcasts."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     torch.manual_seed(hvd.rank())  # different initial weights on every rank
@@ -257,6 +260,7 @@ def test_nan_on_one_rank_reaches_every_rank():
 
 def _misuse_and_sparse():
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     torch.manual_seed(0)
@@ -304,6 +308,7 @@ def _wait_for_late_rank():
     import time
 
     import horovod.torch as hvd
+
     from hvd_compress.pt.exchange import wait
     hvd.init()
     if hvd.rank() == 1:
@@ -328,6 +333,7 @@ def _backward_without_host_syncs(compression):
     encode the gradients and start their exchanges) under CUDA's sync debug mode set to raise
     on any wait of the host for the device. The first step settles what happens once."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     device = rank_device("cuda")

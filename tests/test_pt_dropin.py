@@ -51,6 +51,7 @@ def _sparse_run(codec, sparse_as_dense, passes, optimizer_name):
     every step, whether the optimizer was handed sparse embedding gradients, and the bytes
     of the last step handed to Horovod against a plain allreduce's."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(50, 8, sparse=True)
@@ -90,6 +91,7 @@ def _broadcast_run(cls, options, codec):
     broadcasts; returns rank 0's loaded state (None elsewhere), every rank's state after the
     broadcasts, and rank 0's compression state before and after them."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     accepted = inspect.signature(cls.__init__).parameters
     data = torch.Generator().manual_seed(hvd.rank())
@@ -132,6 +134,7 @@ def _resume_on_rank0(case):
     the state is broadcast, and RESUME_STEPS more steps run. Returns the parameters and
     the step counter of the compression state."""
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     data = torch.Generator().manual_seed(hvd.rank())
     codec, adaptive = (case.split("+")[0], case.endswith("+adaptive"))

@@ -46,6 +46,7 @@ def _inputs(kind, rank, step):
 
 def _train(kind, codec):
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     # Built alike on every rank (Horovod's broadcast has no bfloat16 either).
     model = _model(kind)

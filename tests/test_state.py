@@ -171,6 +171,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace(label, na
 
 def _mismatched(kind):
     import horovod.torch as hvd
+
     import hvd_compress.pt as hc
     hvd.init()
     model = Net() if kind != "parameters" or hvd.rank() == 0 else torch.nn.Linear(64, 10)

@@ -11,9 +11,9 @@ from .terngrad import TernGrad
 CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
                                     BlockSign, AdaComp, CyclicLocalTopK)}
 
+from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 from .tape import DistributedGradientTape  # noqa: E402  (needs CODECS)
-from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 
 __all__ = ["AdaComp", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK",
            "DistributedGradientTape", "DistributedOptimizer", "FP16", "LocalClipSGD", "NUQSGD",

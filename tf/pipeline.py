@@ -20,8 +20,7 @@ from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
 
 from . import seeding
-from .exchange import (TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange,
-                       refuse_xla)
+from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange, refuse_xla
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
 
