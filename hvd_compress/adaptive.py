@@ -365,9 +365,9 @@ class Planner:
         exchange was done (what the paths change; the forward pass and the update do not
         depend on them)."""
         self._steps.append(seconds)
-        for (name, phase), seconds in self._step_cpu.items():
+        for (name, phase), cpu in self._step_cpu.items():
             key = (name, self.path(name), phase)
-            self.cpu[key] = min(seconds, self.cpu.get(key, seconds))
+            self.cpu[key] = min(cpu, self.cpu.get(key, cpu))
         # Below a millisecond of CPU the clocks' resolution would decide the ratio.
         if self._before > 1e-3:
             self._contentions.append(max(1.0, self._before_wall / self._before))

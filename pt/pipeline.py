@@ -81,6 +81,12 @@ def _codes_name(name):
     return f"hvdc.{name}.codes"
 
 
+def _max_over_ranks(values, name, dtype=torch.float64):
+    """The element-wise largest of ``values`` (a list of numbers) over every rank, by one
+    blocking Max-allreduce of a CPU tensor: how the ranks agree on what each measured."""
+    return hvd.allreduce(torch.tensor(values, dtype=dtype), op=hvd.Max, name=name).tolist()
+
+
 def _write_grad(param, decoded):
     """Makes the decoded average ``param.grad``. A decoded tensor is new and nothing else
     holds it, so one of the gradient's dtype becomes the gradient itself, as autograd's own
@@ -398,8 +404,7 @@ class CompressionPipeline:
         the optimizer's state (which does not carry this pipeline's), the other ranks would
         count from 0; the counter chooses CLT-k's leader and the adaptive mode's decision
         steps, which every rank must take alike or hang."""
-        self.step = int(hvd.allreduce(torch.tensor([self.step], dtype=torch.int64),
-                                      op=hvd.Max, name="hvdc.step").item())
+        [self.step] = _max_over_ranks([self.step], "hvdc.step", torch.int64)
         self._step_agreed = True
         if self.planner is not None:
             self.planner.restart(self.step)
@@ -480,8 +485,7 @@ class CompressionPipeline:
                 self.planner.record(name, "fp16", "before", middle - start)
                 self.planner.record(name, "fp16", "after", time.thread_time() - middle)
         links = self._probe_links(next(iter(self.plans)).device)
-        agreed = hvd.allreduce(torch.tensor(self.planner.measurements(), dtype=torch.float64),
-                               op=hvd.Max, name="hvdc.adaptive.measurements").tolist()
+        agreed = _max_over_ranks(self.planner.measurements(), "hvdc.adaptive.measurements")
         traffic = {name: path_traffic(self.codec, plan.numel, self.world_size, plan.exchange,
                                       param.element_size())
                    for name, (param, plan) in plans.items() if name in self.planner.paths}
@@ -496,9 +500,8 @@ class CompressionPipeline:
         """Agrees with every rank on the step times of the decision on trial and keeps or
         reverts it (``adaptive.Planner.judge``); called between steps, on every rank at
         the same step."""
-        agreed = hvd.allreduce(torch.tensor(self.planner.trial_seconds(), dtype=torch.float64),
-                               op=hvd.Max, name="hvdc.adaptive.trial").tolist()
-        self.planner.judge(self.step, agreed)
+        self.planner.judge(self.step, _max_over_ranks(self.planner.trial_seconds(),
+                                                      "hvdc.adaptive.trial"))
         self._follow_planner()
         if self.rank == 0:
             log.info("hvd_compress adaptive, step %d: decision of step %d %s", self.step,
@@ -540,8 +543,7 @@ class CompressionPipeline:
             else:
                 hvd.allreduce_(tensor, op=hvd.Sum, name=name)
             best = min(best, time.perf_counter() - start)
-        return hvd.allreduce(torch.tensor([best], dtype=torch.float64), op=hvd.Max,
-                             name=f"{name}.seconds").item()
+        return _max_over_ranks([best], f"{name}.seconds")[0]
 
     # ----- state -----
 
