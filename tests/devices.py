@@ -9,9 +9,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 
 
 def rank_device(kind):
-    """This Horovod rank's ``torch.device`` of ``kind`` (``"cpu"`` or ``"cuda"``: the GPU
-    of the rank's local rank)."""
+    """This Horovod rank's ``torch.device`` of ``kind``: ``"cpu"``, or ``"cuda"`` for the
+    rank's own GPU as a job picks it (``hvd_compress.pt.device.rank_device``)."""
     if kind == "cuda":
-        import horovod.torch as hvd
-        return torch.device("cuda", hvd.local_rank())
+        from hvd_compress.pt.device import rank_device as gpu_of_this_rank
+        return gpu_of_this_rank()
     return torch.device(kind)
