@@ -73,8 +73,6 @@ HOROVOD_DEFAULTS = {
                               "leave it True"),
     "name": (None, "the wrapper keeps the wrapped optimizer's name",
              "name the Keras optimizer itself"),
-    "use_locking": (False, "it belongs to TensorFlow 1 optimizers, which are not supported",
-                    "use a Keras optimizer"),
 }
 
 

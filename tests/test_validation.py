@@ -89,7 +89,7 @@ def test_every_hyperparameter_is_documented():
 NOT_DEFAULT = {"num_groups": 2, "groups": [[]], "device_dense": "/gpu:0",
                "device_sparse": "/cpu:0", "backward_passes_per_step": 2,
                "average_aggregated_gradients": True, "scale_local_gradients": False,
-               "name": "mine", "use_locking": True}
+               "name": "mine"}
 
 
 @pytest.mark.parametrize("keyword", sorted(HOROVOD_DEFAULTS))
