@@ -71,6 +71,11 @@ def windows(data, starts, context):
     return rows[:, :-1], rows[:, 1:]
 
 
+def next_byte_loss(model, inputs, targets):
+    """The mean cross-entropy, in nats, of the model's prediction of every next byte."""
+    return nn.functional.cross_entropy(model(inputs).reshape(-1, 256), targets.reshape(-1))
+
+
 def parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compression", default="terngrad",
@@ -121,9 +126,7 @@ def main(argv=None):
                                                       local_batch), args.context)
         start = time.perf_counter()
         optimizer.zero_grad()
-        logits = model(inputs.to(device))
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), targets.to(device).reshape(-1))
-        loss.backward()
+        next_byte_loss(model, inputs.to(device), targets.to(device)).backward()
         optimizer.synchronize()
         nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         with optimizer.skip_synchronize():
@@ -134,9 +137,7 @@ def main(argv=None):
     starts = np.linspace(0, validation.size - args.context - 1, VALIDATION_WINDOWS).astype(int)
     inputs, targets = windows(validation, starts, args.context)
     with torch.no_grad():
-        logits = model(inputs.to(device))
-        nats = nn.functional.cross_entropy(logits.reshape(-1, 256),
-                                           targets.to(device).reshape(-1)).item()
+        nats = next_byte_loss(model, inputs.to(device), targets.to(device)).item()
     result = record.result(optimizer.compression_stats(), compression=args.compression,
                            workers=hvd.size(), steps=args.steps,
                            validation_bits_per_byte=nats / math.log(2))
