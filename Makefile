@@ -24,6 +24,7 @@ demo-full: setup
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: setup lint
 	$(PY) -m pytest -ra -q --durations=15 tests

@@ -14,6 +14,7 @@ writes ``bench.json``, ``bench.md`` (the tables) and PNG plots to ``--out``.
 Without root (or without network namespaces) it falls back to localhost, unshaped, and says
 so: the harness still runs, but the times are not those of a limited link.
 """
+
 import argparse
 import datetime
 import json
@@ -56,8 +57,11 @@ def _list(kind, choices=None, convert=str):
         if not items or unknown:
             raise argparse.ArgumentTypeError(
                 f"{kind} must be a comma-separated list of {', '.join(map(str, choices))}"
-                if choices else f"{kind} must be a comma-separated list")
+                if choices
+                else f"{kind} must be a comma-separated list"
+            )
         return items
+
     return parse
 
 
@@ -83,52 +87,97 @@ def _workers(text):
 
 
 def add_arguments(parser):
-    parser.add_argument("--workers", type=_workers, default=list(DEFAULT_WORKERS),
-                        help="numbers of workers N (default 2,4)")
-    parser.add_argument("--rates", type=_rates, default=list(DEFAULT_RATES),
-                        help="link rates, both directions (default 10G,1G,100M)")
-    parser.add_argument("--models", type=_list("--models", MODELS), default=list(MODELS),
-                        help=f"models (default {','.join(MODELS)})")
-    parser.add_argument("--methods", type=_list("--methods", METHODS),
-                        default=list(DEFAULT_METHODS),
-                        help=f"methods (default {','.join(DEFAULT_METHODS)})")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per configuration (default: 10 for cnn, 3 for "
-                             "resnet50)")
-    parser.add_argument("--bare-repeats", type=int, default=2,
-                        help="replays of the bare collectives per configuration (default 2)")
-    parser.add_argument("--accuracy-methods", type=_list("--accuracy-methods", METHODS),
-                        default=list(ACCURACY_METHODS), help="methods of the MNIST-1D "
-                        f"accuracy-against-time run (default {','.join(ACCURACY_METHODS)})")
+    parser.add_argument(
+        "--workers",
+        type=_workers,
+        default=list(DEFAULT_WORKERS),
+        help="numbers of workers N (default 2,4)",
+    )
+    parser.add_argument(
+        "--rates",
+        type=_rates,
+        default=list(DEFAULT_RATES),
+        help="link rates, both directions (default 10G,1G,100M)",
+    )
+    parser.add_argument(
+        "--models",
+        type=_list("--models", MODELS),
+        default=list(MODELS),
+        help=f"models (default {','.join(MODELS)})",
+    )
+    parser.add_argument(
+        "--methods",
+        type=_list("--methods", METHODS),
+        default=list(DEFAULT_METHODS),
+        help=f"methods (default {','.join(DEFAULT_METHODS)})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per configuration (default: 10 for cnn, 3 for resnet50)",
+    )
+    parser.add_argument(
+        "--bare-repeats",
+        type=int,
+        default=2,
+        help="replays of the bare collectives per configuration (default 2)",
+    )
+    parser.add_argument(
+        "--accuracy-methods",
+        type=_list("--accuracy-methods", METHODS),
+        default=list(ACCURACY_METHODS),
+        help="methods of the MNIST-1D "
+        f"accuracy-against-time run (default {','.join(ACCURACY_METHODS)})",
+    )
     # 2 workers: on 2 cores, 4 workers' accuracy runs took 11 of the matrix's 29 minutes.
     parser.add_argument("--accuracy-workers", type=int, default=2)
     parser.add_argument("--accuracy-rate", default="100M")
-    parser.add_argument("--accuracy-steps", type=int, default=400,
-                        help="training steps of each accuracy run (default 400; the demo's "
-                             "lr 0.1, momentum 0.9, cosine, global batch 100)")
+    parser.add_argument(
+        "--accuracy-steps",
+        type=int,
+        default=400,
+        help="training steps of each accuracy run (default 400; the demo's "
+        "lr 0.1, momentum 0.9, cosine, global batch 100)",
+    )
     parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy runs")
-    parser.add_argument("--no-op-counts", action="store_true",
-                        help="skip the count of torch ops per step per codec "
-                             "(benchmarks/op_count.py)")
-    parser.add_argument("--localhost", action="store_true",
-                        help="run on localhost without namespaces or shaping")
-    parser.add_argument("--timeout", type=float, default=1500,
-                        help="seconds per Horovod job, after which it is killed (default 1500)")
+    parser.add_argument(
+        "--no-op-counts",
+        action="store_true",
+        help="skip the count of torch ops per step per codec (benchmarks/op_count.py)",
+    )
+    parser.add_argument(
+        "--localhost", action="store_true", help="run on localhost without namespaces or shaping"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1500,
+        help="seconds per Horovod job, after which it is killed (default 1500)",
+    )
     parser.add_argument("--out", default=OUT, help=f"output directory (default {OUT})")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def _spec(args, rates):
     accuracy_rate = args.accuracy_rate if rates != [LOCALHOST] else LOCALHOST
-    accuracy = {"workers": 0 if args.no_accuracy else args.accuracy_workers,
-                "methods": [] if args.no_accuracy else args.accuracy_methods,
-                "rate": accuracy_rate, "steps": args.accuracy_steps,
-                "every": max(1, args.accuracy_steps // 10), "lr": 0.1}
+    accuracy = {
+        "workers": 0 if args.no_accuracy else args.accuracy_workers,
+        "methods": [] if args.no_accuracy else args.accuracy_methods,
+        "rate": accuracy_rate,
+        "steps": args.accuracy_steps,
+        "every": max(1, args.accuracy_steps // 10),
+        "lr": 0.1,
+    }
     return {
-        "models": args.models, "methods": args.methods, "rates": rates, "seed": args.seed,
+        "models": args.models,
+        "methods": args.methods,
+        "rates": rates,
+        "seed": args.seed,
         # Timed steps per model, at every rate alike.
         "steps": {m: args.steps or timed_steps(m) for m in args.models},
-        "bare_repeats": args.bare_repeats, "accuracy": accuracy,
+        "bare_repeats": args.bare_repeats,
+        "accuracy": accuracy,
     }
 
 
@@ -151,11 +200,17 @@ def run_job(hosts, spec, timeout, shape, progress, events):
         # it meets several times the ~500 names of a training job: with Horovod's default
         # response cache of 1024 names the later methods paid for evictions (a full
         # negotiation through rank 0) that training alone would not.
-        env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout)),
-               "HOROVOD_CACHE_CAPACITY": "16384"}
-        with open(log_path, "w") as log, HorovodJob(
-                hosts, [sys.executable, "-m", "benchmarks.worker", spec_path], env=env,
-                rank0_pipes=True, log=log) as job:
+        env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout)), "HOROVOD_CACHE_CAPACITY": "16384"}
+        with (
+            open(log_path, "w") as log,
+            HorovodJob(
+                hosts,
+                [sys.executable, "-m", "benchmarks.worker", spec_path],
+                env=env,
+                rank0_pipes=True,
+                log=log,
+            ) as job,
+        ):
             outcome = {}
             monitor = threading.Thread(target=_wait, args=(job, timeout, outcome), daemon=True)
             monitor.start()
@@ -164,7 +219,7 @@ def run_job(hosts, spec, timeout, shape, progress, events):
                 if not line.startswith(EVENT):
                     log.write(line)
                     continue
-                event = json.loads(line[len(EVENT):])
+                event = json.loads(line[len(EVENT) :])
                 if event["kind"] == "shape":
                     shape(event["rate"])
                     job.rank0.stdin.write("\n")
@@ -179,8 +234,10 @@ def run_job(hosts, spec, timeout, shape, progress, events):
             with open(log_path) as f:
                 tail = f.read()[-4000:]
             reason = outcome.get("error") or f"exit code {outcome.get('code')}"
-            raise RuntimeError(f"benchmark job on {hosts.workers} workers failed ({reason}); "
-                               f"worker output:\n{tail}")
+            raise RuntimeError(
+                f"benchmark job on {hosts.workers} workers failed ({reason}); "
+                f"worker output:\n{tail}"
+            )
 
 
 def op_counts(model, codecs, timeout):
@@ -188,11 +245,31 @@ def op_counts(model, codecs, timeout):
     (the counts do not depend on the link)."""
     with tempfile.TemporaryDirectory(prefix="hvdc-ops-") as workdir:
         out = os.path.join(workdir, "ops.json")
-        command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2",
-                   "-H", "localhost:2", "--gloo", sys.executable, "-m", "benchmarks.op_count",
-                   "--model", model, "--codecs", ",".join(codecs), "--out", out]
-        subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       check=True, timeout=timeout, stdout=subprocess.DEVNULL)
+        command = [
+            os.path.join(os.path.dirname(sys.executable), "horovodrun"),
+            "-np",
+            "2",
+            "-H",
+            "localhost:2",
+            "--gloo",
+            sys.executable,
+            "-m",
+            "benchmarks.op_count",
+            "--model",
+            model,
+            "--codecs",
+            ",".join(codecs),
+            "--out",
+            out,
+        ]
+        subprocess.run(
+            command,
+            cwd=REPO,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            check=True,
+            timeout=timeout,
+            stdout=subprocess.DEVNULL,
+        )
         with open(out) as f:
             return json.load(f)
 
@@ -205,49 +282,70 @@ def _wait(job, timeout, outcome):
 
 
 def _describe(event):
-    return " ".join(str(event[key]) for key in ("workers", "model", "method", "exchange", "rate")
-                    if key in event)
+    return " ".join(
+        str(event[key])
+        for key in ("workers", "model", "method", "exchange", "rate")
+        if key in event
+    )
 
 
 def _machine():
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    return {"cpus": os.cpu_count(), "load_average_1_5_15": [float(x) for x in load],
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    return {
+        "cpus": os.cpu_count(),
+        "load_average_1_5_15": [float(x) for x in load],
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
 
 
 def bench(args):
     reason = "--localhost given" if args.localhost else network.unavailable_reason()
     rates = args.rates if reason is None else [LOCALHOST]
     if reason is not None:
-        print(f"bench: network namespaces unavailable ({reason}); falling back to localhost: "
-              f"links are NOT shaped and interface counters are not recorded", flush=True)
+        print(
+            f"bench: network namespaces unavailable ({reason}); falling back to localhost: "
+            f"links are NOT shaped and interface counters are not recorded",
+            flush=True,
+        )
     spec = _spec(args, rates)
     events = []
     # The output directory as the user gave it, relative to the checkout when it is inside:
     # results are committed, and a machine's absolute paths have no place in them.
-    arguments = dict(vars(args), out=os.path.relpath(args.out, REPO)
-                     if os.path.abspath(args.out).startswith(REPO + os.sep) else args.out)
-    result = {"arguments": arguments,
-              "network": "namespaces, tc tbf" if reason is None else f"localhost ({reason})",
-              "machine": {"before": _machine()}, "spec": spec, "events": events}
+    arguments = dict(
+        vars(args),
+        out=os.path.relpath(args.out, REPO)
+        if os.path.abspath(args.out).startswith(REPO + os.sep)
+        else args.out,
+    )
+    result = {
+        "arguments": arguments,
+        "network": "namespaces, tc tbf" if reason is None else f"localhost ({reason})",
+        "machine": {"before": _machine()},
+        "spec": spec,
+        "events": events,
+    }
     total = sum(_units(spec, n) for n in args.workers)
     try:
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
             for workers in args.workers:
                 if reason is None:
                     with network.TestNetwork(workers) as net:
-                        run_job(NamespacedHosts(net), spec, args.timeout, net.shape, progress,
-                                events)
+                        run_job(
+                            NamespacedHosts(net), spec, args.timeout, net.shape, progress, events
+                        )
                 else:
-                    run_job(LocalHosts(workers), spec, args.timeout, lambda rate: None,
-                            progress, events)
+                    run_job(
+                        LocalHosts(workers), spec, args.timeout, lambda rate: None, progress, events
+                    )
                 write(result, args.out)
-        codecs = [m for m in args.methods
-                  if m in CODEC_METHODS and not m.endswith(report.AUTO_SUFFIX)]
+        codecs = [
+            m for m in args.methods if m in CODEC_METHODS and not m.endswith(report.AUTO_SUFFIX)
+        ]
         if codecs and not args.no_op_counts:
-            result["op_counts"] = {model: op_counts(model, codecs, args.timeout)
-                                   for model in args.models}
+            result["op_counts"] = {
+                model: op_counts(model, codecs, args.timeout) for model in args.models
+            }
     finally:
         # Also after a failed job: a long matrix keeps what it measured.
         tables = write(result, args.out)
@@ -271,8 +369,7 @@ def write(result, out):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="hvd-compress bench",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hvd-compress bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return bench(parser.parse_args(argv))
 

@@ -12,6 +12,7 @@ which changes the values sent but not the work. Nothing is shaped: what is measu
 rank's CPU time, which bounds the step when ranks outnumber cores (4 on 2 here). The loss is
 a dot product with fixed coefficients, so the backward pass is one cheap pass per tensor.
 """
+
 import argparse
 import gc
 import statistics
@@ -40,7 +41,9 @@ class Layout:
         self.coefficients = [torch.randn(size, generator=generator) for size in sizes]
         self.optimizer = hc.DistributedOptimizer(
             sgd(torch.nn.ParameterList(self.params), 0.01),
-            [(f"{name}.{i}", p) for i, p in enumerate(self.params)], compression=codec)
+            [(f"{name}.{i}", p) for i, p in enumerate(self.params)],
+            compression=codec,
+        )
 
     def step(self):
         self.optimizer.zero_grad()
@@ -54,8 +57,9 @@ def measure(layout, steps):
     for _ in range(steps):
         wall, process, thread = time.perf_counter(), time.process_time(), time.thread_time()
         layout.step()
-        times.append((time.perf_counter() - wall, time.process_time() - process,
-                      time.thread_time() - thread))
+        times.append(
+            (time.perf_counter() - wall, time.process_time() - process, time.thread_time() - thread)
+        )
     return times
 
 
@@ -63,34 +67,52 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default="terngrad,qsgd-inf,ef-sign")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds of both layouts, alternated against drifts of the load")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of both layouts, alternated against drifts of the load",
+    )
     args = parser.parse_args(argv)
     hvd.init()
     named = list(SyntheticResNet50().named_parameters())
-    rows = ["| codec | layout | tensors | step (ms) | process CPU (ms) | main thread CPU (ms) |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| codec | layout | tensors | step (ms) | process CPU (ms) | main thread CPU (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in args.codecs.split(","):
         sizes = [shape.numel() for shape in compressed_shapes(resolve(name, hc.CODECS), named)]
-        layouts = {"tensors": Layout(f"{name}.tensors", name, sizes),
-                   "flat": Layout(f"{name}.flat", name, [sum(sizes)])}
+        layouts = {
+            "tensors": Layout(f"{name}.tensors", name, sizes),
+            "flat": Layout(f"{name}.flat", name, [sum(sizes)]),
+        }
         times = {key: [] for key in LAYOUTS}
         for _ in range(args.rounds):
             for key in LAYOUTS:
                 measure(layouts[key], 2)  # warm-up: allocations, Horovod's response cache
                 times[key] += measure(layouts[key], args.steps)
         # Medians per rank, then the median rank: every rank does the same work.
-        per_rank = hvd.allgather_object({key: [statistics.median(t[i] for t in times[key])
-                                               for i in range(3)] for key in LAYOUTS})
+        per_rank = hvd.allgather_object(
+            {
+                key: [statistics.median(t[i] for t in times[key]) for i in range(3)]
+                for key in LAYOUTS
+            }
+        )
         for key in LAYOUTS:
             medians = [statistics.median(rank[key][i] for rank in per_rank) for i in range(3)]
-            rows.append(f"| {name} | {key} | {len(layouts[key].params)} | " +
-                        " | ".join(f"{1000 * m:.0f}" for m in medians) + " |")
+            rows.append(
+                f"| {name} | {key} | {len(layouts[key].params)} | "
+                + " | ".join(f"{1000 * m:.0f}" for m in medians)
+                + " |"
+            )
         del layouts
         gc.collect()
     if hvd.rank() == 0:
-        print(f"{hvd.size()} ranks, medians over {args.rounds} x {args.steps} steps and over "
-              f"the ranks:\n" + "\n".join(rows), flush=True)
+        print(
+            f"{hvd.size()} ranks, medians over {args.rounds} x {args.steps} steps and over "
+            f"the ranks:\n" + "\n".join(rows),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

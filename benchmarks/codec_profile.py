@@ -22,6 +22,7 @@ decode of the servers' signs, and separately the server of one shard of every te
 ``copy_`` of all compressed gradients in one tensor, timed in the same run: the least that
 a pass writing a new tensor costs.
 """
+
 import argparse
 import contextlib
 import time
@@ -44,8 +45,7 @@ KEY = 12345  # the stream of every tensor's draws: their values do not change th
 def compressed_shapes(codec, named_parameters):
     """The shapes of the parameters ``codec`` compresses (the others are sent whole)."""
     whole = set() if codec.compress_classifier else _classifier_names(named_parameters)
-    return [p.shape for n, p in named_parameters
-            if codec.compresses(p.numel()) and n not in whole]
+    return [p.shape for n, p in named_parameters if codec.compresses(p.numel()) and n not in whole]
 
 
 @contextlib.contextmanager
@@ -81,11 +81,15 @@ def profile(codec, grads, repeats=2):
             out = function(*args)
             spent[stage] += time.thread_time() - start
             return out
+
         with eager_ops():
             for grad in grads:
                 scale = timed("scale", codec.local_scale, grad)
-                uniforms = timed("random draws", seeding.uniforms, KEY, grad.numel(),
-                                 grad.device) if codec.stochastic else None
+                uniforms = (
+                    timed("random draws", seeding.uniforms, KEY, grad.numel(), grad.device)
+                    if codec.stochastic
+                    else None
+                )
                 codes = timed("encode", codec.encode, grad, scale, uniforms)
                 packed = timed("pack", pack, codes.reshape(1, -1), codec.code_space)
                 received = timed("unpack", unpack, packed, codec.code_space, grad.numel())
@@ -114,30 +118,56 @@ def _fused_quantizer(codec, grad):
 def encode_decode(codec, grads, repeats=3):
     """[(label, eager seconds, kernel seconds)] of encoding and decoding ``grads``."""
     if codec.name != "ef-sign":
+
         def run(step):
             return lambda: [step(codec, grad) for grad in grads]
+
         with eager_ops():
             eager = best_seconds(run(_eager_quantizer), repeats)
         return [(codec.name, eager, best_seconds(run(_fused_quantizer), repeats))]
     # Imported here: kernel_profile imports this module.
     from .kernel_profile import eager_server, eager_worker, fused_server, fused_worker
+
     generator = torch.Generator().manual_seed(1)
-    workers = [(grad, torch.randn(grad.shape, generator=generator),
-                torch.randn(grad.shape, generator=generator)) for grad in grads]
-    shards = [(torch.randint(0, 256, (4, -(-grad.numel() // 32)), dtype=torch.uint8),
-               torch.rand(4, 1)) for grad in grads]
-    servers = [(bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
-               for bits, scales in shards]
+    workers = [
+        (
+            grad,
+            torch.randn(grad.shape, generator=generator),
+            torch.randn(grad.shape, generator=generator),
+        )
+        for grad in grads
+    ]
+    shards = [
+        (torch.randint(0, 256, (4, -(-grad.numel() // 32)), dtype=torch.uint8), torch.rand(4, 1))
+        for grad in grads
+    ]
+    servers = [
+        (bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
+        for bits, scales in shards
+    ]
 
     def worker(step, decode):
-        return lambda: ([step(codec, *w) for w in workers],
-                        [decode(bits, scales, bits.shape[1] * 8) for bits, scales in shards])
-    rows = [("ef-sign worker", worker(eager_worker, unpack_scaled_signs),
-             worker(fused_worker, fused.scaled_signs)),
-            ("ef-sign server (N = 4)", lambda: [eager_server(codec, *s) for s in servers],
-             lambda: [fused_server(codec, *s) for s in servers])]
-    return [(label, best_seconds(eager, repeats), best_seconds(kernels, repeats))
-            for label, eager, kernels in rows]
+        return lambda: (
+            [step(codec, *w) for w in workers],
+            [decode(bits, scales, bits.shape[1] * 8) for bits, scales in shards],
+        )
+
+    rows = [
+        (
+            "ef-sign worker",
+            worker(eager_worker, unpack_scaled_signs),
+            worker(fused_worker, fused.scaled_signs),
+        ),
+        (
+            "ef-sign server (N = 4)",
+            lambda: [eager_server(codec, *s) for s in servers],
+            lambda: [fused_server(codec, *s) for s in servers],
+        ),
+    ]
+    return [
+        (label, best_seconds(eager, repeats), best_seconds(kernels, repeats))
+        for label, eager, kernels in rows
+    ]
 
 
 def main(argv=None):
@@ -146,26 +176,36 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     named = list(SyntheticResNet50().named_parameters())
-    stages = ["| codec | elements compressed | " + " | ".join(STAGES) + " | total |",
-              "|" + "---|" * (len(STAGES) + 3)]
-    fusion = ["| codec | eager ops (ms) | kernels (ms) | eager / copy | kernels / copy |",
-              "|---|---|---|---|---|"]
+    stages = [
+        "| codec | elements compressed | " + " | ".join(STAGES) + " | total |",
+        "|" + "---|" * (len(STAGES) + 3),
+    ]
+    fusion = [
+        "| codec | eager ops (ms) | kernels (ms) | eager / copy | kernels / copy |",
+        "|---|---|---|---|---|",
+    ]
     copies = []
     for name in args.codecs.split(","):
         codec = resolve(name, hc.CODECS)
         generator = torch.Generator().manual_seed(0)
-        grads = [torch.randn(shape, generator=generator).reshape(-1)
-                 for shape in compressed_shapes(codec, named)]
+        grads = [
+            torch.randn(shape, generator=generator).reshape(-1)
+            for shape in compressed_shapes(codec, named)
+        ]
         flat = torch.cat(grads)
         copy = best_seconds(lambda: torch.empty_like(flat).copy_(flat), 3)
         copies.append(f"{name}: {flat.numel():,} elements, {1000 * copy:.0f} ms")
         seconds = profile(codec, grads)
-        stages.append(f"| {name} | {flat.numel():,} | " +
-                      " | ".join(f"{1000 * seconds[s]:.0f}" for s in STAGES) +
-                      f" | {1000 * sum(seconds.values()):.0f} |")
+        stages.append(
+            f"| {name} | {flat.numel():,} | "
+            + " | ".join(f"{1000 * seconds[s]:.0f}" for s in STAGES)
+            + f" | {1000 * sum(seconds.values()):.0f} |"
+        )
         for label, eager, kernels in encode_decode(codec, grads):
-            fusion.append(f"| {label} | {1000 * eager:.0f} | {1000 * kernels:.0f} | "
-                          f"{eager / copy:.1f} | {kernels / copy:.1f} |")
+            fusion.append(
+                f"| {label} | {1000 * eager:.0f} | {1000 * kernels:.0f} | "
+                f"{eager / copy:.1f} | {kernels / copy:.1f} |"
+            )
     print("CPU milliseconds per step, one thread, eager ops:\n" + "\n".join(stages))
     print("\nOne copy of the compressed gradients (empty_like + copy_): " + "; ".join(copies))
     print("\nEncode + decode of one worker's codes, CPU milliseconds:\n" + "\n".join(fusion))

@@ -8,6 +8,7 @@ caller spends blocked in ``hvd_compress.pt.exchange.wait`` (the pipeline's only 
 waiting for a collective), so that a step's time splits into compute, waiting for the
 network, and the codec's own work.
 """
+
 import dataclasses
 import math
 import time
@@ -24,11 +25,11 @@ COLLECTIVES = ("allreduce_async", "allreduce_async_", "allgather_async", "alltoa
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    kind: str            # one of COLLECTIVES
-    name: str            # Horovod matches the ranks' requests by name, not by order
+    kind: str  # one of COLLECTIVES
+    name: str  # Horovod matches the ranks' requests by name, not by order
     shape: tuple
     dtype: torch.dtype
-    op: object = None    # the reduction of an allreduce (hvd.Sum, hvd.Max, ...)
+    op: object = None  # the reduction of an allreduce (hvd.Sum, hvd.Max, ...)
 
     @property
     def nbytes(self):
@@ -70,9 +71,13 @@ class HorovodProbe:
 
     def _recording(self, kind, original):
         def record(tensor, *args, **kwargs):
-            self.collectives.append(Collective(kind, kwargs["name"], tuple(tensor.shape),
-                                               tensor.dtype, kwargs.get("op")))
+            self.collectives.append(
+                Collective(
+                    kind, kwargs["name"], tuple(tensor.shape), tensor.dtype, kwargs.get("op")
+                )
+            )
             return original(tensor, *args, **kwargs)
+
         return record
 
     def _timed(self, original):
@@ -82,6 +87,7 @@ class HorovodProbe:
                 return original(handle)
             finally:
                 self.wait_seconds += time.perf_counter() - start
+
         return timed_wait
 
 
@@ -108,8 +114,10 @@ def replay(collectives, tag):
 
 def allreduce_of(model, dtype):
     """Horovod's uncompressed exchange: one allreduce per gradient, in ``dtype``."""
-    return [Collective("allreduce_async_", name, tuple(p.shape), dtype, hvd.Sum)
-            for name, p in model.named_parameters()]
+    return [
+        Collective("allreduce_async_", name, tuple(p.shape), dtype, hvd.Sum)
+        for name, p in model.named_parameters()
+    ]
 
 
 def reference_ceilings(numel, world_size):
@@ -118,9 +126,11 @@ def reference_ceilings(numel, world_size):
     (1-bit) summed shards."""
     one_bit_shard = math.ceil(numel / 8 / world_size)
     return {
-        "2-bit allgather": [Collective("allgather_async", "codes",
-                                       (1, math.ceil(numel / 4)), torch.uint8)],
+        "2-bit allgather": [
+            Collective("allgather_async", "codes", (1, math.ceil(numel / 4)), torch.uint8)
+        ],
         "1-bit alltoall+allgather": [
             Collective("alltoall_async", "shards", (world_size, one_bit_shard), torch.uint8),
-            Collective("allgather_async", "sums", (1, one_bit_shard), torch.uint8)],
+            Collective("allgather_async", "sums", (1, one_bit_shard), torch.uint8),
+        ],
     }

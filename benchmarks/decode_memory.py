@@ -13,6 +13,7 @@ float32 size:
 
 Linux only (``/proc``); one thread is enough.
 """
+
 import argparse
 import json
 import os
@@ -39,12 +40,14 @@ def measure(codec_name, numel, workers):
     import hvd_compress.pt as hc
     from hvd_compress.pt.exchange import Allgather, Meter
     from hvd_compress.pt.packing import pack
+
     codec = hc.CODECS[codec_name](min_size=0)
     exchange = Allgather(codec, numel, workers, Meter(), workers)
     space = codec.code_space
     rng = np.random.default_rng(0)
-    codes = torch.from_numpy(rng.integers(-space.bound, space.bound + 1, (workers, numel),
-                                          dtype=np.int8))
+    codes = torch.from_numpy(
+        rng.integers(-space.bound, space.bound + 1, (workers, numel), dtype=np.int8)
+    )
     packed = pack(codes, space)
     del codes
     scales = torch.ones(workers, codec.buckets(numel) if exchange.own_scale else 0)
@@ -64,8 +67,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=10_000_000)
     parser.add_argument("--workers", default="2,4,8,16")
-    parser.add_argument("--measure", nargs=3, metavar=("CODEC", "NUMEL", "N"),
-                        help=argparse.SUPPRESS)  # one measurement, in a child process
+    parser.add_argument(
+        "--measure", nargs=3, metavar=("CODEC", "NUMEL", "N"), help=argparse.SUPPRESS
+    )  # one measurement, in a child process
     args = parser.parse_args(argv)
     if args.measure:
         codec, numel, workers = args.measure
@@ -73,18 +77,36 @@ def main(argv=None):
         return
     # Blocks of 64 kB and more mapped on allocation and unmapped on release, always (a
     # fixed threshold turns off glibc's raising it after a release).
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(64 << 10),
-               MALLOC_TRIM_THRESHOLD_=str(64 << 10))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MALLOC_MMAP_THRESHOLD_=str(64 << 10),
+        MALLOC_TRIM_THRESHOLD_=str(64 << 10),
+    )
     tensor = 4 * args.numel
-    print(f"Peak memory of the allgather's eager decode, {args.numel:,} float32 elements "
-          f"({tensor / 1e6:.0f} MB):\n")
+    print(
+        f"Peak memory of the allgather's eager decode, {args.numel:,} float32 elements "
+        f"({tensor / 1e6:.0f} MB):\n"
+    )
     print("| codec | N | peak growth (MB) | x the tensor |\n|---|---|---|---|")
     for codec in CODECS:
         for workers in args.workers.split(","):
             out = subprocess.run(
-                [sys.executable, "-m", "benchmarks.decode_memory", "--measure", codec,
-                 str(args.numel), workers], env=env, check=True, capture_output=True,
-                text=True, timeout=600).stdout
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.decode_memory",
+                    "--measure",
+                    codec,
+                    str(args.numel),
+                    workers,
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            ).stdout
             peak = json.loads(out.strip().splitlines()[-1])
             print(f"| {codec} | {workers} | {peak / 1e6:,.0f} | {peak / tensor:.1f} |")
 

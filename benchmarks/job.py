@@ -9,6 +9,7 @@ rendezvous server runs in the switch namespace); ``LocalHosts`` runs every worke
 machine's loopback, the fallback when namespaces cannot be created. Every worker is started
 in its own process group, and leaving the ``with`` block kills the ones still running.
 """
+
 import os
 import signal
 import subprocess
@@ -99,35 +100,55 @@ class HorovodJob:
     def _start(self):
         plan = get_host_assignments(parse_hosts(self.hosts.hosts()), self.hosts.workers)
         self.rendezvous = subprocess.Popen(
-            self.hosts.rendezvous_prefix() + [sys.executable, "-m", "benchmarks.rendezvous",
-                                              self.hosts.hosts(), str(self.hosts.workers)],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            start_new_session=True, env=self._base_env())
+            self.hosts.rendezvous_prefix()
+            + [
+                sys.executable,
+                "-m",
+                "benchmarks.rendezvous",
+                self.hosts.hosts(),
+                str(self.hosts.workers),
+            ],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=self._base_env(),
+        )
         port = self.rendezvous.stdout.readline().strip()
         if not port.isdigit():
             raise RuntimeError("the Horovod rendezvous server did not start (see its error above)")
         env = self._base_env()
-        env.update(create_run_env_vars(self.hosts.rendezvous_address, [self.hosts.interface],
-                                       port))
-        env.update(MASTER_ADDR=self.hosts.ddp_address, MASTER_PORT=str(DDP_PORT),
-                   GLOO_SOCKET_IFNAME=self.hosts.interface)
+        env.update(create_run_env_vars(self.hosts.rendezvous_address, [self.hosts.interface], port))
+        env.update(
+            MASTER_ADDR=self.hosts.ddp_address,
+            MASTER_PORT=str(DDP_PORT),
+            GLOO_SOCKET_IFNAME=self.hosts.interface,
+        )
         for slot in plan:
             worker_env = dict(env, **create_slot_env_vars(slot))
             pipes = self.rank0_pipes and slot.rank == 0
             process = subprocess.Popen(
-                self.hosts.worker_prefix(slot.rank) + self.command, cwd=REPO, env=worker_env,
-                start_new_session=True, text=True,
+                self.hosts.worker_prefix(slot.rank) + self.command,
+                cwd=REPO,
+                env=worker_env,
+                start_new_session=True,
+                text=True,
                 stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
                 stdout=subprocess.PIPE if pipes else self.log,
-                stderr=None if pipes or self.log is None else subprocess.STDOUT)
+                stderr=None if pipes or self.log is None else subprocess.STDOUT,
+            )
             self.processes.append(process)
         self.rank0 = self.processes[0]
 
     def _base_env(self):
-        return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                    PYTHONUNBUFFERED="1", **self.env,
-                    PYTHONPATH=os.pathsep.join(filter(None, [REPO,
-                                                             os.environ.get("PYTHONPATH")])))
+        return dict(
+            os.environ,
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+            PYTHONUNBUFFERED="1",
+            **self.env,
+            PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+        )
 
     def wait(self, timeout):
         """Waits for every worker; kills them all after ``timeout`` seconds or as soon as
@@ -141,8 +162,7 @@ class HorovodJob:
                 raise TimeoutError(f"the Horovod job did not finish within {timeout:.0f}s")
             time.sleep(POLL_SECONDS)
         self.kill()
-        return next((process.returncode for process in self.processes
-                     if process.returncode), 0)
+        return next((process.returncode for process in self.processes if process.returncode), 0)
 
     def run(self, timeout):
         with self:

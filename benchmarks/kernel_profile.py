@@ -6,6 +6,7 @@
 Each stage is timed as the pipeline runs it, best of ``--repeats`` (after one call that
 compiles the kernels); wall time, so run it on an otherwise idle machine.
 """
+
 import argparse
 import time
 
@@ -57,8 +58,9 @@ def eager_server(codec, bits, scales, residual):
 def fused_server(codec, bits, scales, residual):
     memory = ErrorFeedback()
     memory.residuals["s"] = residual
-    return fused.server_step(ServerStep(memory, "s"), codec, bits, scales.reshape(-1),
-                             len(bits), residual.numel())
+    return fused.server_step(
+        ServerStep(memory, "s"), codec, bits, scales.reshape(-1), len(bits), residual.numel()
+    )
 
 
 def _best(function, repeats):
@@ -73,30 +75,43 @@ def main(argv=None):
     codec = hc.BlockSign()
     named = list(SyntheticResNet50().named_parameters())
     generator = torch.Generator().manual_seed(0)
-    tensors = [[torch.randn(shape.numel(), generator=generator) for _ in range(3)]
-               for shape in compressed_shapes(codec, named)]
+    tensors = [
+        [torch.randn(shape.numel(), generator=generator) for _ in range(3)]
+        for shape in compressed_shapes(codec, named)
+    ]
     numel = sum(grad.numel() for grad, _, _ in tensors)
     # The final decode of one sharded exchange: 4 servers' shards of every tensor's signs.
-    shards = [(torch.randint(0, 256, (4, -(-grad.numel() // 32)), dtype=torch.uint8),
-               torch.rand(4, 1)) for grad, _, _ in tensors]
-    servers = [(bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
-               for bits, scales in shards]
+    shards = [
+        (torch.randint(0, 256, (4, -(-grad.numel() // 32)), dtype=torch.uint8), torch.rand(4, 1))
+        for grad, _, _ in tensors
+    ]
+    servers = [
+        (bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
+        for bits, scales in shards
+    ]
     rows = [
-        ("worker: momentum, compensation, scales, signs, packing, residual",
-         lambda: [eager_worker(codec, *t) for t in tensors],
-         lambda: [fused_worker(codec, *t) for t in tensors]),
-        ("server of one shard (N = 4): average, compensation, scales, signs, residual",
-         lambda: [eager_server(codec, *s) for s in servers],
-         lambda: [fused_server(codec, *s) for s in servers]),
-        ("final decode of the servers' signs",
-         lambda: [unpack_scaled_signs(b, s, b.shape[1] * 8) for b, s in shards],
-         lambda: [fused.scaled_signs(b, s, b.shape[1] * 8) for b, s in shards]),
+        (
+            "worker: momentum, compensation, scales, signs, packing, residual",
+            lambda: [eager_worker(codec, *t) for t in tensors],
+            lambda: [fused_worker(codec, *t) for t in tensors],
+        ),
+        (
+            "server of one shard (N = 4): average, compensation, scales, signs, residual",
+            lambda: [eager_server(codec, *s) for s in servers],
+            lambda: [fused_server(codec, *s) for s in servers],
+        ),
+        (
+            "final decode of the servers' signs",
+            lambda: [unpack_scaled_signs(b, s, b.shape[1] * 8) for b, s in shards],
+            lambda: [fused.scaled_signs(b, s, b.shape[1] * 8) for b, s in shards],
+        ),
     ]
     print(f"{len(tensors)} tensors, {numel:,} elements, one thread, best of {args.repeats}:")
     print("| stage | eager ops (ms) | kernels (ms) |\n|---|---|---|")
     for label, eager, kernels in rows:
-        print(f"| {label} | {_best(eager, args.repeats):.0f} | "
-              f"{_best(kernels, args.repeats):.0f} |")
+        print(
+            f"| {label} | {_best(eager, args.repeats):.0f} | {_best(kernels, args.repeats):.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Every trainer takes the same SGD step on the same model and reports the bytes it
 the collectives in its last step (``handed``) and the bytes the cost model says a worker
 puts on the network for them (``sent``, ``hvd_compress.cost``).
 """
+
 import horovod.torch as hvd
 import torch
 import torch.distributed as dist
@@ -85,8 +86,9 @@ class HorovodTrainer(Trainer):
     """``horovod.torch.DistributedOptimizer`` with one of Horovod's compressors."""
 
     def __init__(self, model, world_size, lr, compression):
-        optimizer = hvd.DistributedOptimizer(sgd(model, lr), model.named_parameters(),
-                                             compression=compression)
+        optimizer = hvd.DistributedOptimizer(
+            sgd(model, lr), model.named_parameters(), compression=compression
+        )
         super().__init__(model, optimizer, world_size)
         self.itemsize = 2 if compression is hvd.Compression.fp16 else 4
 
@@ -98,8 +100,9 @@ class CodecTrainer(Trainer):
     """``hvd_compress.pt.DistributedOptimizer`` with a codec of the registry."""
 
     def __init__(self, model, world_size, lr, codec, adaptive=False):
-        optimizer = hc.DistributedOptimizer(sgd(model, lr), model.named_parameters(),
-                                            compression=codec, adaptive=adaptive)
+        optimizer = hc.DistributedOptimizer(
+            sgd(model, lr), model.named_parameters(), compression=codec, adaptive=adaptive
+        )
         super().__init__(model, optimizer, world_size)
         self.codec = resolve(codec, hc.CODECS)
         if adaptive:
@@ -118,8 +121,7 @@ class CodecTrainer(Trainer):
                 itemsize = 2 if exchange == HALF else 4
                 total += cost.uncompressed_traffic(numel, self.world_size, itemsize).sent
             else:
-                total += cost.compressed_traffic(self.codec, numel, self.world_size,
-                                                 exchange).sent
+                total += cost.compressed_traffic(self.codec, numel, self.world_size, exchange).sent
         return total
 
 
@@ -150,8 +152,10 @@ class PowerSGDTrainer(DDPTrainer):
 
     def __init__(self, model, world_size, lr):
         self.state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=POWERSGD_RANK,
-            start_powerSGD_iter=POWERSGD_START)
+            process_group=None,
+            matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=POWERSGD_START,
+        )
         super().__init__(model, world_size, lr, _one_bucket_at_a_time, self.state)
         self._counted = 0
         self._last = 0
@@ -189,13 +193,20 @@ METHODS = {
     "qsgd-inf-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf", True),
     "ef-sign-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign", True),
     "ddp": lambda model, n, lr: DDPTrainer(model, n, lr),
-    "ddp-fp16": lambda model, n, lr: DDPTrainer(model, n, lr, default_hooks.fp16_compress_hook,
-                                                itemsize=2),
+    "ddp-fp16": lambda model, n, lr: DDPTrainer(
+        model, n, lr, default_hooks.fp16_compress_hook, itemsize=2
+    ),
     "ddp-powersgd": lambda model, n, lr: PowerSGDTrainer(model, n, lr),
 }
 # The exchanges of hvd_compress, whose codec time the probe can separate from waiting.
-CODEC_METHODS = ("terngrad", "qsgd-inf", "ef-sign", "terngrad-auto", "qsgd-inf-auto",
-                 "ef-sign-auto")
+CODEC_METHODS = (
+    "terngrad",
+    "qsgd-inf",
+    "ef-sign",
+    "terngrad-auto",
+    "qsgd-inf-auto",
+    "ef-sign-auto",
+)
 
 
 def needs_ddp(methods):

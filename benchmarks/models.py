@@ -8,6 +8,7 @@ each convolution becomes a matrix of shape (out, in x k x k) applied to a slice 
 input, followed by its batch-norm scale and shift, and the outputs are summed into the 2048
 features the classifier reads.
 """
+
 import dataclasses
 
 import torch
@@ -31,8 +32,11 @@ def resnet50_convolutions():
     inplanes = 64
     for planes, blocks in RESNET50_STAGES:
         for block in range(blocks):
-            convolutions += [(planes, inplanes, 1), (planes, planes, 3),
-                             (planes * EXPANSION, planes, 1)]
+            convolutions += [
+                (planes, inplanes, 1),
+                (planes, planes, 3),
+                (planes * EXPANSION, planes, 1),
+            ]
             if block == 0:
                 convolutions.append((planes * EXPANSION, inplanes, 1))
             inplanes = planes * EXPANSION
@@ -49,12 +53,12 @@ class ConvAsMatrix(nn.Module):
     def __init__(self, out_channels, in_channels, kernel):
         super().__init__()
         self.fan_in = in_channels * kernel * kernel
-        self.weight = nn.Parameter(torch.randn(out_channels, self.fan_in) / self.fan_in ** 0.5)
+        self.weight = nn.Parameter(torch.randn(out_channels, self.fan_in) / self.fan_in**0.5)
         self.bn_weight = nn.Parameter(torch.ones(out_channels))
         self.bn_bias = nn.Parameter(torch.zeros(out_channels))
 
     def forward(self, x):
-        return x[:, :self.fan_in] @ self.weight.t() * self.bn_weight + self.bn_bias
+        return x[:, : self.fan_in] @ self.weight.t() * self.bn_weight + self.bn_bias
 
 
 class SyntheticResNet50(nn.Module):
@@ -77,10 +81,11 @@ class SyntheticResNet50(nn.Module):
 @dataclasses.dataclass
 class Workload:
     """A model factory and where its batches come from, for one rank."""
+
     name: str
-    build: object            # () -> nn.Module, the same weights on every rank
+    build: object  # () -> nn.Module, the same weights on every rank
     local_batch: int
-    inputs: torch.Tensor     # this rank's training inputs
+    inputs: torch.Tensor  # this rank's training inputs
     targets: torch.Tensor
     test_inputs: torch.Tensor = None
     test_targets: torch.Tensor = None
@@ -97,6 +102,7 @@ def _seeded(factory, seed):
     def build():
         torch.manual_seed(seed)
         return factory()
+
     return build
 
 
@@ -111,14 +117,22 @@ def workload(name, rank, world_size, seed=0):
     if name == "cnn":
         x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_mnist1d())
         # Each worker trains on its own shard of the training set, as in the example.
-        return Workload(name, _seeded(CNN, seed), CNN_GLOBAL_BATCH // world_size,
-                        x_train[rank::world_size], y_train[rank::world_size], x_test, y_test)
+        return Workload(
+            name,
+            _seeded(CNN, seed),
+            CNN_GLOBAL_BATCH // world_size,
+            x_train[rank::world_size],
+            y_train[rank::world_size],
+            x_test,
+            y_test,
+        )
     if name == "resnet50":
         generator = torch.Generator().manual_seed(seed * 1000 + rank)
         inputs = torch.randn(4 * RESNET50_LOCAL_BATCH, RESNET50_INPUTS, generator=generator)
         targets = torch.randint(CLASSES, (len(inputs),), generator=generator)
-        return Workload(name, _seeded(SyntheticResNet50, seed), RESNET50_LOCAL_BATCH,
-                        inputs, targets)
+        return Workload(
+            name, _seeded(SyntheticResNet50, seed), RESNET50_LOCAL_BATCH, inputs, targets
+        )
     raise ValueError(f"model must be 'cnn' or 'resnet50', got {name!r}")
 
 

@@ -13,6 +13,7 @@ these namespaces. Everything is removed on exit, on an exception and on SIGTERM/
 (turned into ``SystemExit`` so that ``with`` blocks unwind); ``teardown(prefix)`` also clears
 what a killed run left behind.
 """
+
 import argparse
 import fcntl
 import os
@@ -50,8 +51,10 @@ def parse_rate(text):
     except ValueError:
         bits = float("nan")
     if not bits > 0:
-        raise ValueError(f"rate must be a positive number of bits per second such as 100M, "
-                         f"1G or 10G; got {text!r}")
+        raise ValueError(
+            f"rate must be a positive number of bits per second such as 100M, "
+            f"1G or 10G; got {text!r}"
+        )
     return bits
 
 
@@ -104,8 +107,9 @@ def _lock(prefix):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        raise NetworkInUse(f"another test network with the prefix {prefix!r} is running; "
-                           f"wait for it to finish") from None
+        raise NetworkInUse(
+            f"another test network with the prefix {prefix!r} is running; wait for it to finish"
+        ) from None
     return lock
 
 
@@ -202,11 +206,28 @@ class TestNetwork:
             namespace = self.namespace(rank)
             _ip("netns", "add", namespace)
             _ip("link", "set", "lo", "up", namespace=namespace)
-            _ip("link", "add", self._port(rank), "type", "veth", "peer", "name",
-                WORKER_INTERFACE, "netns", namespace, namespace=self.switch)
+            _ip(
+                "link",
+                "add",
+                self._port(rank),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                WORKER_INTERFACE,
+                "netns",
+                namespace,
+                namespace=self.switch,
+            )
             _ip("link", "set", self._port(rank), "master", "br0", "up", namespace=self.switch)
-            _ip("addr", "add", f"{self.address(rank)}/24", "dev", WORKER_INTERFACE,
-                namespace=namespace)
+            _ip(
+                "addr",
+                "add",
+                f"{self.address(rank)}/24",
+                "dev",
+                WORKER_INTERFACE,
+                namespace=namespace,
+            )
             _ip("link", "set", WORKER_INTERFACE, "up", namespace=namespace)
             os.makedirs(f"/etc/netns/{namespace}", exist_ok=True)
             with open(f"/etc/netns/{namespace}/hosts", "w") as f:
@@ -221,8 +242,16 @@ class TestNetwork:
         directions: the worker's uplink (its ``eth0``) and its downlink (the bridge port)."""
         bits = parse_rate(rate)
         burst = max(MIN_BURST_BYTES, int(bits / 8 * BURST_SECONDS))
-        tbf = ["root", "tbf", "rate", f"{int(bits)}bit", "burst", str(burst),
-               "latency", QUEUE_LATENCY]
+        tbf = [
+            "root",
+            "tbf",
+            "rate",
+            f"{int(bits)}bit",
+            "burst",
+            str(burst),
+            "latency",
+            QUEUE_LATENCY,
+        ]
         for rank in range(self.workers):
             _tc(self.namespace(rank), "qdisc", "replace", "dev", WORKER_INTERFACE, *tbf)
             _tc(self.switch, "qdisc", "replace", "dev", self._port(rank), *tbf)
@@ -232,16 +261,21 @@ class TestNetwork:
 def main(argv=None):
     """``launch/netns.sh``: runs a command as a Horovod job, one worker per namespace."""
     parser = argparse.ArgumentParser(
-        prog="launch/netns.sh", description="Run a Horovod job over Gloo with one worker per "
-        "network namespace, every link shaped with tc tbf; everything is torn down on exit.")
+        prog="launch/netns.sh",
+        description="Run a Horovod job over Gloo with one worker per "
+        "network namespace, every link shaped with tc tbf; everything is torn down on exit.",
+    )
     parser.add_argument("-n", "--workers", type=int, default=2, help="N (default 2)")
-    parser.add_argument("-r", "--rate", default="100M",
-                        help="link rate in bits/s, both directions (default 100M)")
+    parser.add_argument(
+        "-r", "--rate", default="100M", help="link rate in bits/s, both directions (default 100M)"
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds (default 3600)")
-    parser.add_argument("--teardown", action="store_true",
-                        help=f"only remove namespaces left by a killed run ({PREFIX}*)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the worker command, after --")
+    parser.add_argument(
+        "--teardown",
+        action="store_true",
+        help=f"only remove namespaces left by a killed run ({PREFIX}*)",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     args = parser.parse_args(argv)
     if args.teardown:
         try:
@@ -256,8 +290,11 @@ def main(argv=None):
     try:
         with TestNetwork(args.workers) as network:
             network.shape(args.rate)
-            print(f"netns: {args.workers} workers at {format_rate(network.rate)}bit/s per link "
-                  f"({', '.join(network.address(k) for k in range(args.workers))})", flush=True)
+            print(
+                f"netns: {args.workers} workers at {format_rate(network.rate)}bit/s per link "
+                f"({', '.join(network.address(k) for k in range(args.workers))})",
+                flush=True,
+            )
             return HorovodJob(NamespacedHosts(network), command).run(args.timeout)
     except (PermissionError, NetworkInUse) as error:
         sys.exit(str(error))

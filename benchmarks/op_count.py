@@ -13,6 +13,7 @@ the codec compresses. The counts do not depend on the link, so the job runs on l
 
 Rank 0 prints a Markdown table (and with ``--out``, writes it as JSON).
 """
+
 import argparse
 import json
 
@@ -46,14 +47,17 @@ def count(model_name, codec):
     work = workload(model_name, hvd.rank(), hvd.size())
     model = work.build()
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model.named_parameters(),
-        compression=codec)
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        model.named_parameters(),
+        compression=codec,
+    )
     inputs, targets = next(work.batches(0))
 
     def step():
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
+
     for _ in range(WARMUP_STEPS):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
@@ -74,25 +78,46 @@ def main(argv=None):
     rows = []
     for name in args.codecs.split(","):
         ops, tensors, compressed = count(args.model, name)
-        rows.append({"codec": name, "ops": ops, "added": ops - baseline, "tensors": tensors,
-                     "compressed_tensors": compressed,
-                     "added_per_tensor": (ops - baseline) / tensors,
-                     "added_per_compressed_tensor": (ops - baseline) / compressed
-                     if compressed else None})
+        rows.append(
+            {
+                "codec": name,
+                "ops": ops,
+                "added": ops - baseline,
+                "tensors": tensors,
+                "compressed_tensors": compressed,
+                "added_per_tensor": (ops - baseline) / tensors,
+                "added_per_compressed_tensor": (ops - baseline) / compressed
+                if compressed
+                else None,
+            }
+        )
     if hvd.rank() == 0:
-        print(f"Top-level aten ops of one step, {args.model}, N = {hvd.size()} "
-              f"(none: {baseline}):\n")
-        print("| codec | ops | added | added per tensor | compressed tensors | "
-              "added per compressed tensor |\n|---|---|---|---|---|---|")
+        print(
+            f"Top-level aten ops of one step, {args.model}, N = {hvd.size()} (none: {baseline}):\n"
+        )
+        print(
+            "| codec | ops | added | added per tensor | compressed tensors | "
+            "added per compressed tensor |\n|---|---|---|---|---|---|"
+        )
         for r in rows:
             per = r["added_per_compressed_tensor"]
-            print(f"| {r['codec']} | {r['ops']:,} | {r['added']:,} | "
-                  f"{r['added_per_tensor']:.1f} (of {r['tensors']}) | "
-                  f"{r['compressed_tensors']} | {'-' if per is None else f'{per:.1f}'} |")
+            print(
+                f"| {r['codec']} | {r['ops']:,} | {r['added']:,} | "
+                f"{r['added_per_tensor']:.1f} (of {r['tensors']}) | "
+                f"{r['compressed_tensors']} | {'-' if per is None else f'{per:.1f}'} |"
+            )
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"model": args.model, "world_size": hvd.size(), "none": baseline,
-                           "codecs": rows}, f, indent=1)
+                json.dump(
+                    {
+                        "model": args.model,
+                        "world_size": hvd.size(),
+                        "none": baseline,
+                        "codecs": rows,
+                    },
+                    f,
+                    indent=1,
+                )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The benchmark's PNG plots: speed-up against link rate, step-time breakdown with the cost
 model's prediction, and MNIST-1D test accuracy against training time."""
+
 import os
 
 import matplotlib
@@ -30,13 +31,24 @@ def speedup(result, path):
         return None
     figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     for axis, (model, workers) in zip(axes[0], panels):
-        mine = [(bits, row) for bits, row in shaped
-                if row["model"] == model and row["workers"] == workers]
+        mine = [
+            (bits, row)
+            for bits, row in shaped
+            if row["model"] == model and row["workers"] == workers
+        ]
         for method in dict.fromkeys(row["method"] for _, row in mine):
-            points = sorted((bits, row["speedup"]) for bits, row in mine
-                            if row["method"] == method and row["speedup"] is not None)
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method,
-                      linestyle="--" if method.startswith("ddp") else "-")
+            points = sorted(
+                (bits, row["speedup"])
+                for bits, row in mine
+                if row["method"] == method and row["speedup"] is not None
+            )
+            axis.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                label=method,
+                linestyle="--" if method.startswith("ddp") else "-",
+            )
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.axhline(1.0, color="grey", linewidth=0.5)
@@ -66,10 +78,16 @@ def breakdown(result, path, rate="100M"):
         rest = [row["seconds"] - c - k for row, c, k in zip(mine, compute, codec)]
         axis.bar(names, compute, label="compute")
         axis.bar(names, codec, bottom=compute, label="codec")
-        axis.bar(names, rest, bottom=[c + k for c, k in zip(compute, codec)],
-                 label="communication")
-        axis.scatter(names, [row["predicted"] for row in mine], color="black", marker="_",
-                     s=300, zorder=3, label="predicted")
+        axis.bar(names, rest, bottom=[c + k for c, k in zip(compute, codec)], label="communication")
+        axis.scatter(
+            names,
+            [row["predicted"] for row in mine],
+            color="black",
+            marker="_",
+            s=300,
+            zorder=3,
+            label="predicted",
+        )
         axis.set_title(f"{model}, N = {workers}, {rate}bit/s")
         axis.set_ylabel("seconds per step")
         axis.tick_params(axis="x", labelrotation=60, labelsize=7)
@@ -87,8 +105,13 @@ def accuracy(result, path):
         return None
     figure, axis = plt.subplots(figsize=(6, 4))
     for e in curves:
-        axis.plot([p[0] for p in e["points"]], [p[2] for p in e["points"]], marker=".",
-                  label=e["method"], linestyle="--" if e["method"].startswith("ddp") else "-")
+        axis.plot(
+            [p[0] for p in e["points"]],
+            [p[2] for p in e["points"]],
+            marker=".",
+            label=e["method"],
+            linestyle="--" if e["method"].startswith("ddp") else "-",
+        )
     first = curves[0]
     axis.set_title(f"MNIST-1D CNN, N = {first['workers']}, {first['rate']}bit/s links")
     axis.set_xlabel("training time (s)")
@@ -102,7 +125,9 @@ def accuracy(result, path):
 
 def write_all(result, directory):
     """Writes every plot the results allow; returns the paths written."""
-    written = [speedup(result, os.path.join(directory, "speedup.png")),
-               breakdown(result, os.path.join(directory, "breakdown.png")),
-               accuracy(result, os.path.join(directory, "accuracy.png"))]
+    written = [
+        speedup(result, os.path.join(directory, "speedup.png")),
+        breakdown(result, os.path.join(directory, "breakdown.png")),
+        accuracy(result, os.path.join(directory, "accuracy.png")),
+    ]
     return [path for path in written if path is not None]

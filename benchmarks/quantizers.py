@@ -12,6 +12,7 @@ Prints three Markdown tables:
    and left out), and the bandwidth below which Elias coding saves time on an allgather among
    4 workers.
 """
+
 import time
 
 import numpy as np
@@ -29,8 +30,9 @@ def relative_variance(codec, vectors, draws, rng, scales=None):
     for i, v in enumerate(vectors):
         scale = codec.local_scale(v) if scales is None else scales[i]
         for _ in range(draws):
-            decoded = codec.decode(codec.values(codec.encode(v, scale, rng.random(v.size))),
-                                   scale, 1)
+            decoded = codec.decode(
+                codec.values(codec.encode(v, scale, rng.random(v.size))), scale, 1
+            )
             errors += np.sum((decoded.astype(np.float64) - v) ** 2)
             norms += np.sum(v.astype(np.float64) ** 2)
     return errors / norms
@@ -41,29 +43,37 @@ def variance_table(rng):
     vectors = [rng.standard_normal(d).astype(np.float32) for _ in range(10)]
     rows = ["| codec (4 bits, d = 8192) | levels | measured | bound |", "|---|---|---|---|"]
     for codec, bound in [
-            (hvd_compress.QSGD(bits=4, bucket_size=d), qsgd_variance_bound(d, 7)),
-            (hvd_compress.QSGDInf(bits=4, bucket_size=d), None),
-            (hvd_compress.NUQSGD(bits=4, bucket_size=d), nuqsgd_variance_bound(d, 6))]:
+        (hvd_compress.QSGD(bits=4, bucket_size=d), qsgd_variance_bound(d, 7)),
+        (hvd_compress.QSGDInf(bits=4, bucket_size=d), None),
+        (hvd_compress.NUQSGD(bits=4, bucket_size=d), nuqsgd_variance_bound(d, 6)),
+    ]:
         levels = "0, 1/7, ..., 1" if codec.name != "nuqsgd" else "0, 1/64, ..., 1/2, 1"
         measured = relative_variance(codec, vectors, 20, rng)
-        rows.append(f"| {codec.name} | {levels} | {measured:.3f} | "
-                    f"{'-' if bound is None else f'{bound:.3f}'} |")
+        rows.append(
+            f"| {codec.name} | {levels} | {measured:.3f} | "
+            f"{'-' if bound is None else f'{bound:.3f}'} |"
+        )
     return "\n".join(rows)
 
 
 def shared_scale_table(rng, workers=4):
-    rows = ["| codec (4 bits) | bucket | own scales | shared (Max of 4) | ratio |",
-            "|---|---|---|---|---|"]
-    for codec in (hvd_compress.QSGDInf(bits=4, bucket_size=512),
-                  hvd_compress.NUQSGD(bits=4, bucket_size=8192)):
+    rows = [
+        "| codec (4 bits) | bucket | own scales | shared (Max of 4) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for codec in (
+        hvd_compress.QSGDInf(bits=4, bucket_size=512),
+        hvd_compress.NUQSGD(bits=4, bucket_size=8192),
+    ):
         # Workers' gradients: a common signal plus independent noise, as in data parallelism.
         common = rng.standard_normal(65536).astype(np.float32)
         grads = [common + rng.standard_normal(65536).astype(np.float32) for _ in range(workers)]
         shared = np.max(np.stack([codec.local_scale(g) for g in grads]), axis=0)
         own = relative_variance(codec, grads, 5, rng)
         both = relative_variance(codec, grads, 5, rng, scales=[shared] * workers)
-        rows.append(f"| {codec.name} | {codec.bucket_size} | {own:.3f} | {both:.3f} | "
-                    f"{both / own:.2f}x |")
+        rows.append(
+            f"| {codec.name} | {codec.bucket_size} | {own:.3f} | {both:.3f} | {both / own:.2f}x |"
+        )
     return "\n".join(rows)
 
 
@@ -79,28 +89,34 @@ def _seconds(function, repeat=3):
 def wire_table(numel=1_000_000, workers=4, seed=0):
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     uniforms = torch.rand(numel, generator=torch.Generator().manual_seed(seed + 1))
-    rows = ["| codec | wire | bits/element | pack + unpack, ms per 1M | Elias pays below |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| codec | wire | bits/element | pack + unpack, ms per 1M | Elias pays below |",
+        "|---|---|---|---|---|",
+    ]
     for codec in (hc.QSGD(), hc.QSGDInf(), hc.NUQSGD(), hc.QSGDInf(bits=2, bucket_size=128)):
         scale = codec.local_scale(grad)
         codes = codec.encode(grad, scale, uniforms)
         scale_bits = 32 * codec.buckets(numel)
         fixed_bits = 8 * codec.code_space.packed_nbytes(numel) + scale_bits
-        fixed_time = _seconds(lambda: unpack(pack(codes.reshape(1, -1), codec.code_space),
-                                             codec.code_space, numel))
+        fixed_time = _seconds(
+            lambda: unpack(pack(codes.reshape(1, -1), codec.code_space), codec.code_space, numel)
+        )
         data = elias.encode(codes)
         elias_bits = 8 * data.numel() + scale_bits
         elias_time = _seconds(lambda: elias.decode(elias.encode(codes), numel), repeat=1)
         # An allgather moves (workers - 1) payloads into every worker.
         saved_bits = (workers - 1) * (fixed_bits - elias_bits)
         extra = elias_time - fixed_time
-        pays = f"{saved_bits / extra / 1e6:.0f} Mbit/s" if saved_bits > 0 and extra > 0 else \
-            ("never" if saved_bits <= 0 else "always")
+        pays = (
+            f"{saved_bits / extra / 1e6:.0f} Mbit/s"
+            if saved_bits > 0 and extra > 0
+            else ("never" if saved_bits <= 0 else "always")
+        )
         name = f"{codec.name} {codec.bits}-bit d={codec.bucket_size}"
-        rows.append(f"| {name} | fixed | {fixed_bits / numel:.3f} | "
-                    f"{1000 * fixed_time:.0f} | |")
-        rows.append(f"| {name} | elias | {elias_bits / numel:.3f} | "
-                    f"{1000 * elias_time:.0f} | {pays} |")
+        rows.append(f"| {name} | fixed | {fixed_bits / numel:.3f} | {1000 * fixed_time:.0f} | |")
+        rows.append(
+            f"| {name} | elias | {elias_bits / numel:.3f} | {1000 * elias_time:.0f} | {pays} |"
+        )
     return "\n".join(rows)
 
 

@@ -5,6 +5,7 @@ test network's switch namespace.
 
 prints the port it listens on, then serves until its standard input is closed.
 """
+
 import sys
 
 from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts

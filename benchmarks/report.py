@@ -27,6 +27,7 @@ Per model, N, link rate and method (one row):
   collectives replayed bare (same sizes, no encode or decode): ``of_ceiling`` is the
   fraction of the bare collectives' speed-up the method reaches.
 """
+
 import collections
 import statistics
 
@@ -60,31 +61,44 @@ def rows(events):
             baselines[e["workers"], e["model"]].append(e["seconds"])
     compute = {key: statistics.median(seconds) for key, seconds in baselines.items()}
     idle = {e["workers"]: e["tx_per_second"] for e in events if e["kind"] == "idle"}
-    bare = {(e["workers"], e["model"], e["rate"]): e["exchanges"]
-            for e in events if e["kind"] == "bare"}
-    steps = {(e["workers"], e["model"], e["rate"], e["method"]): e
-             for e in events if e["kind"] == "step"}
+    bare = {
+        (e["workers"], e["model"], e["rate"]): e["exchanges"] for e in events if e["kind"] == "bare"
+    }
+    steps = {
+        (e["workers"], e["model"], e["rate"], e["method"]): e for e in events if e["kind"] == "step"
+    }
     result = []
     for (workers, model, rate, method), e in steps.items():
         c = compute[workers, model]
         bits = _rate_bits(rate)
-        codec = statistics.fmean(e["step_seconds"]) - c - e["wait_seconds"] \
-            if "wait_seconds" in e else None
+        codec = (
+            statistics.fmean(e["step_seconds"]) - c - e["wait_seconds"]
+            if "wait_seconds" in e
+            else None
+        )
         base = steps.get((workers, model, rate, BASELINE))
         fp16 = steps.get((workers, model, rate, FP16_BASELINE))
         exchanges = bare.get((workers, model, rate), {})
-        own_bare = e.get("bare_seconds",
-                         exchanges.get(HOROVOD_BARE.get(method), {}).get("seconds"))
+        own_bare = e.get("bare_seconds", exchanges.get(HOROVOD_BARE.get(method), {}).get("seconds"))
         control = idle[workers] * e["seconds"] if idle.get(workers) is not None else None
         row = {
-            "workers": workers, "model": model, "rate": rate, "method": method,
-            "seconds": e["seconds"], "compute": c, "communication": e["seconds"] - c,
-            "codec": codec, "wait": e.get("wait_seconds"),
-            "handed": e["handed"], "sent": e["sent"], "wire_tx": e["wire_tx"],
+            "workers": workers,
+            "model": model,
+            "rate": rate,
+            "method": method,
+            "seconds": e["seconds"],
+            "compute": c,
+            "communication": e["seconds"] - c,
+            "codec": codec,
+            "wait": e.get("wait_seconds"),
+            "handed": e["handed"],
+            "sent": e["sent"],
+            "wire_tx": e["wire_tx"],
             "wire_over_sent": _ratio(e["wire_tx"], e["sent"]),
             "control": control,
             "unexplained": _ratio(e["wire_tx"] - control, e["sent"]) - 1
-            if control is not None else None,
+            if control is not None
+            else None,
             "predicted": c + (codec or 0.0) + e["sent"] * 8 / bits if bits else None,
             "speedup": _ratio(base and base["seconds"], e["seconds"]),
             "speedup_fp16": _ratio(fp16 and fp16["seconds"], e["seconds"]),
@@ -94,12 +108,17 @@ def rows(events):
         }
         row["of_ceiling"] = _ratio(row["comm_speedup"], row["ceiling"])
         if method.endswith(AUTO_SUFFIX):
-            rivals = {m: steps[workers, model, rate, m]["seconds"]
-                      for m in AUTO_RIVALS + (method[:-len(AUTO_SUFFIX)],)
-                      if (workers, model, rate, m) in steps}
+            rivals = {
+                m: steps[workers, model, rate, m]["seconds"]
+                for m in AUTO_RIVALS + (method[: -len(AUTO_SUFFIX)],)
+                if (workers, model, rate, m) in steps
+            }
             fastest = min(rivals, key=rivals.get) if rivals else None
-            row["auto"] = {"fastest": fastest, "adaptive": e.get("adaptive"),
-                           "over_fastest": _ratio(e["seconds"], rivals.get(fastest))}
+            row["auto"] = {
+                "fastest": fastest,
+                "adaptive": e.get("adaptive"),
+                "over_fastest": _ratio(e["seconds"], rivals.get(fastest)),
+            }
         result.append(row)
     return result
 
@@ -115,24 +134,52 @@ def _auto_table(rows):
         counts = decision.get("counts", {})
         trial = decision.get("trial")
         ratio = auto["over_fastest"]
-        lines.append([r["workers"], r["rate"], r["method"], _ms(r["seconds"]),
-                      auto["fastest"] or "-", _x(ratio),
-                      "yes" if ratio is not None and ratio <= AUTO_BOUND else "no",
-                      " ".join(f"{p} {counts[p]}" for p in sorted(counts)) or "-",
-                      " / ".join(_ms(predicted.get(p)) for p in ("chosen", "codec", "fp16",
-                                                                 "fp32")),
-                      "-" if trial is None else
-                      f"{'kept' if trial['kept'] else 'reverted'} "
-                      f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])})"])
-    return _table(["N", "rate", "method", "step", "fastest other", "over fastest",
-                   f"within {AUTO_BOUND}x", "tensors by path",
-                   "predicted exchange: chosen / codec / fp16 / fp32",
-                   "trial: decision vs all codec (ms)"], lines) if lines else None
+        lines.append(
+            [
+                r["workers"],
+                r["rate"],
+                r["method"],
+                _ms(r["seconds"]),
+                auto["fastest"] or "-",
+                _x(ratio),
+                "yes" if ratio is not None and ratio <= AUTO_BOUND else "no",
+                " ".join(f"{p} {counts[p]}" for p in sorted(counts)) or "-",
+                " / ".join(_ms(predicted.get(p)) for p in ("chosen", "codec", "fp16", "fp32")),
+                "-"
+                if trial is None
+                else f"{'kept' if trial['kept'] else 'reverted'} "
+                f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])})",
+            ]
+        )
+    return (
+        _table(
+            [
+                "N",
+                "rate",
+                "method",
+                "step",
+                "fastest other",
+                "over fastest",
+                f"within {AUTO_BOUND}x",
+                "tensors by path",
+                "predicted exchange: chosen / codec / fp16 / fp32",
+                "trial: decision vs all codec (ms)",
+            ],
+            lines,
+        )
+        if lines
+        else None
+    )
 
 
 def _ms(seconds):
-    return "-" if seconds is None else f"{1000 * seconds:,.0f}" if seconds >= 0.1 \
+    return (
+        "-"
+        if seconds is None
+        else f"{1000 * seconds:,.0f}"
+        if seconds >= 0.1
         else f"{1000 * seconds:.1f}"
+    )
 
 
 def _mb(nbytes):
@@ -148,8 +195,10 @@ def _pct(fraction):
 
 
 def _table(header, lines):
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
-                     ["| " + " | ".join(map(str, line)) + " |" for line in lines])
+    return "\n".join(
+        ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        + ["| " + " | ".join(map(str, line)) + " |" for line in lines]
+    )
 
 
 def _order(rows):
@@ -160,71 +209,187 @@ def markdown(result):
     """The tables of the README: times, bytes, ceilings, bare collectives, accuracy."""
     rows = _order(result["rows"])
     machine = result["machine"]
-    parts = [f"Network: {result['network']}; {machine['before']['cpus']} CPUs, load average "
-             f"(1, 5, 15 min) {machine['before']['load_average_1_5_15']} before and "
-             f"{machine['after']['load_average_1_5_15']} after, {machine['before']['date']}."]
+    parts = [
+        f"Network: {result['network']}; {machine['before']['cpus']} CPUs, load average "
+        f"(1, 5, 15 min) {machine['before']['load_average_1_5_15']} before and "
+        f"{machine['after']['load_average_1_5_15']} after, {machine['before']['date']}."
+    ]
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
         parts.append(f"\n### {model}: step time (ms) and speed-up\n")
-        parts.append(_table(
-            ["N", "rate", "method", "step", "predicted", "compute", "communication", "codec",
-             "vs hvd-none", "vs hvd-fp16"],
-            [[r["workers"], r["rate"], r["method"], _ms(r["seconds"]), _ms(r["predicted"]),
-              _ms(r["compute"]), _ms(r["communication"]), _ms(r["codec"]), _x(r["speedup"]),
-              _x(r["speedup_fp16"])] for r in mine]))
+        parts.append(
+            _table(
+                [
+                    "N",
+                    "rate",
+                    "method",
+                    "step",
+                    "predicted",
+                    "compute",
+                    "communication",
+                    "codec",
+                    "vs hvd-none",
+                    "vs hvd-fp16",
+                ],
+                [
+                    [
+                        r["workers"],
+                        r["rate"],
+                        r["method"],
+                        _ms(r["seconds"]),
+                        _ms(r["predicted"]),
+                        _ms(r["compute"]),
+                        _ms(r["communication"]),
+                        _ms(r["codec"]),
+                        _x(r["speedup"]),
+                        _x(r["speedup_fp16"]),
+                    ]
+                    for r in mine
+                ],
+            )
+        )
         parts.append(f"\n### {model}: bytes per worker per step (MB)\n")
-        parts.append(_table(
-            ["N", "rate", "method", "handed", "sent (cost model)", "wire tx", "wire / sent",
-             "control msgs", "unexplained"],
-            [[r["workers"], r["rate"], r["method"], _mb(r["handed"]), _mb(r["sent"]),
-              _mb(r["wire_tx"]), _x(r["wire_over_sent"]), _mb(r["control"]),
-              _pct(r["unexplained"])] for r in mine]))
+        parts.append(
+            _table(
+                [
+                    "N",
+                    "rate",
+                    "method",
+                    "handed",
+                    "sent (cost model)",
+                    "wire tx",
+                    "wire / sent",
+                    "control msgs",
+                    "unexplained",
+                ],
+                [
+                    [
+                        r["workers"],
+                        r["rate"],
+                        r["method"],
+                        _mb(r["handed"]),
+                        _mb(r["sent"]),
+                        _mb(r["wire_tx"]),
+                        _x(r["wire_over_sent"]),
+                        _mb(r["control"]),
+                        _pct(r["unexplained"]),
+                    ]
+                    for r in mine
+                ],
+            )
+        )
         parts.append(f"\n### {model}: exchange speed-up against the bare collectives\n")
-        parts.append(_table(
-            ["N", "rate", "method", "communication", "bare collectives", "speed-up",
-             "bare speed-up", "of bare"],
-            [[r["workers"], r["rate"], r["method"], _ms(r["communication"]), _ms(r["bare"]),
-              _x(r["comm_speedup"]), _x(r["ceiling"]), _x(r["of_ceiling"])]
-             for r in mine if r["ceiling"] is not None]))
+        parts.append(
+            _table(
+                [
+                    "N",
+                    "rate",
+                    "method",
+                    "communication",
+                    "bare collectives",
+                    "speed-up",
+                    "bare speed-up",
+                    "of bare",
+                ],
+                [
+                    [
+                        r["workers"],
+                        r["rate"],
+                        r["method"],
+                        _ms(r["communication"]),
+                        _ms(r["bare"]),
+                        _x(r["comm_speedup"]),
+                        _x(r["ceiling"]),
+                        _x(r["of_ceiling"]),
+                    ]
+                    for r in mine
+                    if r["ceiling"] is not None
+                ],
+            )
+        )
         auto = _auto_table(mine)
         if auto:
             parts.append(f"\n### {model}: the adaptive mode against the fastest fixed choice\n")
             parts.append(auto)
     for model, counts in sorted(result.get("op_counts", {}).items()):
-        parts.append(f"\n### {model}: top-level torch ops of one step (N = "
-                     f"{counts['world_size']}; none: {counts['none']:,})\n")
-        parts.append(_table(
-            ["codec", "ops", "added by compression", "added per tensor",
-             "compressed tensors", "added per compressed tensor"],
-            [[c["codec"], f"{c['ops']:,}", f"{c['added']:,}",
-              f"{c['added_per_tensor']:.1f} (of {c['tensors']})", c["compressed_tensors"],
-              "-" if c["added_per_compressed_tensor"] is None
-              else f"{c['added_per_compressed_tensor']:.1f}"] for c in counts["codecs"]]))
+        parts.append(
+            f"\n### {model}: top-level torch ops of one step (N = "
+            f"{counts['world_size']}; none: {counts['none']:,})\n"
+        )
+        parts.append(
+            _table(
+                [
+                    "codec",
+                    "ops",
+                    "added by compression",
+                    "added per tensor",
+                    "compressed tensors",
+                    "added per compressed tensor",
+                ],
+                [
+                    [
+                        c["codec"],
+                        f"{c['ops']:,}",
+                        f"{c['added']:,}",
+                        f"{c['added_per_tensor']:.1f} (of {c['tensors']})",
+                        c["compressed_tensors"],
+                        "-"
+                        if c["added_per_compressed_tensor"] is None
+                        else f"{c['added_per_compressed_tensor']:.1f}",
+                    ]
+                    for c in counts["codecs"]
+                ],
+            )
+        )
     bare = [e for e in result["events"] if e["kind"] == "bare"]
     if bare:
         parts.append("\n### Horovod's bare collectives (whole model, no encode or decode)\n")
         lines = []
-        for e in sorted(bare, key=lambda e: (e["model"], e["workers"],
-                                             -(_rate_bits(e["rate"]) or 0))):
+        for e in sorted(
+            bare, key=lambda e: (e["model"], e["workers"], -(_rate_bits(e["rate"]) or 0))
+        ):
             fp32 = e["exchanges"]["fp32 allreduce"]["seconds"]
             bits = _rate_bits(e["rate"])
             for name, m in e["exchanges"].items():
                 throughput = m["sent"] * 8 / m["seconds"]
-                lines.append([e["model"], e["workers"], e["rate"], name, _mb(m["sent"]),
-                              _ms(m["seconds"]), f"{throughput / 1e6:,.0f}",
-                              f"{100 * throughput / bits:.0f}%" if bits else "-",
-                              _x(fp32 / m["seconds"])])
-        parts.append(_table(["model", "N", "rate", "exchange", "sent MB", "ms",
-                             "Mbit/s", "of link", "vs fp32"], lines))
+                lines.append(
+                    [
+                        e["model"],
+                        e["workers"],
+                        e["rate"],
+                        name,
+                        _mb(m["sent"]),
+                        _ms(m["seconds"]),
+                        f"{throughput / 1e6:,.0f}",
+                        f"{100 * throughput / bits:.0f}%" if bits else "-",
+                        _x(fp32 / m["seconds"]),
+                    ]
+                )
+        parts.append(
+            _table(
+                ["model", "N", "rate", "exchange", "sent MB", "ms", "Mbit/s", "of link", "vs fp32"],
+                lines,
+            )
+        )
     curves = [e for e in result["events"] if e["kind"] == "accuracy"]
     if curves:
         e0 = curves[0]
-        parts.append(f"\n### MNIST-1D CNN: test accuracy against training time "
-                     f"(N = {e0['workers']}, {e0['rate']}, {e0['points'][-1][1]} steps)\n")
-        parts.append(_table(["method", "final accuracy", "training time (s)",
-                             "best accuracy"],
-                            [[e["method"], f"{100 * e['points'][-1][2]:.1f}%",
-                              f"{e['points'][-1][0]:.1f}",
-                              f"{100 * max(p[2] for p in e['points']):.1f}%"]
-                             for e in curves]))
+        parts.append(
+            f"\n### MNIST-1D CNN: test accuracy against training time "
+            f"(N = {e0['workers']}, {e0['rate']}, {e0['points'][-1][1]} steps)\n"
+        )
+        parts.append(
+            _table(
+                ["method", "final accuracy", "training time (s)", "best accuracy"],
+                [
+                    [
+                        e["method"],
+                        f"{100 * e['points'][-1][2]:.1f}%",
+                        f"{e['points'][-1][0]:.1f}",
+                        f"{100 * max(p[2] for p in e['points']):.1f}%",
+                    ]
+                    for e in curves
+                ],
+            )
+        )
     return "\n".join(parts) + "\n"

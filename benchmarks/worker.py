@@ -10,6 +10,7 @@ prints a ``shape`` event and waits for the driver's reply on its standard input,
 rank waits for it at a barrier. Optionally, the MNIST-1D CNN is then trained with each
 method at one rate, recording test accuracy against training time.
 """
+
 import gc
 import json
 import os
@@ -43,8 +44,7 @@ class Driver:
 
     def emit(self, kind, **fields):
         if self.rank0:
-            print(EVENT + json.dumps(dict(kind=kind, workers=hvd.size(), **fields)),
-                  flush=True)
+            print(EVENT + json.dumps(dict(kind=kind, workers=hvd.size(), **fields)), flush=True)
 
     def shape(self, rate):
         """Has the driver set every link to ``rate``; returns when all ranks know it."""
@@ -105,16 +105,20 @@ def measure_bare(driver, work, rates, repeats):
     """Horovod's bare collectives for the whole model at every rate."""
     model = work.build()
     numel = sum(p.numel() for p in model.parameters())
-    exchanges = {"fp32 allreduce": allreduce_of(model, torch.float32),
-                 "fp16 allreduce": allreduce_of(model, torch.float16),
-                 **reference_ceilings(numel, hvd.size())}
+    exchanges = {
+        "fp32 allreduce": allreduce_of(model, torch.float32),
+        "fp16 allreduce": allreduce_of(model, torch.float16),
+        **reference_ceilings(numel, hvd.size()),
+    }
     for rate in rates:
         driver.shape(rate)
         measured = {}
         for name, collectives in exchanges.items():
             seconds = [replay(collectives, name.replace(" ", "-")) for _ in range(repeats)]
-            measured[name] = {"seconds": statistics.median(seconds),
-                              "sent": sum(c.sent(hvd.size()) for c in collectives)}
+            measured[name] = {
+                "seconds": statistics.median(seconds),
+                "sent": sum(c.sent(hvd.size()) for c in collectives),
+            }
         driver.emit("bare", model=work.name, rate=rate, exchanges=measured)
 
 
@@ -139,13 +143,22 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
         # the step's bytes have been counted.
         driver.barrier()
         tx, rx = _difference(interface_bytes(interface), before, steps)
-        result = dict(model=work.name, method=method, rate=rate, step_seconds=seconds,
-                      seconds=statistics.median(seconds), handed=trainer.handed(),
-                      sent=trainer.sent(), wire_tx=tx, wire_rx=rx)
+        result = dict(
+            model=work.name,
+            method=method,
+            rate=rate,
+            step_seconds=seconds,
+            seconds=statistics.median(seconds),
+            handed=trainer.handed(),
+            sent=trainer.sent(),
+            wire_tx=tx,
+            wire_rx=rx,
+        )
         if method in CODEC_METHODS:
             result["wait_seconds"] = probe.wait_seconds / steps
             result["bare_seconds"] = statistics.median(
-                replay(recorded, method) for _ in range(repeats))
+                replay(recorded, method) for _ in range(repeats)
+            )
             result["bare_sent"] = sum(c.sent(hvd.size()) for c in recorded)
             result["adaptive"] = trainer.optimizer.compression_stats().get("adaptive")
         driver.emit("step", **result)
@@ -195,15 +208,30 @@ def main(spec_path):
         measure_bare(driver, work, spec["rates"], spec["bare_repeats"])
         for method in spec["methods"]:
             measure_compute(driver, work, batches, method)
-            measure_method(driver, work, batches, method, spec["rates"], spec["steps"][model],
-                           spec["bare_repeats"], interface)
+            measure_method(
+                driver,
+                work,
+                batches,
+                method,
+                spec["rates"],
+                spec["steps"][model],
+                spec["bare_repeats"],
+                interface,
+            )
 
     accuracy = spec["accuracy"]
     if hvd.size() == accuracy["workers"]:
         work = workload("cnn", hvd.rank(), hvd.size(), spec["seed"])
         for method in accuracy["methods"]:
-            accuracy_curve(driver, work, method, accuracy["rate"], accuracy["steps"],
-                           accuracy["every"], accuracy["lr"])
+            accuracy_curve(
+                driver,
+                work,
+                method,
+                accuracy["rate"],
+                accuracy["steps"],
+                accuracy["every"],
+                accuracy["lr"],
+            )
             gc.collect()
     driver.emit("done")
 

@@ -11,6 +11,7 @@ rate, and the global gradient norm clipped after the exchange (``synchronize()``
 bits per byte, the bytes handed to Horovod per worker per step and the compression ratio;
 ``--out`` also writes them as JSON.
 """
+
 import argparse
 import math
 import time
@@ -38,8 +39,9 @@ class Block(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
-                                 nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x):
         batch, length, width = x.shape
@@ -66,7 +68,7 @@ class ByteLM(nn.Module):
 
 def windows(data, starts, context):
     """Inputs and next-byte targets of the windows of ``data`` starting at ``starts``."""
-    rows = np.stack([data[s:s + context + 1] for s in starts]).astype(np.int64)
+    rows = np.stack([data[s : s + context + 1] for s in starts]).astype(np.int64)
     rows = torch.from_numpy(rows)
     return rows[:, :-1], rows[:, 1:]
 
@@ -78,8 +80,9 @@ def next_byte_loss(model, inputs, targets):
 
 def parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compression", default="terngrad",
-                        help="codec name, with optional hyperparameters")
+    parser.add_argument(
+        "--compression", default="terngrad", help="codec name, with optional hyperparameters"
+    )
     parser.add_argument("--exchange", default="auto")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
@@ -103,17 +106,27 @@ def main(argv=None):
     # Decoupled weight decay on the matrices only, as transformers are trained.
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
-                                   {"params": others, "weight_decay": 0.0}], lr=args.lr)
-    optimizer = hc.DistributedOptimizer(optimizer, model.named_parameters(),
-                                        compression=args.compression, exchange=args.exchange,
-                                        seed=args.seed)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": matrices, "weight_decay": args.weight_decay},
+            {"params": others, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+    )
+    optimizer = hc.DistributedOptimizer(
+        optimizer,
+        model.named_parameters(),
+        compression=args.compression,
+        exchange=args.exchange,
+        seed=args.seed,
+    )
 
     def rate(step):
         if step < args.warmup:
             return (step + 1) / args.warmup
         progress = (step - args.warmup) / max(1, args.steps - args.warmup)
         return 0.5 * (1 + math.cos(math.pi * progress))
+
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -122,8 +135,9 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed * 1000 + hvd.rank())
     record = RunRecord()
     for step in range(args.steps):
-        inputs, targets = windows(train, rng.integers(0, train.size - args.context - 1,
-                                                      local_batch), args.context)
+        inputs, targets = windows(
+            train, rng.integers(0, train.size - args.context - 1, local_batch), args.context
+        )
         start = time.perf_counter()
         optimizer.zero_grad()
         next_byte_loss(model, inputs.to(device), targets.to(device)).backward()
@@ -138,9 +152,13 @@ def main(argv=None):
     inputs, targets = windows(validation, starts, args.context)
     with torch.no_grad():
         nats = next_byte_loss(model, inputs.to(device), targets.to(device)).item()
-    result = record.result(optimizer.compression_stats(), compression=args.compression,
-                           workers=hvd.size(), steps=args.steps,
-                           validation_bits_per_byte=nats / math.log(2))
+    result = record.result(
+        optimizer.compression_stats(),
+        compression=args.compression,
+        workers=hvd.size(),
+        steps=args.steps,
+        validation_bits_per_byte=nats / math.log(2),
+    )
     publish(result, hvd.rank(), args.out)
     return result
 

@@ -13,6 +13,7 @@ accuracy, the bytes handed to Horovod per worker per step and the compression ra
 synchronous SGD's plain allreduce; ``--out`` also writes them as JSON, with the keys of
 ``examples/mnist1d_torch.py``.
 """
+
 import argparse
 import time
 
@@ -46,10 +47,17 @@ class GRUClassifier(nn.Module):
 def build_optimizer(args, model):
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr)
     if args.mode == "local":
-        return hc.LocalClipSGD(sgd, model, clip=args.clip, sync_every=args.sync_every,
-                               compression=args.compression, seed=args.seed)
-    return hc.DistributedOptimizer(sgd, model.named_parameters(), compression=args.compression,
-                                   seed=args.seed)
+        return hc.LocalClipSGD(
+            sgd,
+            model,
+            clip=args.clip,
+            sync_every=args.sync_every,
+            compression=args.compression,
+            seed=args.seed,
+        )
+    return hc.DistributedOptimizer(
+        sgd, model.named_parameters(), compression=args.compression, seed=args.seed
+    )
 
 
 def train_step(args, model, optimizer, x, y):
@@ -68,12 +76,23 @@ def train_step(args, model, optimizer, x, y):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("sync", "local"), default="local",
-                        help="sync: gradients averaged every step; local: LocalClipSGD")
-    parser.add_argument("--compression", default="none",
-                        help="codec name: of the gradients (sync) or of the rounds (local)")
-    parser.add_argument("--sync-every", type=int, default=8,
-                        help="I, local steps between averaging rounds (local mode)")
+    parser.add_argument(
+        "--mode",
+        choices=("sync", "local"),
+        default="local",
+        help="sync: gradients averaged every step; local: LocalClipSGD",
+    )
+    parser.add_argument(
+        "--compression",
+        default="none",
+        help="codec name: of the gradients (sync) or of the rounds (local)",
+    )
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=8,
+        help="I, local steps between averaging rounds (local mode)",
+    )
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
     parser.add_argument("--lr", type=float, default=3.0, help="peak learning rate eta_0")
@@ -83,15 +102,17 @@ def main(argv=None):
     parser.add_argument("--out", help="write the results of rank 0 as JSON here")
     args = parser.parse_args(argv)
     if args.mode == "local" and args.steps % args.sync_every:
-        parser.error("--steps must be a multiple of --sync-every, so that training ends on "
-                     "an averaging round and every rank holds the model evaluated")
+        parser.error(
+            "--steps must be a multiple of --sync-every, so that training ends on "
+            "an averaging round and every rank holds the model evaluated"
+        )
 
     hvd.init()
     torch.manual_seed(args.seed)
     device = rank_device()
     x_train, y_train, x_test, y_test = (torch.from_numpy(a).to(device) for a in load_mnist1d())
     # Each worker trains on its own shard of the training set.
-    x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
+    x_train, y_train = x_train[hvd.rank() :: hvd.size()], y_train[hvd.rank() :: hvd.size()]
     model = GRUClassifier(args.hidden).to(device)
     optimizer = build_optimizer(args, model)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
@@ -113,12 +134,20 @@ def main(argv=None):
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         train_loss = nn.functional.cross_entropy(model(x_train), y_train).item()
     local = args.mode == "local"
-    result = record.result(optimizer.compression_stats(), sparse_in_time=local,
-                           mode=args.mode, sync_every=args.sync_every if local else 1,
-                           compression=args.compression, workers=hvd.size(), steps=args.steps,
-                           test_accuracy=accuracy, train_loss=train_loss)
+    result = record.result(
+        optimizer.compression_stats(),
+        sparse_in_time=local,
+        mode=args.mode,
+        sync_every=args.sync_every if local else 1,
+        compression=args.compression,
+        workers=hvd.size(),
+        steps=args.steps,
+        test_accuracy=accuracy,
+        train_loss=train_loss,
+    )
     publish(result, hvd.rank(), args.out, label=f"{args.mode} {args.compression}")
     return result
+
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ Rank 0 prints the test accuracy, the bytes handed to Horovod per worker per step
 compression ratio (also per layer type, with the density of sparse codecs), the median step
 time and which tensors were compressed; ``--out`` also writes them as JSON.
 """
+
 import time
 
 import horovod.torch as hvd
@@ -48,18 +49,26 @@ def main(argv=None):
     device = rank_device()
     x_train, y_train, x_test, y_test = (torch.from_numpy(a).to(device) for a in load_mnist1d())
     # Each worker trains on its own shard of the training set.
-    x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
+    x_train, y_train = x_train[hvd.rank() :: hvd.size()], y_train[hvd.rank() :: hvd.size()]
     model = CNN().to(device)
     if args.optimizer == "adam":
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr,
-                                     weight_decay=args.weight_decay)
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
-                                    nesterov=args.optimizer == "nesterov",
-                                    weight_decay=args.weight_decay)
-    optimizer = hc.DistributedOptimizer(optimizer, model.named_parameters(),
-                                        compression=args.compression, exchange=args.exchange,
-                                        seed=args.seed, adaptive=args.adaptive)
+        optimizer = torch.optim.SGD(
+            model.parameters(),
+            lr=args.lr,
+            momentum=0.9,
+            nesterov=args.optimizer == "nesterov",
+            weight_decay=args.weight_decay,
+        )
+    optimizer = hc.DistributedOptimizer(
+        optimizer,
+        model.named_parameters(),
+        compression=args.compression,
+        exchange=args.exchange,
+        seed=args.seed,
+        adaptive=args.adaptive,
+    )
     # Cosine decay: the quantization noise of compressed gradients matters less as the
     # learning rate falls, which is where the final accuracy is decided.
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
@@ -82,11 +91,17 @@ def main(argv=None):
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         train_loss = nn.functional.cross_entropy(model(x_train), y_train).item()
-    result = record.result(optimizer.compression_stats(), compression=args.compression,
-                           workers=hvd.size(), steps=args.steps, test_accuracy=accuracy,
-                           train_loss=train_loss)
+    result = record.result(
+        optimizer.compression_stats(),
+        compression=args.compression,
+        workers=hvd.size(),
+        steps=args.steps,
+        test_accuracy=accuracy,
+        train_loss=train_loss,
+    )
     publish(result, hvd.rank(), args.out)
     return result
+
 
 if __name__ == "__main__":
     main()

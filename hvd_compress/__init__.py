@@ -5,6 +5,7 @@ validation, wire formats and numpy reference math, the registry of names, the by
 model and the N-worker reference simulation. The framework ports are ``hvd_compress.pt``
 (PyTorch) and ``hvd_compress.tf`` (TensorFlow).
 """
+
 from .adacomp import AdaComp
 from .adaptive import Adaptive
 from .blocksign import BlockSign
@@ -15,7 +16,21 @@ from .registry import CODECS, resolve
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
-__all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK", "FP16",
-           "FloatCodes", "IntCodes", "NUQSGD", "NoneCodec", "QSGD", "QSGDInf", "TernGrad",
-           "resolve"]
+__all__ = [
+    "AdaComp",
+    "Adaptive",
+    "BlockSign",
+    "CODECS",
+    "Codec",
+    "CyclicLocalTopK",
+    "FP16",
+    "FloatCodes",
+    "IntCodes",
+    "NUQSGD",
+    "NoneCodec",
+    "QSGD",
+    "QSGDInf",
+    "TernGrad",
+    "resolve",
+]
 __version__ = "0.1.0"

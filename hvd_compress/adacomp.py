@@ -52,6 +52,7 @@ where the text was not available:
 * Non-finite gradients: a NaN or Inf anywhere in G makes the scale NaN, and a message with a
   non-finite scale decodes to all NaN, so every rank sees the overflow (as with TernGrad).
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -64,8 +65,7 @@ from .codes import FieldCodes, IntCodes, SignCodes
 from .packing import pack, unpack
 from .validation import check_choice, check_int
 
-DEFAULT_BIN_LENGTHS = {"conv": 50, "linear": 500, "recurrent": 500, "embedding": 500,
-                       "other": 50}
+DEFAULT_BIN_LENGTHS = {"conv": 50, "linear": 500, "recurrent": 500, "embedding": 500, "other": 50}
 
 
 class AdaComp(Codec):
@@ -92,23 +92,32 @@ class AdaComp(Codec):
     error_feedback_default = True
     default_min_size = 1024
 
-    def __init__(self, bin_lengths: Mapping[str, int] | None = None, *,
-                 named_bin_lengths: Mapping[str, int] | None = None,
-                 layers: Mapping[str, str] | None = None, min_size: int | None = None,
-                 compress_classifier: bool | None = None) -> None:
+    def __init__(
+        self,
+        bin_lengths: Mapping[str, int] | None = None,
+        *,
+        named_bin_lengths: Mapping[str, int] | None = None,
+        layers: Mapping[str, str] | None = None,
+        min_size: int | None = None,
+        compress_classifier: bool | None = None,
+    ) -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         owner = type(self).__name__
         bin_lengths = dict(bin_lengths or {})
         for kind in bin_lengths:
             check_choice(owner, "a bin_lengths key", kind, LAYER_KINDS)
-        self.bin_lengths = {kind: check_int(owner, f"bin_lengths[{kind!r}] (L_T)", length,
-                                            low=1)
-                            for kind, length in {**DEFAULT_BIN_LENGTHS, **bin_lengths}.items()}
+        self.bin_lengths = {
+            kind: check_int(owner, f"bin_lengths[{kind!r}] (L_T)", length, low=1)
+            for kind, length in {**DEFAULT_BIN_LENGTHS, **bin_lengths}.items()
+        }
         self.named_bin_lengths = {
             name: check_int(owner, f"named_bin_lengths[{name!r}] (L_T)", length, low=1)
-            for name, length in (named_bin_lengths or {}).items()}
-        self.layers = {name: check_choice(owner, f"layers[{name!r}]", kind, LAYER_KINDS)
-                       for name, kind in (layers or {}).items()}
+            for name, length in (named_bin_lengths or {}).items()
+        }
+        self.layers = {
+            name: check_choice(owner, f"layers[{name!r}]", kind, LAYER_KINDS)
+            for name, kind in (layers or {}).items()
+        }
 
     def __hash__(self):
         # The dictionaries cannot be hashed; equal codecs still hash equal.
@@ -132,8 +141,9 @@ class AdaComp(Codec):
         with np.errstate(over="ignore"):
             threshold = residue + grad.ravel()
         bin_max = buckets.reduce(np.abs(residue), bin_length, np.max)
-        return (np.abs(threshold) >= buckets.expand(bin_max, residue.size, bin_length)) & \
-            (residue != 0)
+        return (np.abs(threshold) >= buckets.expand(bin_max, residue.size, bin_length)) & (
+            residue != 0
+        )
 
     def encode_message(self, compensated, selected, bin_length):
         """The message (``uint8``) that sends the ``selected`` elements of ``compensated``."""
@@ -146,9 +156,14 @@ class AdaComp(Codec):
             scale = np.float32(magnitudes.sum() / max(positions.size, 1))
         fields = FieldCodes.holding(bin_length)
         counts = buckets.reduce(selected.ravel().astype(np.int64), bin_length, np.sum)
-        return np.concatenate([
-            np.array([scale], "<f4").view(np.uint8), pack(counts, fields),
-            pack(positions % bin_length, fields), pack(residue[positions], SignCodes())])
+        return np.concatenate(
+            [
+                np.array([scale], "<f4").view(np.uint8),
+                pack(counts, fields),
+                pack(positions % bin_length, fields),
+                pack(residue[positions], SignCodes()),
+            ]
+        )
 
     def decode_message(self, message, numel, bin_length):
         """One worker's sent values Gq (float32, ``numel`` elements) from its message."""
@@ -168,5 +183,9 @@ class AdaComp(Codec):
     def message_nbytes(self, numel, bin_length, sent):
         """Bytes of a message of ``sent`` elements of a tensor of ``numel``."""
         fields = FieldCodes.holding(bin_length)
-        return 4 + fields.packed_nbytes(buckets.count(numel, bin_length)) + \
-            fields.packed_nbytes(sent) + SignCodes().packed_nbytes(sent)
+        return (
+            4
+            + fields.packed_nbytes(buckets.count(numel, bin_length))
+            + fields.packed_nbytes(sent)
+            + SignCodes().packed_nbytes(sent)
+        )

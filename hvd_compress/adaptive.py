@@ -48,6 +48,7 @@ collectives share the CPU with the backward pass of every rank on the host, whic
 ranks than cores makes an uncompressed allreduce far slower than its probe predicts. The
 trial makes "never slower than the paths in force" a measurement rather than a forecast.
 """
+
 from __future__ import annotations
 
 import collections
@@ -107,14 +108,18 @@ class Adaptive:
             return cls()
         if isinstance(adaptive, cls):
             return adaptive
-        raise TypeError(f"adaptive must be True, False or an hvd_compress.Adaptive, got "
-                        f"{adaptive!r}")
+        raise TypeError(
+            f"adaptive must be True, False or an hvd_compress.Adaptive, got {adaptive!r}"
+        )
 
 
 # What a path's collectives carry, each with its own ``Link``: (dtype, collective) of the
 # probes that measure it.
-CARRIERS = {"fp32": ("float32", "allreduce"), "fp16": ("float16", "allreduce"),
-            "bytes": ("uint8", "allgather")}
+CARRIERS = {
+    "fp32": ("float32", "allreduce"),
+    "fp16": ("float16", "allreduce"),
+    "bytes": ("uint8", "allgather"),
+}
 # Probe sizes in bytes: the small one measures the latency; the large one grows from
 # PROBE_START by PROBE_GROWTH while it takes less than PROBE_SECONDS, up to PROBE_LARGEST,
 # so that a fast link is measured at sizes where its bandwidth, not its latency, shows.
@@ -177,8 +182,12 @@ class TensorTiming:
     costs: Mapping[str, PathCost]
 
 
-def simulate(tensors: Sequence[TensorTiming], paths: Mapping[str, str],
-             links: Mapping[str, Link], contention: float = 1.0) -> float:
+def simulate(
+    tensors: Sequence[TensorTiming],
+    paths: Mapping[str, str],
+    links: Mapping[str, Link],
+    contention: float = 1.0,
+) -> float:
     """Seconds from the first gradient's readiness until the last tensor is decoded, with
     tensor ``t`` on ``paths[t.name]`` and each carrier's ``links`` (see the module
     docstring)."""
@@ -206,8 +215,12 @@ MIX_MARGIN = 0.25
 SWITCH_GAIN = 0.01
 
 
-def choose(tensors: Sequence[TensorTiming], links: Mapping[str, Link],
-           contention: float = 1.0, pin: Mapping[str, str] | None = None) -> dict[str, str]:
+def choose(
+    tensors: Sequence[TensorTiming],
+    links: Mapping[str, Link],
+    contention: float = 1.0,
+    pin: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """The path of every tensor that minimises ``simulate``, found greedily: from the best
     single path for every tensor, the largest tensors first, each tries its other paths
     with the others fixed and takes one that saves at least ``SWITCH_GAIN`` of the step,
@@ -215,11 +228,11 @@ def choose(tensors: Sequence[TensorTiming], links: Mapping[str, Link],
     single path. Pinned tensors keep their path."""
     pin = dict(pin or {})
     singles = [uniform(tensors, path, pin) for path in sorted(PATHS, key=_PREFERENCE.get)]
-    single, index = min((simulate(tensors, start, links, contention), index)
-                        for index, start in enumerate(singles))
+    single, index = min(
+        (simulate(tensors, start, links, contention), index) for index, start in enumerate(singles)
+    )
     paths, best = dict(singles[index]), single
-    order = sorted((t for t in tensors if t.name not in pin),
-                   key=lambda t: -t.costs["fp32"].sent)
+    order = sorted((t for t in tensors if t.name not in pin), key=lambda t: -t.costs["fp32"].sent)
     for _ in range(2):
         changed = False
         for tensor in order:
@@ -237,9 +250,14 @@ def choose(tensors: Sequence[TensorTiming], links: Mapping[str, Link],
     return paths if best < single * (1 - MIX_MARGIN) else dict(singles[index])
 
 
-def path_traffic(codec, numel: int, world_size: int, exchange: str, itemsize: int = 4,
-                 allreduce_dtypes: Sequence[str] = cost.TORCH_ALLREDUCE_DTYPES
-                 ) -> dict[str, tuple[float, float, str]]:
+def path_traffic(
+    codec,
+    numel: int,
+    world_size: int,
+    exchange: str,
+    itemsize: int = 4,
+    allreduce_dtypes: Sequence[str] = cost.TORCH_ALLREDUCE_DTYPES,
+) -> dict[str, tuple[float, float, str]]:
     """(bytes this worker sends, dependent rounds of messages, carrier) of a tensor of
     ``numel`` elements of ``itemsize`` bytes on each path; its codec's through
     ``exchange``. A shared scale's Max-allreduce is a round of its own before the codes,
@@ -250,20 +268,22 @@ def path_traffic(codec, numel: int, world_size: int, exchange: str, itemsize: in
     compressed = cost.compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes)
     rounds = 1.0
     if exchange == "sharded":
-        rounds = 2 * min(1.0, cost.alltoall_nbytes(codec, numel, world_size) /
-                         cost.FUSION_BYTES)
+        rounds = 2 * min(1.0, cost.alltoall_nbytes(codec, numel, world_size) / cost.FUSION_BYTES)
     rounds += codec.scaled and codec.shares_scale(exchange)
     carrier = "bytes"
     if exchange == "allreduce":
         dtype = codec.value_space.allreduce_carrier(world_size, allreduce_dtypes)
         carrier = "fp16" if dtype == "float16" else "fp32"
-    return {"fp32": (cost.uncompressed_traffic(numel, world_size, itemsize).sent, 1, "fp32"),
-            "fp16": (cost.uncompressed_traffic(numel, world_size, 2).sent, 1, "fp16"),
-            "codec": (compressed.sent, rounds, carrier)}
+    return {
+        "fp32": (cost.uncompressed_traffic(numel, world_size, itemsize).sent, 1, "fp32"),
+        "fp16": (cost.uncompressed_traffic(numel, world_size, 2).sent, 1, "fp16"),
+        "codec": (compressed.sent, rounds, carrier),
+    }
 
 
-def uniform(tensors: Sequence[TensorTiming], path: str,
-            pin: Mapping[str, str] | None = None) -> dict[str, str]:
+def uniform(
+    tensors: Sequence[TensorTiming], path: str, pin: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Every tensor on ``path`` where it can take it, else on fp32; pinned ones on their
     pin."""
     pin = pin or {}
@@ -307,8 +327,10 @@ class Planner:
         self.compressible = list(compressible)
         whole = set(options.pin) - set(compressible)
         if whole:
-            raise ValueError(f"Adaptive: pin names tensors that the codec sends whole "
-                             f"whatever the mode: {sorted(whole)}")
+            raise ValueError(
+                f"Adaptive: pin names tensors that the codec sends whole "
+                f"whatever the mode: {sorted(whole)}"
+            )
         self.decision: Decision | None = None
         self.restart(step)
 
@@ -317,7 +339,7 @@ class Planner:
         pin), every measurement forgotten."""
         self.paths = {name: self.options.pin.get(name, "codec") for name in self.compressible}
         self.next_decision = step + self.options.warmup_steps
-        self.ready: dict[str, float] = {}   # seconds after the first gradient, last step
+        self.ready: dict[str, float] = {}  # seconds after the first gradient, last step
         # (name, path, phase) -> CPU seconds, the latest step that measured them.
         self.cpu: dict[tuple[str, str, str], float] = {}
         self._step_cpu: collections.Counter = collections.Counter()
@@ -380,31 +402,46 @@ class Planner:
         """The decision in force, for ``compression_stats()``: None before the first."""
         decision = self.decision
         if decision is None:
-            return {"decided_at_step": None, "next_decision": self.next_decision,
-                    "paths": dict(self.paths)}
-        return {"decided_at_step": decision.step, "next_decision": self.next_decision,
-                "judging": self.judging, "trial": decision.trial,
-                "links": {carrier: {"latency_seconds": link.latency,
-                                    "bytes_per_second": 1 / link.seconds_per_byte
-                                    if link.seconds_per_byte else float("inf")}
-                          for carrier, link in decision.links.items()},
-                "contention": decision.contention,
-                "predicted_seconds": dict(decision.predicted),
+            return {
+                "decided_at_step": None,
+                "next_decision": self.next_decision,
                 "paths": dict(self.paths),
-                "counts": dict(collections.Counter(self.paths.values()))}
+            }
+        return {
+            "decided_at_step": decision.step,
+            "next_decision": self.next_decision,
+            "judging": self.judging,
+            "trial": decision.trial,
+            "links": {
+                carrier: {
+                    "latency_seconds": link.latency,
+                    "bytes_per_second": 1 / link.seconds_per_byte
+                    if link.seconds_per_byte
+                    else float("inf"),
+                }
+                for carrier, link in decision.links.items()
+            },
+            "contention": decision.contention,
+            "predicted_seconds": dict(decision.predicted),
+            "paths": dict(self.paths),
+            "counts": dict(collections.Counter(self.paths.values())),
+        }
 
     def describe(self) -> str:
         """The decision in force in one line, for the log."""
         d = self.decision
         counts = collections.Counter(self.paths.values())
-        return (", ".join(f"{counts[p]} by {p}" for p in PATHS if counts[p]) +
-                f"; predicted exchange {d.predicted['chosen'] * 1e3:.1f} ms against "
-                + ", ".join(f"{d.predicted[p] * 1e3:.1f} ms all {p}" for p in PATHS) +
-                "; links " + ", ".join(
-                    f"{carrier} {link.latency * 1e6:.0f} us + "
-                    f"{link.seconds_per_byte * 1e9:.2f} ns/byte"
-                    for carrier, link in d.links.items()) +
-                f"; CPU contention {d.contention:.1f}")
+        return (
+            ", ".join(f"{counts[p]} by {p}" for p in PATHS if counts[p])
+            + f"; predicted exchange {d.predicted['chosen'] * 1e3:.1f} ms against "
+            + ", ".join(f"{d.predicted[p] * 1e3:.1f} ms all {p}" for p in PATHS)
+            + "; links "
+            + ", ".join(
+                f"{carrier} {link.latency * 1e6:.0f} us + {link.seconds_per_byte * 1e9:.2f} ns/byte"
+                for carrier, link in d.links.items()
+            )
+            + f"; CPU contention {d.contention:.1f}"
+        )
 
     # ----- the decision -----
 
@@ -422,9 +459,9 @@ class Planner:
             row.extend(self.cpu.get((name,) + key, -1.0) for key in self.MEASURED)
         return row
 
-    def timings(self, agreed: Sequence[float],
-                traffic: Mapping[str, Mapping[str, tuple[float, float, str]]]
-                ) -> tuple[list[TensorTiming], float]:
+    def timings(
+        self, agreed: Sequence[float], traffic: Mapping[str, Mapping[str, tuple[float, float, str]]]
+    ) -> tuple[list[TensorTiming], float]:
         """The tensors' timings from the ranks' ``agreed`` measurements and each path's
         (bytes sent, rounds, carrier) in ``traffic[name]``, in the order their gradients
         became ready, and the contention. A path whose CPU time nobody measured is not
@@ -433,7 +470,7 @@ class Planner:
         contention, agreed = agreed[0], agreed[1:]
         result = []
         for index, name in enumerate(self.compressible):
-            ready, *cpu = agreed[index * width:(index + 1) * width]
+            ready, *cpu = agreed[index * width : (index + 1) * width]
             measured = dict(zip(self.MEASURED, cpu))
             costs = {"fp32": PathCost(0.0, 0.0, *traffic[name]["fp32"])}
             for path in ("codec", "fp16"):
@@ -441,13 +478,19 @@ class Planner:
                 if before >= 0 and after >= 0:
                     costs[path] = PathCost(before, after, *traffic[name][path])
             if name in self.options.pin and self.options.pin[name] not in costs:
-                costs[self.options.pin[name]] = PathCost(0.0, 0.0, *traffic[name][
-                    self.options.pin[name]])
+                costs[self.options.pin[name]] = PathCost(
+                    0.0, 0.0, *traffic[name][self.options.pin[name]]
+                )
             result.append(TensorTiming(name, max(ready, 0.0), costs))
         return sorted(result, key=lambda t: t.ready), contention
 
-    def decide(self, step: int, timings: Sequence[TensorTiming], links: Mapping[str, Link],
-               contention: float) -> Decision:
+    def decide(
+        self,
+        step: int,
+        timings: Sequence[TensorTiming],
+        links: Mapping[str, Link],
+        contention: float,
+    ) -> Decision:
         """Chooses every compressible tensor's path from agreed measurements; returns the
         decision, whose ``paths`` are in force from the next step, on trial if they differ
         from those in force now."""
@@ -455,8 +498,9 @@ class Planner:
         paths = choose(timings, links, contention, self.options.pin)
         predicted = {"chosen": simulate(timings, paths, links, contention)}
         for path in PATHS:
-            predicted[path] = simulate(timings, uniform(timings, path, self.options.pin),
-                                       links, contention)
+            predicted[path] = simulate(
+                timings, uniform(timings, path, self.options.pin), links, contention
+            )
         self.paths.update(paths)
         self.decision = Decision(step, dict(links), contention, dict(self.paths), predicted)
         if self.paths != replaced and self._steps:
@@ -494,9 +538,11 @@ class Planner:
     def verdict(self) -> str:
         """The last trial's outcome in one line, for the log."""
         trial = self.decision.trial
-        return (f"{'kept' if trial['kept'] else 'reverted'}: "
-                f"{trial['seconds'] * 1e3:.1f} ms a step against "
-                f"{trial['replaced_seconds'] * 1e3:.1f} ms under the paths it replaced")
+        return (
+            f"{'kept' if trial['kept'] else 'reverted'}: "
+            f"{trial['seconds'] * 1e3:.1f} ms a step against "
+            f"{trial['replaced_seconds'] * 1e3:.1f} ms under the paths it replaced"
+        )
 
     def _schedule(self, step: int) -> None:
         every = self.options.every

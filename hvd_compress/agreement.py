@@ -10,8 +10,12 @@ raises the same error, naming what differs and on which ranks, before the first 
 def describe(codec, exchange, average, parameters):
     """A comparable description of one rank's configuration; ``parameters`` are
     (name, shape, dtype) triples in the order the optimizer holds them."""
-    return {"codec": repr(codec), "exchange": exchange, "average": average,
-            "parameters": [(name, tuple(shape), str(dtype)) for name, shape, dtype in parameters]}
+    return {
+        "codec": repr(codec),
+        "exchange": exchange,
+        "average": average,
+        "parameters": [(name, tuple(shape), str(dtype)) for name, shape, dtype in parameters],
+    }
 
 
 def disagreement(descriptions):
@@ -26,15 +30,21 @@ def disagreement(descriptions):
         groups = {}  # each distinct value, and the ranks that have it
         for rank, value in enumerate(values):
             groups.setdefault(repr(value), (value, []))[1].append(rank)
-        problems.append(f"{key}: " + "; ".join(
-            f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {value}"
-            for value, ranks in groups.values()))
+        problems.append(
+            f"{key}: "
+            + "; ".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {value}"
+                for value, ranks in groups.values()
+            )
+        )
     if not problems:
         return None
-    return ("hvd_compress: the ranks were given different compression configurations, and "
-            "would hang or sum codes that mean different things. Build the optimizer with the "
-            "same compression, exchange, op and model on every rank. Differences:\n  " +
-            "\n  ".join(problems))
+    return (
+        "hvd_compress: the ranks were given different compression configurations, and "
+        "would hang or sum codes that mean different things. Build the optimizer with the "
+        "same compression, exchange, op and model on every rank. Differences:\n  "
+        + "\n  ".join(problems)
+    )
 
 
 def _first_difference(parameters, reference):

@@ -13,6 +13,7 @@ message did not carry) and on the server (which compresses the average again bef
 it back): ``two_way``. Scales are accumulated in float64, since float16/float32 L1 norms of
 millions of elements lose precision.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,9 +47,13 @@ class BlockSign(Codec):
     error_feedback_default = True
     default_min_size = 1024
 
-    def __init__(self, max_block_size: int | None = None, *,
-                 min_size: int | None = None,
-                 compress_classifier: bool | None = None) -> None:
+    def __init__(
+        self,
+        max_block_size: int | None = None,
+        *,
+        min_size: int | None = None,
+        compress_classifier: bool | None = None,
+    ) -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         if max_block_size is not None:
             max_block_size = check_int("BlockSign", "max_block_size", max_block_size, low=1)

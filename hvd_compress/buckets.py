@@ -1,4 +1,5 @@
 """Buckets: a flattened tensor cut into runs of ``bucket_size`` elements, one scale each."""
+
 import numpy as np
 
 

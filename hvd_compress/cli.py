@@ -19,6 +19,7 @@ standard library's source (``lm``, ``hvd_compress.corpus``). A codec may carry
 hyperparameters, as in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
 and a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``).
 """
+
 import argparse
 import json
 import os
@@ -54,32 +55,44 @@ ADAPTIVE_SUFFIX = "+auto"
 
 def _cnn_arguments(codec, optimizer, args):
     adaptive = codec.endswith(ADAPTIVE_SUFFIX)
-    return ["--compression", codec.removesuffix(ADAPTIVE_SUFFIX), "--steps", str(args.steps),
-            "--optimizer", optimizer, "--lr", str(args.lr)] + (["--adaptive"] if adaptive else [])
+    return [
+        "--compression",
+        codec.removesuffix(ADAPTIVE_SUFFIX),
+        "--steps",
+        str(args.steps),
+        "--optimizer",
+        optimizer,
+        "--lr",
+        str(args.lr),
+    ] + (["--adaptive"] if adaptive else [])
 
 
 def _gru_arguments(mode, optimizer, args):
     if mode not in ("sync", "local") or optimizer is not None:
         raise argparse.ArgumentTypeError(
             f"gru runs are gru/workers:sync or gru/workers:local (the example's own SGD); got "
-            f"{mode!r}{'' if optimizer is None else ' @' + optimizer}")
+            f"{mode!r}{'' if optimizer is None else ' @' + optimizer}"
+        )
     return ["--mode", mode]  # the example's own schedule: 2000 steps, I = 8
 
 
 def _lm_arguments(codec, optimizer, args):
     if optimizer is not None:
         raise argparse.ArgumentTypeError(
-            f"lm runs are lm/workers:codec with the example's own AdamW; got @{optimizer}")
+            f"lm runs are lm/workers:codec with the example's own AdamW; got @{optimizer}"
+        )
     return ["--compression", codec]  # the example's own schedule: 600 steps
 
 
 EXAMPLES = {
     "cnn": Example("mnist1d_torch.py", "PyTorch CNN", "none", _cnn_arguments),
     "keras": Example("mnist1d_keras.py", "Keras CNN, model.fit", "none", _cnn_arguments),
-    "gru": Example("mnist1d_gru_torch.py", "PyTorch GRU, CELGC", "sync", _gru_arguments,
-                   "clipped sgd"),
-    "lm": Example("lm_torch.py", "PyTorch byte-level transformer LM", "none", _lm_arguments,
-                  "adamw"),
+    "gru": Example(
+        "mnist1d_gru_torch.py", "PyTorch GRU, CELGC", "sync", _gru_arguments, "clipped sgd"
+    ),
+    "lm": Example(
+        "lm_torch.py", "PyTorch byte-level transformer LM", "none", _lm_arguments, "adamw"
+    ),
 }
 
 # ef-sign as dist-EF-blockSGDM, with Nesterov momentum, in blocks of at most 256 elements: with
@@ -90,11 +103,36 @@ EXAMPLES = {
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
 # Every model and codec (--full, ~50 minutes on 2 cores); tests/test_convergence.py runs its
 # MNIST-1D runs but the 4-worker CNN pair and the adaptive run.
-FULL_RUNS = ["2:none", "2:terngrad", "2:terngrad+auto", "2:qsgd-inf", "2:nuqsgd", "2:adacomp",
-             "2:clt-k", "2:none@nesterov", f"2:{EF_SIGN}", "4:none@nesterov", f"4:{EF_SIGN}",
-             "keras/2:none@nesterov", f"keras/2:{EF_SIGN}", "gru/4:sync", "gru/4:local"] + [
-    f"lm/2:{codec}" for codec in ("none", "fp16", "terngrad", "qsgd", "qsgd-inf", "nuqsgd",
-                                  "ef-sign", "adacomp", "clt-k")]
+FULL_RUNS = [
+    "2:none",
+    "2:terngrad",
+    "2:terngrad+auto",
+    "2:qsgd-inf",
+    "2:nuqsgd",
+    "2:adacomp",
+    "2:clt-k",
+    "2:none@nesterov",
+    f"2:{EF_SIGN}",
+    "4:none@nesterov",
+    f"4:{EF_SIGN}",
+    "keras/2:none@nesterov",
+    f"keras/2:{EF_SIGN}",
+    "gru/4:sync",
+    "gru/4:local",
+] + [
+    f"lm/2:{codec}"
+    for codec in (
+        "none",
+        "fp16",
+        "terngrad",
+        "qsgd",
+        "qsgd-inf",
+        "nuqsgd",
+        "ef-sign",
+        "adacomp",
+        "clt-k",
+    )
+]
 # What a newcomer waits for (~10 minutes): one codec of each kind (ternary, uniform 4-bit,
 # 1-bit with error feedback), each beside its baseline. The steps stay the full schedule's:
 # at half of it TernGrad ended 2.4 points below its baseline on seed 0
@@ -120,13 +158,20 @@ def _parse_runs(text):
         rest, at, optimizer = rest.partition("@")
         workers, _, codec = rest.partition(":")
         model = model or "cnn"
-        if model not in EXAMPLES or not workers.isdigit() or int(workers) < 1 or not codec or \
-                at and optimizer not in OPTIMIZERS:
+        if (
+            model not in EXAMPLES
+            or not workers.isdigit()
+            or int(workers) < 1
+            or not codec
+            or at
+            and optimizer not in OPTIMIZERS
+        ):
             raise argparse.ArgumentTypeError(
                 f"--runs takes [model/]workers:codec[@optimizer] items such as "
                 f"2:none,keras/2:terngrad@nesterov,gru/4:local with model one of "
                 f"{', '.join(EXAMPLES)} and optimizer one of {', '.join(OPTIMIZERS)}; got "
-                f"{item!r}")
+                f"{item!r}"
+            )
         run = Run(model, int(workers), codec, optimizer if at else None)
         if EXAMPLES[model].optimizer is not None:  # checks the run's codec and optimizer
             EXAMPLES[model].arguments(codec, run.optimizer, None)
@@ -138,32 +183,53 @@ def _run_example(run, args, outdir, log):
     out = os.path.join(outdir, f"{run}.json".replace("/", "-"))
     example = EXAMPLES[run.model]
     optimizer = None if example.optimizer else run.optimizer or args.optimizer
-    command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"),
-               "-np", str(run.workers), "-H", f"localhost:{run.workers}", "--gloo",
-               sys.executable, EXAMPLES[run.model].path,
-               *EXAMPLES[run.model].arguments(run.codec, optimizer, args),
-               "--seed", str(args.seed), "--out", out]
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "horovodrun"),
+        "-np",
+        str(run.workers),
+        "-H",
+        f"localhost:{run.workers}",
+        "--gloo",
+        sys.executable,
+        EXAMPLES[run.model].path,
+        *EXAMPLES[run.model].arguments(run.codec, optimizer, args),
+        "--seed",
+        str(args.seed),
+        "--out",
+        out,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    log(f"$ {' '.join(command[:7])} {os.path.relpath(command[7])} "
-        f"{' '.join(command[8:10])} ...")
+    log(f"$ {' '.join(command[:7])} {os.path.relpath(command[7])} {' '.join(command[8:10])} ...")
     try:
-        subprocess.run(command, env=env, check=True, timeout=args.timeout,
-                       stdout=subprocess.DEVNULL if not args.verbose else None)
+        subprocess.run(
+            command,
+            env=env,
+            check=True,
+            timeout=args.timeout,
+            stdout=subprocess.DEVNULL if not args.verbose else None,
+        )
     except subprocess.TimeoutExpired:
         sys.exit(f"demo: {run} did not finish within {args.timeout}s")
     except subprocess.CalledProcessError as error:
         sys.exit(f"demo: {run} failed with exit code {error.returncode}")
     with open(out) as f:
-        return dict(json.load(f), model=run.model, label=run.codec,
-                    optimizer=optimizer or example.optimizer)
+        return dict(
+            json.load(f), model=run.model, label=run.codec, optimizer=optimizer or example.optimizer
+        )
 
 
 def baseline_result(results, result):
     """The baseline run with the model, workers and optimizer of ``result``, or None."""
     baseline = EXAMPLES[result["model"]].baseline
-    return next((r for r in results
-                 if (r["model"], r["workers"], r["optimizer"], r["label"]) ==
-                 (result["model"], result["workers"], result["optimizer"], baseline)), None)
+    return next(
+        (
+            r
+            for r in results
+            if (r["model"], r["workers"], r["optimizer"], r["label"])
+            == (result["model"], result["workers"], result["optimizer"], baseline)
+        ),
+        None,
+    )
 
 
 def baseline_accuracy(results, result):
@@ -177,27 +243,34 @@ def _quality(result, base):
     accuracy in points, or a language model's validation loss in bits per byte."""
     if "validation_bits_per_byte" in result:
         bits = result["validation_bits_per_byte"]
-        return (f"{bits:.3f} bits/byte", "n/a" if base is None else
-                f"{bits - base['validation_bits_per_byte']:+.3f} bits/byte")
+        return (
+            f"{bits:.3f} bits/byte",
+            "n/a" if base is None else f"{bits - base['validation_bits_per_byte']:+.3f} bits/byte",
+        )
     accuracy = result["test_accuracy"]
-    return (f"{100 * accuracy:.2f}%",
-            "n/a" if base is None else f"{100 * (accuracy - base['test_accuracy']):+.2f} pt")
+    return (
+        f"{100 * accuracy:.2f}%",
+        "n/a" if base is None else f"{100 * (accuracy - base['test_accuracy']):+.2f} pt",
+    )
 
 
 def format_table(results):
     """A Markdown table of the demo's results, each compared with the baseline run (``none``,
     or ``sync`` for the GRU) of the same model with the same workers and optimizer."""
     measures = ["test accuracy" if "test_accuracy" in r else "validation loss" for r in results]
-    lines = [f"| model | workers | optimizer | codec | {' or '.join(dict.fromkeys(measures))} "
-             "| vs. baseline | bytes/step/worker | compression | median step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| model | workers | optimizer | codec | {' or '.join(dict.fromkeys(measures))} "
+        "| vs. baseline | bytes/step/worker | compression | median step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         quality, versus = _quality(r, baseline_result(results, r))
         lines.append(
             f"| {EXAMPLES[r['model']].title} | {r['workers']} | "
             f"{r['optimizer']} | {r['label']} | "
             f"{quality} | {versus} | {r['bytes_per_step']:,} | "
-            f"{r['compression_ratio']:.1f}x | {r['median_step_ms']:.1f} ms |")
+            f"{r['compression_ratio']:.1f}x | {r['median_step_ms']:.1f} ms |"
+        )
     return "\n".join(lines)
 
 
@@ -207,8 +280,11 @@ def demo(args):
     # Imported here: tqdm comes with the demo's extra (``data``), which bench does not need.
     # The bar and the commands above it (tqdm.write) go to stderr, so stdout keeps the table.
     from tqdm import tqdm
-    with tempfile.TemporaryDirectory() as outdir, \
-            tqdm(args.runs, desc="demo", unit="run", file=sys.stderr) as bar:
+
+    with (
+        tempfile.TemporaryDirectory() as outdir,
+        tqdm(args.runs, desc="demo", unit="run", file=sys.stderr) as bar,
+    ):
         results = []
         for run in bar:
             bar.set_postfix_str(str(run))
@@ -218,15 +294,19 @@ def demo(args):
     if models & {"cnn", "keras", "gru"}:
         settings.append("MNIST-1D.")
     if models & {"cnn", "keras"}:
-        settings.append(f"CNNs: {args.steps} steps, lr {args.lr} (cosine), global batch 100, "
-                        f"momentum 0.9.")
+        settings.append(
+            f"CNNs: {args.steps} steps, lr {args.lr} (cosine), global batch 100, momentum 0.9."
+        )
     if "gru" in models:
-        settings.append("GRU: the example's 2000 steps, global batch 128, lr 3.0, gamma 1.0 "
-                        "(cosine).")
+        settings.append(
+            "GRU: the example's 2000 steps, global batch 128, lr 3.0, gamma 1.0 (cosine)."
+        )
     if "lm" in models:
-        settings.append(f"LM: {corpus.describe()}; the example's 600 steps of AdamW (lr "
-                        f"0.002, 60 warm-up steps, cosine, weight decay 0.1, norm clipped at "
-                        f"1), global batch 16 x 64 bytes.")
+        settings.append(
+            f"LM: {corpus.describe()}; the example's 600 steps of AdamW (lr "
+            f"0.002, 60 warm-up steps, cosine, weight decay 0.1, norm clipped at "
+            f"1), global batch 16 x 64 bytes."
+        )
     print("\n" + " ".join(settings) + "\n")
     print(format_table(results))
     if args.out:
@@ -238,11 +318,14 @@ def bench(argv):
     """``bench`` is the harness in the source checkout's ``benchmarks/``, which is not
     installed with the package (unlike the demo's example scripts)."""
     if not os.path.exists(os.path.join(REPO, "benchmarks", "bench.py")):
-        sys.exit("bench: the benchmark harness (benchmarks/bench.py) is not installed with the "
-                 "package; run `hvd-compress bench` from a source checkout with the package "
-                 "installed from it (`pip install -e .`); `hvd-compress demo` needs no checkout")
+        sys.exit(
+            "bench: the benchmark harness (benchmarks/bench.py) is not installed with the "
+            "package; run `hvd-compress bench` from a source checkout with the package "
+            "installed from it (`pip install -e .`); `hvd-compress demo` needs no checkout"
+        )
     sys.path.insert(0, REPO)
     from benchmarks import bench as harness
+
     harness.main(argv)
 
 
@@ -251,29 +334,48 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("demo", help="train MNIST-1D with and without compression")
     which = run.add_mutually_exclusive_group()
-    which.add_argument("--runs", type=_parse_runs,
-                       help="comma-separated [model/]workers:codec runs, in order (default "
-                            f"{','.join(DEFAULT_RUNS)}: ~10 minutes on 2 cores)")
-    which.add_argument("--full", action="store_true",
-                       help="every model and codec (~50 minutes on 2 cores): "
-                            f"{','.join(FULL_RUNS)}")
-    run.add_argument("--steps", type=int, default=3000,
-                     help="training steps of the CNN runs (default 3000); the GRU runs the "
-                          "2000 of its example's schedule")
-    run.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS,
-                     help="for the CNN runs without @optimizer: SGD with heavy-ball (sgd, "
-                          "default) or Nesterov momentum 0.9, or Adam")
+    which.add_argument(
+        "--runs",
+        type=_parse_runs,
+        help="comma-separated [model/]workers:codec runs, in order (default "
+        f"{','.join(DEFAULT_RUNS)}: ~10 minutes on 2 cores)",
+    )
+    which.add_argument(
+        "--full",
+        action="store_true",
+        help=f"every model and codec (~50 minutes on 2 cores): {','.join(FULL_RUNS)}",
+    )
+    run.add_argument(
+        "--steps",
+        type=int,
+        default=3000,
+        help="training steps of the CNN runs (default 3000); the GRU runs the "
+        "2000 of its example's schedule",
+    )
+    run.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZERS,
+        help="for the CNN runs without @optimizer: SGD with heavy-ball (sgd, "
+        "default) or Nesterov momentum 0.9, or Adam",
+    )
     run.add_argument("--lr", type=float, default=0.1)
-    run.add_argument("--seed", type=int, default=0,
-                     help="every run's seed: its initialization, batches and codec draws "
-                          "(default 0; the data stay the same)")
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="every run's seed: its initialization, batches and codec draws "
+        "(default 0; the data stay the same)",
+    )
     run.add_argument("--timeout", type=int, default=1200, help="seconds per training run")
     run.add_argument("--out", help="also write the results as JSON here")
     run.add_argument("--verbose", action="store_true", help="show the workers' output")
     # The benchmark parses its own arguments (and --help).
-    commands.add_parser("bench", add_help=False,
-                        help="speed-up on a bandwidth-limited test network (needs root and a "
-                             "source checkout)")
+    commands.add_parser(
+        "bench",
+        add_help=False,
+        help="speed-up on a bandwidth-limited test network (needs root and a source checkout)",
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         bench(rest)

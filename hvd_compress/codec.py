@@ -25,6 +25,7 @@ themselves (``hvd_compress.pt.exchange``): variable-length messages on an allgat
 sizes (not ``summable``), or values at indices every worker shares on an allreduce
 (``summable``). Their ``code_space`` is the alphabet of the values they send.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -82,18 +83,20 @@ class Codec:
     compress_classifier_default = True
     sparse = False
 
-    def __init__(self, *,
-                 min_size: int | None = None,
-                 compress_classifier: bool | None = None) -> None:
+    def __init__(
+        self, *, min_size: int | None = None, compress_classifier: bool | None = None
+    ) -> None:
         owner = type(self).__name__
-        self.min_size = check_int(owner, "min_size",
-                                  self.default_min_size if min_size is None else min_size,
-                                  low=0)
+        self.min_size = check_int(
+            owner, "min_size", self.default_min_size if min_size is None else min_size, low=0
+        )
         if compress_classifier is None:
             compress_classifier = self.compress_classifier_default
         if not isinstance(compress_classifier, bool):
-            raise TypeError(f"{owner}: compress_classifier must be True, False or None, "
-                            f"got {compress_classifier!r}")
+            raise TypeError(
+                f"{owner}: compress_classifier must be True, False or None, "
+                f"got {compress_classifier!r}"
+            )
         self.compress_classifier = compress_classifier
 
     @property
@@ -102,10 +105,13 @@ class Codec:
 
     def params(self):
         """The hyperparameters, as keyword arguments that rebuild this codec."""
-        names = [name for cls in type(self).__mro__ if "__init__" in vars(cls)
-                 for name, p in inspect.signature(cls.__init__).parameters.items()
-                 if p.kind is p.KEYWORD_ONLY
-                 or (name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)]
+        names = [
+            name
+            for cls in type(self).__mro__
+            if "__init__" in vars(cls)
+            for name, p in inspect.signature(cls.__init__).parameters.items()
+            if p.kind is p.KEYWORD_ONLY or (name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
+        ]
         return {name: getattr(self, name) for name in dict.fromkeys(names)}
 
     def __repr__(self):
@@ -113,8 +119,9 @@ class Codec:
         return f"{type(self).__name__}({args})"
 
     def __eq__(self, other):
-        return isinstance(other, Codec) and other.name == self.name and \
-            other.params() == self.params()
+        return (
+            isinstance(other, Codec) and other.name == self.name and other.params() == self.params()
+        )
 
     def __hash__(self):
         return hash((self.name, tuple(sorted(self.params().items()))))

@@ -28,6 +28,7 @@ framework ports (``packing.py`` in each of them implements it):
     Floating-point values of ``dtype`` (float16), sent as they are; a sum of several workers'
     values is rounded back to ``dtype`` before it is sent again.
 """
+
 from dataclasses import dataclass
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
@@ -37,9 +38,9 @@ EXACT_INTEGER_LIMIT = {
     "int8": 127,
     "float16": 2048,
     "int16": 32767,
-    "float32": 2 ** 24,
-    "int32": 2 ** 31 - 1,
-    "int64": 2 ** 63 - 1,
+    "float32": 2**24,
+    "int32": 2**31 - 1,
+    "int64": 2**63 - 1,
 }
 ITEMSIZE = {"int8": 1, "float16": 2, "int16": 2, "float32": 4, "int32": 4, "int64": 8}
 
@@ -51,9 +52,8 @@ class IntCodes:
     def __post_init__(self):
         if self.bound < 1:
             raise ValueError(f"IntCodes: bound must be >= 1, got {self.bound}")
-        if 2 * self.bound + 1 > 2 ** 32:
-            raise OverflowError(
-                f"IntCodes: {2 * self.bound + 1} code values do not fit in 32 bits")
+        if 2 * self.bound + 1 > 2**32:
+            raise OverflowError(f"IntCodes: {2 * self.bound + 1} code values do not fit in 32 bits")
 
     @property
     def width(self):
@@ -83,7 +83,8 @@ class IntCodes:
         if not exact:
             raise OverflowError(
                 f"the sum of {count} workers' codes in [-{self.bound}, {self.bound}] does not "
-                f"fit any allreduce carrier of {dtypes}")
+                f"fit any allreduce carrier of {dtypes}"
+            )
         return min(exact, key=lambda d: ITEMSIZE[d])
 
 

@@ -10,6 +10,7 @@ file's bytes followed by a newline. The split is by file, so no validation text 
 training, and it is the same on every rank and every run; it differs between Python versions
 as their libraries do (``describe`` names the version, and the demo prints it).
 """
+
 import pathlib
 import sys
 import sysconfig
@@ -23,8 +24,11 @@ _SKIPPED = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 def source_files():
     """The corpus's files, in the order the split counts them."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = [path for path in root.rglob("*.py")
-             if not _SKIPPED.intersection(path.relative_to(root).parts[:-1])]
+    files = [
+        path
+        for path in root.rglob("*.py")
+        if not _SKIPPED.intersection(path.relative_to(root).parts[:-1])
+    ]
     return sorted(files, key=lambda path: path.relative_to(root).as_posix())
 
 
@@ -39,5 +43,6 @@ def load_stdlib_text():
 def describe():
     """What the corpus is, for a results table."""
     version = ".".join(map(str, sys.version_info[:3]))
-    return f"the Python {version} standard library's source (every {VALIDATION_EVERY}th " \
-           f"file held out)"
+    return (
+        f"the Python {version} standard library's source (every {VALIDATION_EVERY}th file held out)"
+    )

@@ -24,6 +24,7 @@ traffic is that of an allgather of the message and of its int64 length
 (``allgather_with_sizes_traffic``, given the message's bytes); CLT-k (``allreduce``) hands k
 int32 indices to a broadcast from the step's leader and k float32 values to an allreduce.
 """
+
 from dataclasses import dataclass
 
 from .codes import ITEMSIZE, shard_length
@@ -41,8 +42,9 @@ class Traffic:
     collectives: int
 
     def __add__(self, other):
-        return Traffic(self.handed + other.handed, self.sent + other.sent,
-                       self.collectives + other.collectives)
+        return Traffic(
+            self.handed + other.handed, self.sent + other.sent, self.collectives + other.collectives
+        )
 
 
 NO_TRAFFIC = Traffic(0, 0.0, 0)
@@ -70,8 +72,7 @@ def uncompressed_traffic(numel, world_size, itemsize=4):
     return allreduce_traffic(numel * itemsize, world_size)
 
 
-def compressed_traffic(codec, numel, world_size, exchange,
-                       allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
+def compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """Traffic of one tensor through ``codec`` and ``exchange``."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES} or 'auto', got {exchange!r}")
@@ -79,8 +80,10 @@ def compressed_traffic(codec, numel, world_size, exchange,
         raise ValueError(f"{codec.name} codes cannot be summed, so they cannot use {exchange}")
     if codec.sparse:
         if not codec.summable:
-            raise ValueError(f"{codec.name} messages differ in length from step to step; "
-                             f"use allgather_with_sizes_traffic with a message's bytes")
+            raise ValueError(
+                f"{codec.name} messages differ in length from step to step; "
+                f"use allgather_with_sizes_traffic with a message's bytes"
+            )
         return leader_allreduce_traffic(codec.k(numel), world_size)
     scale_bytes = 4 * codec.buckets(numel) if codec.scaled else 0
     shared = codec.scaled and codec.shares_scale(exchange)
@@ -153,15 +156,22 @@ def choose_exchanges(codec, sizes, world_size, allreduce_dtypes=TORCH_ALLREDUCE_
         return [candidates[0]] * len(sizes)
 
     def ranked(numel):
-        traffic = {exchange: compressed_traffic(codec, numel, world_size, exchange,
-                                                allreduce_dtypes) for exchange in candidates}
-        return sorted(candidates, key=lambda e: (traffic[e].sent, traffic[e].collectives)), \
-            traffic
+        traffic = {
+            exchange: compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes)
+            for exchange in candidates
+        }
+        return sorted(candidates, key=lambda e: (traffic[e].sent, traffic[e].collectives)), traffic
+
     choices = [ranked(numel) for numel in sizes]
     # (bytes saved, index) of each tensor that sharded suits best, the largest saving first.
-    savings = sorted(((traffic[order[1]].sent - traffic["sharded"].sent, index)
-                      for index, (order, traffic) in enumerate(choices)
-                      if order[0] == "sharded"), reverse=True)
+    savings = sorted(
+        (
+            (traffic[order[1]].sent - traffic["sharded"].sent, index)
+            for index, (order, traffic) in enumerate(choices)
+            if order[0] == "sharded"
+        ),
+        reverse=True,
+    )
     best, best_net, saved, carried = 0, 0.0, 0.0, 0
     for count, (saving, index) in enumerate(savings, 1):
         saved += saving
@@ -170,5 +180,7 @@ def choose_exchanges(codec, sizes, world_size, allreduce_dtypes=TORCH_ALLREDUCE_
         if net > best_net:
             best, best_net = count, net
     sharded = {index for _, index in savings[:best]}
-    return [order[0] if index in sharded or order[0] != "sharded" else order[1]
-            for index, (order, _) in enumerate(choices)]
+    return [
+        order[0] if index in sharded or order[0] != "sharded" else order[1]
+        for index, (order, _) in enumerate(choices)
+    ]

@@ -7,6 +7,7 @@ of every run generates it: 28 workers of CI's convergence test spent a minute an
 of its 2 cores on it. The arrays (1 MB) are therefore kept in ``~/.cache/hvd_compress``
 (``HVD_COMPRESS_CACHE`` overrides it), keyed by the seed and the mnist1d version.
 """
+
 import importlib.metadata
 import os
 import pathlib
@@ -17,8 +18,9 @@ _NAMES = ("x_train", "y_train", "x_test", "y_test")
 
 
 def cache_dir():
-    return pathlib.Path(os.environ.get("HVD_COMPRESS_CACHE",
-                                       pathlib.Path.home() / ".cache" / "hvd_compress"))
+    return pathlib.Path(
+        os.environ.get("HVD_COMPRESS_CACHE", pathlib.Path.home() / ".cache" / "hvd_compress")
+    )
 
 
 def load_mnist1d(seed=42):
@@ -36,11 +38,16 @@ def load_mnist1d(seed=42):
     # Imported only to generate: mnist1d.data loads matplotlib and takes 1.5 s, half of
     # what the cache saves.
     from mnist1d.data import get_dataset_args, make_dataset
+
     args = get_dataset_args()
     args.seed = seed
     data = make_dataset(args)
-    arrays = (data["x"].astype(np.float32), data["y"].astype(np.int64),
-              data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))
+    arrays = (
+        data["x"].astype(np.float32),
+        data["y"].astype(np.int64),
+        data["x_test"].astype(np.float32),
+        data["y_test"].astype(np.int64),
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Workers of one run generate it at the same time: each writes its own file and

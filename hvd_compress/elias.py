@@ -17,10 +17,11 @@ is sequential within a chunk (each record starts where the previous one ends) bu
 chunks side by side, so a vector of a million nonzeros takes CHUNK vectorised steps; the chunk
 offsets cost 32 / CHUNK bits per nonzero.
 """
+
 import numpy as np
 
-MAX_DEPTH = 6      # omega groups of any integer below 2^32: k, <=31, <=4, <=2
-CHUNK = 128        # records per independently decodable chunk
+MAX_DEPTH = 6  # omega groups of any integer below 2^32: k, <=31, <=4, <=2
+CHUNK = 128  # records per independently decodable chunk
 
 
 def _bit_length(values):
@@ -32,7 +33,7 @@ def _bit_length(values):
 def omega_codes(values):
     """Each positive integer's omega code as ``(bits, length)``, most significant bit first."""
     values = np.asarray(values, np.int64)
-    if np.any(values < 1) or np.any(values >= 2 ** 32):
+    if np.any(values < 1) or np.any(values >= 2**32):
         raise ValueError("Elias omega codes integers in [1, 2^32)")
     groups = [values]
     for _ in range(MAX_DEPTH - 1):
@@ -63,7 +64,7 @@ def encode(codes):
     for j in range(int(lengths.max())):
         live = j < lengths
         bits[starts[live] + j] = (symbols[live] >> (lengths[live] - 1 - j)) & 1
-    offsets = starts[3 * CHUNK::3 * CHUNK]
+    offsets = starts[3 * CHUNK :: 3 * CHUNK]
     header = np.concatenate([[where.size], offsets]).astype("<u4").view(np.uint8)
     return np.concatenate([header, np.packbits(bits)])
 

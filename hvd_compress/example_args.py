@@ -1,23 +1,33 @@
 """The command line the MNIST-1D CNN examples share (``examples/mnist1d_torch.py`` and
 ``examples/mnist1d_keras.py``), so that ``hvd-compress demo`` drives both frameworks with the
 same options and defaults."""
+
 import argparse
 
 
 def cnn_parser(description):
     """An ``ArgumentParser`` with the CNN examples' training options."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--compression", default="terngrad",
-                        help="codec name, with optional hyperparameters: terngrad, "
-                             "ef-sign:max_block_size=256, ...")
+    parser.add_argument(
+        "--compression",
+        default="terngrad",
+        help="codec name, with optional hyperparameters: terngrad, ef-sign:max_block_size=256, ...",
+    )
     parser.add_argument("--exchange", default="auto")
-    parser.add_argument("--adaptive", action="store_true",
-                        help="each tensor by the codec, fp16 or fp32, whichever is predicted "
-                             "fastest (DistributedOptimizer(adaptive=True); PyTorch only)")
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="each tensor by the codec, fp16 or fp32, whichever is predicted "
+        "fastest (DistributedOptimizer(adaptive=True); PyTorch only)",
+    )
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
-    parser.add_argument("--optimizer", choices=("adam", "sgd", "nesterov"), default="sgd",
-                        help="Adam, or SGD with momentum 0.9 (heavy-ball or Nesterov)")
+    parser.add_argument(
+        "--optimizer",
+        choices=("adam", "sgd", "nesterov"),
+        default="sgd",
+        help="Adam, or SGD with momentum 0.9 (heavy-ball or Nesterov)",
+    )
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)

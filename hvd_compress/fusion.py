@@ -12,6 +12,7 @@ fusion buffer does for allreduces. Each port starts and reads the group's alltoa
 Groups follow the order in which the backward pass produces gradients, the parameters'
 order reversed, so that the first groups fill, and travel, while the backward pass goes on.
 """
+
 from . import cost
 
 

@@ -20,6 +20,7 @@ quantizers' codes and sums ``codes.IntCodes``.
 Needs numba (``pip install hvd_compress[cpu]``); ``hvd_compress.pt.fused`` imports this module
 only where numba is installed, and only when a kernel is first needed.
 """
+
 import numba
 import numpy as np
 
@@ -60,6 +61,7 @@ def momentum(grad, buffer, mu, nesterov, out):
 # (they stay within float64 rounding of the reference's); it reorders nothing else: each
 # float32 result is one operation per element, rounded as the eager op rounds it.
 
+
 @_jit(fastmath={"reassoc"})
 def _l1(p):
     total = 0.0
@@ -87,8 +89,7 @@ def _accelerated_l1(vector, buffer, mu, nesterov, new_buffer, out):
 
 
 @_jit(fastmath={"reassoc"})
-def _accelerated_compensated_l1(vector, buffer, mu, nesterov, new_buffer, residual, ratio,
-                                out):
+def _accelerated_compensated_l1(vector, buffer, mu, nesterov, new_buffer, residual, ratio, out):
     total = 0.0
     for i in range(vector.size):
         new_buffer[i], u = _momentum_at(vector[i], buffer[i], mu, nesterov)
@@ -98,8 +99,9 @@ def _accelerated_compensated_l1(vector, buffer, mu, nesterov, new_buffer, residu
 
 
 @_jit
-def compensated_block_l1(vector, buffer, mu, nesterov, new_buffer, residual, ratio, block,
-                         out, sums):
+def compensated_block_l1(
+    vector, buffer, mu, nesterov, new_buffer, residual, ratio, block, out, sums
+):
     """out = u + residual * ratio (float32), and sums[b] = sum of |out| over block b
     (float64). u is ``vector``, or with a momentum ``buffer`` the u of ``_momentum_at``,
     whose m goes to ``new_buffer``. Empty ``buffer`` and ``residual`` mean none; with
@@ -108,11 +110,11 @@ def compensated_block_l1(vector, buffer, mu, nesterov, new_buffer, residual, rat
     for b in range(sums.size):
         s = slice(b * block, min(vector.size, (b + 1) * block))
         if buffer.size and residual.size:
-            sums[b] = _accelerated_compensated_l1(vector[s], buffer[s], mu, nesterov,
-                                                  new_buffer[s], residual[s], ratio, out[s])
+            sums[b] = _accelerated_compensated_l1(
+                vector[s], buffer[s], mu, nesterov, new_buffer[s], residual[s], ratio, out[s]
+            )
         elif buffer.size:
-            sums[b] = _accelerated_l1(vector[s], buffer[s], mu, nesterov, new_buffer[s],
-                                      out[s])
+            sums[b] = _accelerated_l1(vector[s], buffer[s], mu, nesterov, new_buffer[s], out[s])
         elif residual.size:
             sums[b] = _compensated_l1(vector[s], residual[s], ratio, out[s])
         else:
@@ -156,8 +158,7 @@ def signs_with_feedback(p, scale, block, packed, residual):
         s = scale[b] if np.isfinite(scale[b]) else np.float32(np.nan)
         start, stop = b * block, min(p.size, (b + 1) * block)
         if aligned:
-            _signs_with_feedback_bytes(p[start:stop], s, packed[start // 8:],
-                                       residual[start:stop])
+            _signs_with_feedback_bytes(p[start:stop], s, packed[start // 8 :], residual[start:stop])
         else:
             _residual(p[start:stop], s, residual[start:stop])
     if not aligned:
@@ -204,6 +205,7 @@ def _averaged_at(tables, bits, count, residual, ratio, i):
 # The server's average of whole bytes: the eight values of a byte accumulate in eight lanes,
 # one row's table entry at a time (2x faster than summing each element over the rows).
 # _byte_sums is inlined into the loops by numba itself: as a call, the loops took 2x as long.
+
 
 @_jit(inline="always")
 def _byte_sums(tables, bits, j, lanes):
@@ -254,10 +256,11 @@ def averaged_block_l1(bits, scales, count, residual, ratio, block, out, sums):
         # Whole bytes in lanes; elements of a byte shared with another block one by one.
         first = min(-(-start // 8) * 8, stop)
         last = max(stop // 8 * 8, first)
-        body = bits[:, first // 8:last // 8]
+        body = bits[:, first // 8 : last // 8]
         if residual.size:
-            total = _averaged_compensated_l1(tables, body, count, residual[first:last],
-                                             ratio, out[first:last])
+            total = _averaged_compensated_l1(
+                tables, body, count, residual[first:last], ratio, out[first:last]
+            )
         else:
             total = _averaged_l1(tables, body, count, out[first:last])
         for i in range(start, first):
@@ -300,6 +303,7 @@ _CHUNK = 4096
 # the sign bit), which order as |g| does, NaN above inf: exact, and a reduction of integers
 # that LLVM vectorizes, where the maximum of floats it does not.
 
+
 @_jit(fastmath={"reassoc"})
 def sum_and_top(g, bits):
     """TernGrad's first pass: the float64 sum of g, and the bits of max|g|."""
@@ -341,18 +345,19 @@ def _top(bits):
 def bucket_squares(g, bucket, sums):
     """QSGD's and NUQSGD's L2 norms, squared: sums[b] = float64 sum of g^2 over bucket b."""
     for b in range(sums.size):
-        sums[b] = _squares(g[b * bucket:(b + 1) * bucket])
+        sums[b] = _squares(g[b * bucket : (b + 1) * bucket])
 
 
 @_jit
 def bucket_tops(bits, bucket, tops):
     """QSGD-inf's max norms: tops[b] = the bits of max|g| over bucket b."""
     for b in range(tops.size):
-        tops[b] = _top(bits[b * bucket:(b + 1) * bucket])
+        tops[b] = _top(bits[b * bucket : (b + 1) * bucket])
 
 
 # numba computes with uint32 words in int64: every result is cut back to 32 bits, which
 # LLVM turns into 32-bit vector operations.
+
 
 @_jit(inline="always")
 def _lowbias32(x):
@@ -367,7 +372,7 @@ def _lowbias32(x):
 def _uniform(k, lo, hi):
     """Draw k of the stream keyed by the 32-bit words (lo, hi): ``seeding.uniforms``."""
     x = _lowbias32(np.uint32(_lowbias32(np.uint32(np.uint32(k) ^ lo)) ^ hi))
-    return np.float32(np.uint32(x >> 8)) * np.float32(2.0 ** -24)
+    return np.float32(np.uint32(x >> 8)) * np.float32(2.0**-24)
 
 
 @_jit(inline="always")
@@ -392,7 +397,7 @@ def _nuqsgd_code(g, divisor, s, u):
     """``NUQSGD.encode`` of one element with smallest level 2^-s: the index of the level
     below r counted over the s levels (the frexp of the eager op), then drawn up."""
     r = min(_ratio(g, divisor), np.float32(1.0))
-    smallest = np.float32(2.0 ** -s)
+    smallest = np.float32(2.0**-s)
     index, lo, level = 0, np.float32(0.0), smallest
     for j in range(1, s + 1):
         if r >= level:
@@ -433,8 +438,7 @@ def _nuqsgd_codes(p, divisor, s, first, lo, hi, scale, codes, residual):
         for i in range(p.size):
             code = _nuqsgd_code(p[i], divisor, s, _uniform(first + i, lo, hi))
             codes[i] = code
-            residual[i] = p[i] - np.float32(_nuqsgd_value(code)) * scale / \
-                np.float32(2.0 ** s)
+            residual[i] = p[i] - np.float32(_nuqsgd_value(code)) * scale / np.float32(2.0**s)
     else:
         for i in range(p.size):
             codes[i] = _nuqsgd_code(p[i], divisor, s, _uniform(first + i, lo, hi))
@@ -484,8 +488,9 @@ def _pack(codes, bound, width, packed):
 
 
 @_jit(error_model="numpy")
-def quantized(p, scale, bucket, levels, exponent, key_lo, key_hi, bound, width, values,
-              packed, residual):
+def quantized(
+    p, scale, bucket, levels, exponent, key_lo, key_hi, bound, width, values, packed, residual
+):
     """One worker's codes of ``p`` under its bucket scales, drawn from the stream
     (key_lo, key_hi) (``seeding.uniforms``, draw k for element k): ``UniformQuantizer`` with
     s = ``levels``, or with ``levels`` 0 ``NUQSGD`` with 2^-``exponent`` its smallest
@@ -505,22 +510,24 @@ def quantized(p, scale, bucket, levels, exponent, key_lo, key_hi, bound, width, 
             finite = np.isfinite(scale_b)
             divisor = scale_b if finite and scale_b > 0 else np.float32(np.inf)
             decoded = scale_b if finite else np.float32(np.nan)
-            piece, out = p[position:end], codes[position - start:end - start]
+            piece, out = p[position:end], codes[position - start : end - start]
             kept = residual[position:end] if residual.size else residual
             if levels == 0:
-                _nuqsgd_piece(piece, divisor, exponent, position, key_lo, key_hi, decoded,
-                              out, kept)
+                _nuqsgd_piece(
+                    piece, divisor, exponent, position, key_lo, key_hi, decoded, out, kept
+                )
             elif residual.size:
-                _uniform_codes_with_feedback(piece, divisor, s, position, key_lo, key_hi,
-                                             decoded, out, kept)
+                _uniform_codes_with_feedback(
+                    piece, divisor, s, position, key_lo, key_hi, decoded, out, kept
+                )
             else:
                 _uniform_codes(piece, divisor, s, position, key_lo, key_hi, out)
             position = end
         if packed.size:
             per = 8 // width
-            _pack(codes[:stop - start], bound, width, packed[start // per:])
+            _pack(codes[: stop - start], bound, width, packed[start // per :])
         else:
-            _values(codes[:stop - start], levels, values[start:stop])
+            _values(codes[: stop - start], levels, values[start:stop])
 
 
 @_jit
@@ -573,8 +580,12 @@ def _add_fields(row, table, width, bound, acc):
             acc[i] += (np.int32(row[2 * i]) | np.int32(row[2 * i + 1]) << 8) - bound
     else:
         for i in range(acc.size):
-            acc[i] += (np.int64(row[4 * i]) | np.int64(row[4 * i + 1]) << 8 |
-                       np.int64(row[4 * i + 2]) << 16 | np.int64(row[4 * i + 3]) << 24) - bound
+            acc[i] += (
+                np.int64(row[4 * i])
+                | np.int64(row[4 * i + 1]) << 8
+                | np.int64(row[4 * i + 2]) << 16
+                | np.int64(row[4 * i + 3]) << 24
+            ) - bound
 
 
 @_jit(error_model="numpy")
@@ -619,11 +630,11 @@ def summed_codes(rows, table, width, bound, length, total_bound, total_width, ou
     and packed into ``out`` at ``total_width`` bits (``IntCodes(total_bound)``)."""
     sums = np.empty(_CHUNK, dtype=np.int32)
     for start in range(0, length, _CHUNK):
-        chunk = sums[:min(length, start + _CHUNK) - start]
+        chunk = sums[: min(length, start + _CHUNK) - start]
         chunk[:] = 0
         for r in range(rows.shape[0]):
-            _add_fields(rows[r, start * width // 8:], table, width, bound, chunk)
-        _pack_any(chunk, total_bound, total_width, out[start * total_width // 8:])
+            _add_fields(rows[r, start * width // 8 :], table, width, bound, chunk)
+        _pack_any(chunk, total_bound, total_width, out[start * total_width // 8 :])
 
 
 @_jit
@@ -634,10 +645,10 @@ def decoded_sums(rows, table, width, bound, scale, bucket, divisor, out):
     divisor = np.float32(divisor)
     for start in range(0, out.size, _CHUNK):
         stop = min(out.size, start + _CHUNK)
-        chunk = sums[:stop - start]
+        chunk = sums[: stop - start]
         chunk[:] = 0
         for r in range(rows.shape[0]):
-            _add_fields(rows[r, start * width // 8:], table, width, bound, chunk)
+            _add_fields(rows[r, start * width // 8 :], table, width, bound, chunk)
         _decode(chunk, start, scale, bucket, divisor, False, out[start:stop])
 
 
@@ -649,10 +660,10 @@ def decoded_own_scales(rows, table, width, bound, scales, bucket, divisor, out):
     divisor = np.float32(divisor)
     for start in range(0, out.size, _CHUNK):
         stop = min(out.size, start + _CHUNK)
-        chunk = values[:stop - start]
+        chunk = values[: stop - start]
         for r in range(rows.shape[0]):
             chunk[:] = 0
-            _add_fields(rows[r, start * width // 8:], table, width, bound, chunk)
+            _add_fields(rows[r, start * width // 8 :], table, width, bound, chunk)
             _decode(chunk, start, scales[r], bucket, divisor, r > 0, out[start:stop])
 
 
@@ -667,11 +678,18 @@ def decoded_segments(rows, table, width, bound, length, scale, bucket, divisor, 
         valid = max(0, min(length, out.size - first))
         for start in range(0, valid, _CHUNK):
             stop = min(valid, start + _CHUNK)
-            chunk = sums[:stop - start]
+            chunk = sums[: stop - start]
             chunk[:] = 0
-            _add_fields(rows[r, start * width // 8:], table, width, bound, chunk)
-            _decode(chunk, first + start, scale, bucket, divisor, False,
-                    out[first + start:first + stop])
+            _add_fields(rows[r, start * width // 8 :], table, width, bound, chunk)
+            _decode(
+                chunk,
+                first + start,
+                scale,
+                bucket,
+                divisor,
+                False,
+                out[first + start : first + stop],
+            )
 
 
 @_jit

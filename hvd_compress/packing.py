@@ -1,4 +1,5 @@
 """Reference (numpy) packing of codes; the wire formats are documented in ``codes.py``."""
+
 import numpy as np
 
 from .codes import WIDTHS, FieldCodes, IntCodes, SignCodes

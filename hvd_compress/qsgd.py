@@ -22,6 +22,7 @@ in the README). On an allgather each worker's own scales travel with its codes i
 NUQSGD's level indices are not additive; their values 2^s * level = 2^(index - 1) are integers
 in [-2^s, 2^s], which are.
 """
+
 from __future__ import annotations
 
 import math
@@ -90,10 +91,15 @@ class QSGD(_BucketedQuantizer, UniformQuantizer):
     name = "qsgd"
     norm = "l2"
 
-    def __init__(self, bits: int = 4, bucket_size: int = 512, *,
-                 min_size: int | None = None,
-                 compress_classifier: bool | None = None,
-                 wire: str = "fixed") -> None:
+    def __init__(
+        self,
+        bits: int = 4,
+        bucket_size: int = 512,
+        *,
+        min_size: int | None = None,
+        compress_classifier: bool | None = None,
+        wire: str = "fixed",
+    ) -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         self._init_bits(bits, bucket_size, wire)
 
@@ -144,10 +150,15 @@ class NUQSGD(_BucketedQuantizer, Codec):
     scaled = True
     stochastic = True
 
-    def __init__(self, bits: int = 4, bucket_size: int = 8192, *,
-                 min_size: int | None = None,
-                 compress_classifier: bool | None = None,
-                 wire: str = "fixed") -> None:
+    def __init__(
+        self,
+        bits: int = 4,
+        bucket_size: int = 8192,
+        *,
+        min_size: int | None = None,
+        compress_classifier: bool | None = None,
+        wire: str = "fixed",
+    ) -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         self._init_bits(bits, bucket_size, wire)
 
@@ -162,7 +173,7 @@ class NUQSGD(_BucketedQuantizer, Codec):
 
     @property
     def value_space(self):
-        return IntCodes(2 ** self.exponent)
+        return IntCodes(2**self.exponent)
 
     def local_scale(self, grad):
         return _local_norms(self, grad, "l2")
@@ -176,8 +187,9 @@ class NUQSGD(_BucketedQuantizer, Codec):
         s = self.exponent
         index = np.clip(exponent + s, 0, s).astype(np.float32)
         index = np.where(r > 0, index, np.float32(0))
-        lo = np.where(index > 0, np.ldexp(np.float32(1), (index - s - 1).astype(np.int32)),
-                      np.float32(0)).astype(np.float32)
+        lo = np.where(
+            index > 0, np.ldexp(np.float32(1), (index - s - 1).astype(np.int32)), np.float32(0)
+        ).astype(np.float32)
         hi = np.ldexp(np.float32(1), (index - s).astype(np.int32)).astype(np.float32)
         return lo, hi, (r - lo) / (hi - lo), index
 
@@ -192,17 +204,18 @@ class NUQSGD(_BucketedQuantizer, Codec):
         return np.sign(codes).astype(np.int32) * magnitude
 
     def decode(self, total, scale, count):
-        return buckets.rescale(total, scale, self.bucket_length(total.shape[-1]),
-                               2 ** self.exponent * count)
+        return buckets.rescale(
+            total, scale, self.bucket_length(total.shape[-1]), 2**self.exponent * count
+        )
 
 
 def qsgd_variance_bound(d, s):
     """Lemma 3.1 of QSGD: E||Q(v) - v||^2 / ||v||^2 <= min(d / s^2, sqrt(d) / s)."""
-    return min(d / s ** 2, math.sqrt(d) / s)
+    return min(d / s**2, math.sqrt(d) / s)
 
 
 def nuqsgd_variance_bound(d, s):
     """E||Q(v) - v||^2 / ||v||^2 for NUQSGD's levels: on a doubling interval [l, 2l] the
     rounding variance (r - l)(2l - r) is at most r^2 / 8; below 2^-s it is at most
     min(2^-s r, 4^-s / 4), and sum r <= sqrt(d), sum r^2 = 1 for an L2-normalized bucket."""
-    return 1 / 8 + min(d * 4.0 ** -s / 4, math.sqrt(d) * 2.0 ** -s)
+    return 1 / 8 + min(d * 4.0**-s / 4, math.sqrt(d) * 2.0**-s)

@@ -10,6 +10,7 @@ Per bucket with scale S and s levels, r = |g| / S in [0, 1] (S >= max|g| of the 
 
 With a shared S (the Max over workers) the codes of all workers are summable integers.
 """
+
 import numpy as np
 
 from . import buckets
@@ -43,5 +44,6 @@ class UniformQuantizer(Codec):
         return (np.sign(grad) * level).astype(np.int8)
 
     def decode(self, total, scale, count):
-        return buckets.rescale(total, scale, self.bucket_length(total.shape[-1]),
-                               self.levels * count)
+        return buckets.rescale(
+            total, scale, self.bucket_length(total.shape[-1]), self.levels * count
+        )

@@ -1,4 +1,5 @@
 """Codecs by name: ``compression="terngrad"`` anywhere a codec is accepted."""
+
 import ast
 from typing import Union
 
@@ -9,8 +10,20 @@ from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
-CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
-                                             BlockSign, AdaComp, CyclicLocalTopK)}
+CODECS = {
+    cls.name: cls
+    for cls in (
+        NoneCodec,
+        FP16,
+        TernGrad,
+        QSGD,
+        QSGDInf,
+        NUQSGD,
+        BlockSign,
+        AdaComp,
+        CyclicLocalTopK,
+    )
+}
 
 
 # What a wrapper's ``compression`` argument takes (``resolve``): a registry name (with
@@ -36,30 +49,40 @@ def resolve(compression, classes=None):
     classes = CODECS if classes is None else classes
     if compression is None:
         compression = "none"
-    if isinstance(compression, type) and compression.__module__.startswith("horovod.") and \
-            compression.__name__ in HOROVOD_COMPRESSORS:
+    if (
+        isinstance(compression, type)
+        and compression.__module__.startswith("horovod.")
+        and compression.__name__ in HOROVOD_COMPRESSORS
+    ):
         compression = HOROVOD_COMPRESSORS[compression.__name__]
     if isinstance(compression, str):
         name, *settings = compression.split(":")
         if name not in classes:
-            raise ValueError(f"compression must be one of {sorted(classes)} (optionally "
-                             f"followed by :hyperparameter=value items) or a codec instance; "
-                             f"got {compression!r}")
+            raise ValueError(
+                f"compression must be one of {sorted(classes)} (optionally "
+                f"followed by :hyperparameter=value items) or a codec instance; "
+                f"got {compression!r}"
+            )
         hyperparameters = dict(_setting(compression, item) for item in settings)
         unknown = set(hyperparameters) - set(classes[name]().params())
         if unknown:
-            raise ValueError(f"compression {compression!r}: {name} has no hyperparameter "
-                             f"{', '.join(sorted(unknown))}; it takes "
-                             f"{', '.join(classes[name]().params())}")
+            raise ValueError(
+                f"compression {compression!r}: {name} has no hyperparameter "
+                f"{', '.join(sorted(unknown))}; it takes "
+                f"{', '.join(classes[name]().params())}"
+            )
         return classes[name](**hyperparameters)
     if isinstance(compression, Codec):
         cls = classes.get(compression.name)
         if cls is None:
-            raise ValueError(f"codec {compression.name!r} is not available here; "
-                             f"available: {sorted(classes)}")
+            raise ValueError(
+                f"codec {compression.name!r} is not available here; available: {sorted(classes)}"
+            )
         return compression if isinstance(compression, cls) else cls(**compression.params())
-    raise TypeError(f"compression must be a codec name ({', '.join(sorted(classes))}), a "
-                    f"codec instance or hvd.Compression.none / .fp16, got {compression!r}")
+    raise TypeError(
+        f"compression must be a codec name ({', '.join(sorted(classes))}), a "
+        f"codec instance or hvd.Compression.none / .fp16, got {compression!r}"
+    )
 
 
 def _setting(compression, item):
@@ -70,6 +93,8 @@ def _setting(compression, item):
             raise ValueError
         return key, ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ValueError(f"compression {compression!r}: hyperparameters are name=value items "
-                         f"with Python literal values, such as max_block_size=256; got "
-                         f"{item!r}") from None
+        raise ValueError(
+            f"compression {compression!r}: hyperparameters are name=value items "
+            f"with Python literal values, such as max_block_size=256; got "
+            f"{item!r}"
+        ) from None

@@ -2,6 +2,7 @@
 worker and step, the compression ratio, the median step time and, per layer kind, the ratio
 and density of sparse codecs. Rank 0 prints it and writes it as JSON for ``hvd-compress
 demo``, with the same keys for every example and framework."""
+
 import collections
 import json
 import statistics
@@ -21,9 +22,11 @@ class RunRecord:
         self.seconds.append(seconds)
         self.handed.append(stats["bytes_handed"])
         for kind, layer in stats.get("layers", {}).items():
-            self.layers[kind].update(handed=layer["bytes_handed"],
-                                     uncompressed=layer["bytes_uncompressed"],
-                                     density=layer["density"])
+            self.layers[kind].update(
+                handed=layer["bytes_handed"],
+                uncompressed=layer["bytes_uncompressed"],
+                density=layer["density"],
+            )
 
     def result(self, stats, *, sparse_in_time=False, **fields):
         """The run's result: ``fields`` (compression, workers, steps, test_accuracy, ...) and
@@ -31,19 +34,27 @@ class RunRecord:
         the median step's, since every step hands the same bytes except for variable-length
         codecs; with ``sparse_in_time`` (local SGD, which hands bytes only on averaging steps)
         they are the total over the run divided by the steps."""
-        handed = sum(self.handed) / len(self.handed) if sparse_in_time else \
-            statistics.median(self.handed)
+        handed = (
+            sum(self.handed) / len(self.handed)
+            if sparse_in_time
+            else statistics.median(self.handed)
+        )
         steps = len(self.seconds)
         return {
-            **fields, "codec": stats["codec"],
+            **fields,
+            "codec": stats["codec"],
             "bytes_per_step": int(handed),
             "bytes_uncompressed_per_step": stats["bytes_uncompressed"],
             "compression_ratio": stats["bytes_uncompressed"] / handed,
             "median_step_ms": 1000 * statistics.median(self.seconds),
             "tensors": stats["tensors"],
-            "layers": {kind: {"compression_ratio": t["uncompressed"] / t["handed"],
-                              "density": t["density"] / steps}
-                       for kind, t in self.layers.items()},
+            "layers": {
+                kind: {
+                    "compression_ratio": t["uncompressed"] / t["handed"],
+                    "density": t["density"] / steps,
+                }
+                for kind, t in self.layers.items()
+            },
         }
 
 
@@ -60,14 +71,21 @@ def publish(result, rank, out=None, label=None):
     if rank != 0:
         return
     loss = f", train loss {result['train_loss']:.4f}" if "train_loss" in result else ""
-    print(f"{label or result['compression']}: {quality(result)}{loss}, "
-          f"{result['bytes_per_step']} bytes/step/worker "
-          f"(ratio {result['compression_ratio']:.2f}x), "
-          f"median step {result['median_step_ms']:.2f} ms", flush=True)
+    print(
+        f"{label or result['compression']}: {quality(result)}{loss}, "
+        f"{result['bytes_per_step']} bytes/step/worker "
+        f"(ratio {result['compression_ratio']:.2f}x), "
+        f"median step {result['median_step_ms']:.2f} ms",
+        flush=True,
+    )
     if result["layers"]:
-        print("  per layer kind: " + ", ".join(
-            f"{kind} {layer['compression_ratio']:.1f}x (density {100 * layer['density']:.2f}%)"
-            for kind, layer in result["layers"].items()))
+        print(
+            "  per layer kind: "
+            + ", ".join(
+                f"{kind} {layer['compression_ratio']:.1f}x (density {100 * layer['density']:.2f}%)"
+                for kind, layer in result["layers"].items()
+            )
+        )
     width = max((len(name) for name, *_ in result["tensors"]), default=0)
     for name, numel, exchange, reason in result["tensors"]:
         print(f"  {name:{width}s} {numel:8d}  {exchange:26s} {reason}")

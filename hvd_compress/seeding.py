@@ -4,6 +4,7 @@ A stream is a pure function of its coordinates, so a run can be replayed (tests 
 draws to the numpy reference), resumed from a checkpoint that stores only the step, and ranks
 never share noise (identical seeds would correlate the quantization error of all workers).
 """
+
 import numpy as np
 
 _MASK = (1 << 64) - 1
@@ -62,4 +63,4 @@ def uniforms(key: int, numel: int) -> np.ndarray:
     """
     lo, hi = (np.uint32(word) for word in key_words(key))
     x = _lowbias32(_lowbias32(np.arange(numel, dtype=np.uint32) ^ lo) ^ hi)
-    return (x >> 8).astype(np.float32) * np.float32(2.0 ** -24)
+    return (x >> 8).astype(np.float32) * np.float32(2.0**-24)

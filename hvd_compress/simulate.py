@@ -1,4 +1,5 @@
 """N workers in one process: the numpy oracle that multi-process runs are checked against."""
+
 import numpy as np
 
 from .codes import IntCodes

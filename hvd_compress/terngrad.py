@@ -21,6 +21,7 @@ A non-finite gradient gives s_i = +inf, which survives the Max on every worker; 
 then decodes the whole tensor as NaN, so a ``GradScaler`` (or any finiteness check) skips
 the step on all ranks alike instead of training on finite codes made from garbage.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,9 +51,13 @@ class TernGrad(UniformQuantizer):
     default_min_size = 9217
     compress_classifier_default = False
 
-    def __init__(self, clip: float = 2.5, *,
-                 min_size: int | None = None,
-                 compress_classifier: bool | None = None) -> None:
+    def __init__(
+        self,
+        clip: float = 2.5,
+        *,
+        min_size: int | None = None,
+        compress_classifier: bool | None = None,
+    ) -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         self.clip = check_float("TernGrad", "clip (c)", clip, low=0.0)
 

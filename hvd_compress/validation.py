@@ -1,4 +1,5 @@
 """Checks of user-supplied hyperparameters that name the parameter and what is allowed."""
+
 import math
 import numbers
 
@@ -45,34 +46,62 @@ def check_error_feedback(owner, codec, error_feedback):
     if error_feedback is None:
         error_feedback = codec.error_feedback_default
     if codec.two_way and not error_feedback:
-        raise ValueError(f"{owner}: {codec.name} compresses on the workers and again on the "
-                         f"server, which is only sound with error feedback on both; it cannot "
-                         f"run with error_feedback=False")
+        raise ValueError(
+            f"{owner}: {codec.name} compresses on the workers and again on the "
+            f"server, which is only sound with error feedback on both; it cannot "
+            f"run with error_feedback=False"
+        )
     if codec.sparse and not error_feedback:
-        raise ValueError(f"{owner}: {codec.name} selects what to send from its error-feedback "
-                         f"memory; it cannot run with error_feedback=False")
+        raise ValueError(
+            f"{owner}: {codec.name} selects what to send from its error-feedback "
+            f"memory; it cannot run with error_feedback=False"
+        )
     return bool(error_feedback)
 
 
 # Keywords of Horovod's wrappers that hvd_compress takes for drop-in compatibility but only
 # at Horovod's default: (default, why another value is refused, what to do instead).
 HOROVOD_DEFAULTS = {
-    "num_groups": (0, "Horovod's fusion buffer already batches the collectives",
-                   "tune HOROVOD_FUSION_THRESHOLD"),
-    "groups": (None, "Horovod's fusion buffer already batches the collectives",
-               "tune HOROVOD_FUSION_THRESHOLD"),
-    "device_dense": ("", "the codecs run on the gradients' own device",
-                     "place the model's variables on the device"),
-    "device_sparse": ("", "the codecs run on the gradients' own device",
-                      "place the model's variables on the device"),
-    "backward_passes_per_step": (1, "the TensorFlow port exchanges on every apply()",
-                                 "accumulate gradients before apply_gradients"),
-    "average_aggregated_gradients": (False, "it applies to backward_passes_per_step > 1 only",
-                                     "leave it False"),
-    "scale_local_gradients": (True, "local variables (register_local_var) are not supported",
-                              "leave it True"),
-    "name": (None, "the wrapper keeps the wrapped optimizer's name",
-             "name the Keras optimizer itself"),
+    "num_groups": (
+        0,
+        "Horovod's fusion buffer already batches the collectives",
+        "tune HOROVOD_FUSION_THRESHOLD",
+    ),
+    "groups": (
+        None,
+        "Horovod's fusion buffer already batches the collectives",
+        "tune HOROVOD_FUSION_THRESHOLD",
+    ),
+    "device_dense": (
+        "",
+        "the codecs run on the gradients' own device",
+        "place the model's variables on the device",
+    ),
+    "device_sparse": (
+        "",
+        "the codecs run on the gradients' own device",
+        "place the model's variables on the device",
+    ),
+    "backward_passes_per_step": (
+        1,
+        "the TensorFlow port exchanges on every apply()",
+        "accumulate gradients before apply_gradients",
+    ),
+    "average_aggregated_gradients": (
+        False,
+        "it applies to backward_passes_per_step > 1 only",
+        "leave it False",
+    ),
+    "scale_local_gradients": (
+        True,
+        "local variables (register_local_var) are not supported",
+        "leave it True",
+    ),
+    "name": (
+        None,
+        "the wrapper keeps the wrapped optimizer's name",
+        "name the Keras optimizer itself",
+    ),
 }
 
 
@@ -82,5 +111,7 @@ def check_horovod_defaults(owner, **given):
     for name, value in given.items():
         default, why, instead = HOROVOD_DEFAULTS[name]
         if value != default or type(value) is not type(default):
-            raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}); {instead}, "
-                             f"or leave it at {default!r}")
+            raise ValueError(
+                f"{owner}: {name}={value!r} is not supported ({why}); {instead}, "
+                f"or leave it at {default!r}"
+            )

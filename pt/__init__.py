@@ -1,5 +1,6 @@
 """PyTorch port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
 ``DistributedOptimizer`` that exchanges their codes through Horovod collectives."""
+
 from hvd_compress.adaptive import Adaptive
 
 from .adacomp import AdaComp
@@ -9,12 +10,37 @@ from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
-CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
-                                             BlockSign, AdaComp, CyclicLocalTopK)}
+CODECS = {
+    cls.name: cls
+    for cls in (
+        NoneCodec,
+        FP16,
+        TernGrad,
+        QSGD,
+        QSGDInf,
+        NUQSGD,
+        BlockSign,
+        AdaComp,
+        CyclicLocalTopK,
+    )
+}
 
 from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 
-__all__ = ["AdaComp", "Adaptive", "BlockSign", "CODECS", "CyclicLocalTopK", "Codec",
-           "DistributedOptimizer", "FP16", "LocalClipSGD", "NUQSGD", "NoneCodec", "QSGD",
-           "QSGDInf", "TernGrad"]
+__all__ = [
+    "AdaComp",
+    "Adaptive",
+    "BlockSign",
+    "CODECS",
+    "CyclicLocalTopK",
+    "Codec",
+    "DistributedOptimizer",
+    "FP16",
+    "LocalClipSGD",
+    "NUQSGD",
+    "NoneCodec",
+    "QSGD",
+    "QSGDInf",
+    "TernGrad",
+]

@@ -1,5 +1,6 @@
 """AdaComp in PyTorch ops, and the layer kinds of a model's parameters; the algorithm, its
 wire format and the numpy reference are in ``hvd_compress.adacomp``."""
+
 import torch
 from torch import nn
 
@@ -14,8 +15,17 @@ from .packing import pack, unpack
 # Module classes whose own parameters form each layer kind; modules of other classes
 # (norms, custom modules) own "other" parameters.
 MODULE_KINDS = (
-    ((nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-      nn.ConvTranspose3d), "conv"),
+    (
+        (
+            nn.Conv1d,
+            nn.Conv2d,
+            nn.Conv3d,
+            nn.ConvTranspose1d,
+            nn.ConvTranspose2d,
+            nn.ConvTranspose3d,
+        ),
+        "conv",
+    ),
     ((nn.Linear, nn.Bilinear), "linear"),
     ((nn.RNNBase, nn.RNNCellBase), "recurrent"),
     ((nn.Embedding, nn.EmbeddingBag), "embedding"),
@@ -27,8 +37,9 @@ def layer_kinds(model):
     of ``model.named_parameters()``."""
     kinds = {}
     for prefix, module in model.named_modules():
-        kind = next((kind for classes, kind in MODULE_KINDS if isinstance(module, classes)),
-                    "other")
+        kind = next(
+            (kind for classes, kind in MODULE_KINDS if isinstance(module, classes)), "other"
+        )
         for name, _ in module.named_parameters(recurse=False):
             kinds[f"{prefix}.{name}" if prefix else name] = kind
     return kinds
@@ -48,14 +59,14 @@ class AdaComp(reference.AdaComp, Codec):
             "AdaComp cannot run inside Horovod's own DistributedOptimizer: its messages hold "
             "a different selection of elements on every worker and depend on each worker's "
             "residue. Use hvd_compress.pt.DistributedOptimizer(optimizer, "
-            "compression='adacomp') instead.")
+            "compression='adacomp') instead."
+        )
 
     def select(self, compensated, grad, bin_length):
         residue = compensated.reshape(-1)
         threshold = residue + grad.reshape(-1)
         bin_max = reduce(residue.abs(), bin_length, "amax")
-        return (threshold.abs() >= expand(bin_max, residue.numel(), bin_length)) & \
-            (residue != 0)
+        return (threshold.abs() >= expand(bin_max, residue.numel(), bin_length)) & (residue != 0)
 
     def encode_message(self, compensated, selected, bin_length):
         residue = compensated.reshape(-1)
@@ -67,9 +78,14 @@ class AdaComp(reference.AdaComp, Codec):
         scale = torch.where(torch.isfinite(residue).all(), scale, torch.nan)
         fields = FieldCodes.holding(bin_length)
         counts = reduce(selected.to(torch.int64), bin_length, "sum")
-        return torch.cat([scale.reshape(1).view(torch.uint8), pack(counts, fields),
-                          pack(positions % bin_length, fields),
-                          pack(residue[positions], SignCodes())])
+        return torch.cat(
+            [
+                scale.reshape(1).view(torch.uint8),
+                pack(counts, fields),
+                pack(positions % bin_length, fields),
+                pack(residue[positions], SignCodes()),
+            ]
+        )
 
     def decode_message(self, message, numel, bin_length):
         fields = FieldCodes.holding(bin_length)

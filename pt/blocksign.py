@@ -1,4 +1,5 @@
 """BlockSign in PyTorch ops; the algorithm and its reference are in ``hvd_compress.blocksign``."""
+
 import torch
 
 from hvd_compress import blocksign as reference

@@ -4,6 +4,7 @@ Per-bucket scales are applied through a (buckets, bucket_size) view of the eleme
 broadcast instead of being repeated over every element. Each function keeps the reference's
 float32 operations in the reference's order, so the results are bit-identical to it.
 """
+
 import torch
 
 from hvd_compress.buckets import count
@@ -11,8 +12,9 @@ from hvd_compress.buckets import count
 
 def expand(scale, numel, bucket_size):
     """Each bucket's scale repeated over its elements (along the last axis)."""
-    return torch.repeat_interleave(scale.reshape(scale.shape or (1,)), bucket_size,
-                                   dim=-1)[..., :numel]
+    return torch.repeat_interleave(scale.reshape(scale.shape or (1,)), bucket_size, dim=-1)[
+        ..., :numel
+    ]
 
 
 def pieces(start, stop, bucket_size):
@@ -25,8 +27,7 @@ def pieces(start, stop, bucket_size):
     while position < stop:
         bucket = position // bucket_size
         whole = (stop - position) // bucket_size if position % bucket_size == 0 else 0
-        end = position + whole * bucket_size if whole else \
-            min(stop, (bucket + 1) * bucket_size)
+        end = position + whole * bucket_size if whole else min(stop, (bucket + 1) * bucket_size)
         rows = max(whole, 1)
         out.append((slice(position - start, end - start), rows, slice(bucket, bucket + rows)))
         position = end
@@ -86,9 +87,9 @@ def _row_sums(matrix):
     """float64 sum of each row of a 2-D float tensor: float32 partial sums of runs of _ROW
     elements, added up in float64."""
     whole = matrix.shape[1] // _ROW
-    sums = matrix[:, whole * _ROW:].sum(dim=1, dtype=torch.float64)
+    sums = matrix[:, whole * _ROW :].sum(dim=1, dtype=torch.float64)
     if whole:
-        runs = matrix[:, :whole * _ROW].unflatten(1, (whole, _ROW)).sum(dim=2)
+        runs = matrix[:, : whole * _ROW].unflatten(1, (whole, _ROW)).sum(dim=2)
         sums += runs.sum(dim=1, dtype=torch.float64)
     return sums
 
@@ -107,12 +108,15 @@ def l1_sums(values, bucket_size):
     25M-parameter model that per-tensor overhead was the larger part of the scales' cost.
     """
     numel = values.shape[-1]
-    magnitude = values.abs() if values.dtype in (torch.float32, torch.float64) else \
-        values.to(torch.float32).abs_()
+    magnitude = (
+        values.abs()
+        if values.dtype in (torch.float32, torch.float64)
+        else values.to(torch.float32).abs_()
+    )
     whole = numel // bucket_size
-    sums = _row_sums(magnitude[:whole * bucket_size].view(whole, bucket_size))
+    sums = _row_sums(magnitude[: whole * bucket_size].view(whole, bucket_size))
     if numel % bucket_size:
-        sums = torch.cat([sums, _row_sums(magnitude[whole * bucket_size:].view(1, -1))])
+        sums = torch.cat([sums, _row_sums(magnitude[whole * bucket_size :].view(1, -1))])
     return sums
 
 
@@ -144,8 +148,11 @@ def rescale(total, scale, bucket_size, divisor):
     # NaN times any total is NaN: the non-finite scales mark their buckets in the product.
     scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
     # torch.broadcast_shapes costs ~0.2 ms of Python per call: only asked when it matters.
-    lead = total.shape[:-1] if total.shape[:-1] == scale.shape[:-1] else \
-        torch.broadcast_shapes(total.shape[:-1], scale.shape[:-1])
+    lead = (
+        total.shape[:-1]
+        if total.shape[:-1] == scale.shape[:-1]
+        else torch.broadcast_shapes(total.shape[:-1], scale.shape[:-1])
+    )
     shape = lead + total.shape[-1:]
     value = torch.empty(shape, dtype=torch.float32, device=total.device)
     value.copy_(total)

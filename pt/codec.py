@@ -1,4 +1,5 @@
 """Horovod's ``Compressor`` interface for every PyTorch codec, and the stateless codecs."""
+
 import torch
 from horovod.torch.compression import Compressor
 
@@ -21,7 +22,8 @@ class Codec(Compressor):
                 f"its codes are only summable after the workers agree on a scale, which "
                 f"Horovod's compression hook cannot do. Use "
                 f"hvd_compress.pt.DistributedOptimizer(optimizer, compression="
-                f"{self.name!r}) instead.")
+                f"{self.name!r}) instead."
+            )
         if self.code_space is None or not tensor.is_floating_point():
             return tensor, None
         return self.encode(tensor, None, None), tensor.dtype

@@ -1,4 +1,5 @@
 """The device a Horovod rank trains on, as the examples and a GPU job pick it."""
+
 import horovod.torch as hvd
 import torch
 

@@ -1,5 +1,6 @@
 """Elias omega coding in PyTorch ops; mirrors ``hvd_compress.elias`` (format and method are
 documented there). Runs on any device: only shifts, prefix sums and gathers."""
+
 import torch
 
 from hvd_compress.elias import CHUNK, MAX_DEPTH
@@ -11,7 +12,7 @@ def _bit_length(values):
 
 
 def _out_of_range(values):
-    return ((values < 1) | (values >= 2 ** 32)).any()
+    return ((values < 1) | (values >= 2**32)).any()
 
 
 def _range_error():
@@ -75,7 +76,7 @@ def encode(codes):
         shift = torch.clamp(lengths - 1 - j, min=0)
         bit = ((symbols >> shift) & 1) * (j < lengths)
         bits.index_put_((starts + torch.clamp(lengths - 1, max=j),), bit, accumulate=True)
-    offsets = starts[3 * CHUNK::3 * CHUNK]
+    offsets = starts[3 * CHUNK :: 3 * CHUNK]
     header = torch.cat([where.new_full((1,), where.numel()), offsets]).to(torch.int32)
     return torch.cat([header.view(torch.uint8), _packbits(bits)])
 

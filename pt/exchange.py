@@ -16,6 +16,7 @@ Sparse codecs (AdaComp, CLT-k) have exchanges of their own, ``SparseAllgather`` 
 compensate -> select -> update on the worker's memory (passed in, not kept) around their
 collectives.
 """
+
 import collections
 import contextlib
 import time
@@ -31,8 +32,9 @@ from .buckets import per_bucket_
 from .packing import pack, unpack, unpack_scaled_signs
 
 # What horovod.torch's allreduce sums: no bfloat16 (nor 8- or 16-bit integers).
-ALLREDUCE_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int32,
-                              torch.int64})
+ALLREDUCE_DTYPES = frozenset(
+    {torch.float16, torch.float32, torch.float64, torch.int32, torch.int64}
+)
 
 # Bounds of the sleeps between polls in ``wait``: short enough that a small collective's
 # latency hardly grows, long enough that a waiting rank leaves its core to the others.
@@ -111,8 +113,10 @@ def _allgather_with_sizes(payload, name, meter):
     tensor's are without a wait for the device (a GPU tensor's would cost one to send it and
     one to read the gathered lengths back)."""
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    return [hvd.allgather_async(meter.hand(payload), name=name),
-            hvd.allgather_async(meter.hand(size), name=f"{name}.size")]
+    return [
+        hvd.allgather_async(meter.hand(payload), name=name),
+        hvd.allgather_async(meter.hand(size), name=f"{name}.size"),
+    ]
 
 
 def _gathered_payloads(handles):
@@ -158,10 +162,10 @@ class _Exchange:
         non-finite one, so ``finite`` is read off the scales: on the CPU only, where reading
         it costs nothing; on a GPU it would wait for the device once per tensor, so there it
         stays None and the pipeline's one finiteness check of the step covers this result."""
-        self.finite = bool(torch.isfinite(scales).all()) if scales.device.type == "cpu" \
-            else None
-        unpack_signs = fused.scaled_signs if fused.applies(self.codec, scales) else \
-            unpack_scaled_signs
+        self.finite = bool(torch.isfinite(scales).all()) if scales.device.type == "cpu" else None
+        unpack_signs = (
+            fused.scaled_signs if fused.applies(self.codec, scales) else unpack_scaled_signs
+        )
         return unpack_signs(packed, scales, length)
 
 
@@ -172,8 +176,9 @@ class Allreduce(_Exchange):
 
     def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
         super().__init__(codec, numel, world_size, meter, count, server, fusion)
-        self.carrier = getattr(torch, codec.value_space.allreduce_carrier(
-            world_size, TORCH_ALLREDUCE_DTYPES))
+        self.carrier = getattr(
+            torch, codec.value_space.allreduce_carrier(world_size, TORCH_ALLREDUCE_DTYPES)
+        )
 
     def payload(self) -> torch.Tensor:
         """The codes' values in the carrier."""
@@ -212,8 +217,11 @@ class Allgather(_Exchange):
         self.elias = codec.wire == "elias"
 
     def start(self, codes, scale, name):
-        payload = elias.encode(codes) if self.elias else \
-            pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
+        payload = (
+            elias.encode(codes)
+            if self.elias
+            else pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
+        )
         return self.start_packed(payload, scale, name)
 
     def start_packed(self, payload, scale, name):
@@ -231,10 +239,12 @@ class Allgather(_Exchange):
         decode holds a few copies of the tensor, not N."""
         for payload in gathered:
             payload = payload.reshape(1, -1)
-            codes = elias.decode(payload[0, self.scale_bytes:], self.numel).reshape(1, -1) \
-                if self.elias else \
-                unpack(payload[:, self.scale_bytes:], self.codec.code_space, self.numel)
-            yield codes, _floats(payload[:, :self.scale_bytes])
+            codes = (
+                elias.decode(payload[0, self.scale_bytes :], self.numel).reshape(1, -1)
+                if self.elias
+                else unpack(payload[:, self.scale_bytes :], self.codec.code_space, self.numel)
+            )
+            yield codes, _floats(payload[:, : self.scale_bytes])
 
     def _decoded_sum(self, rows, count):
         """The sum over the workers, in rank order, of their codes (``rows`` of codes and
@@ -256,12 +266,12 @@ class Allgather(_Exchange):
         """The decoded average (or sum) of every worker's payload: ``gathered`` holds them
         as rows, or for Elias codes as a list; ``scale`` is the shared scale, if any."""
         if not self.elias and self._fused(scale):
-            codes = gathered[:, self.scale_bytes:]
+            codes = gathered[:, self.scale_bytes :]
             if not self.own_scale:
                 return fused.decoded_sums(self.codec, codes, scale, self.count, self.numel)
             return fused.decoded_own_scales(
-                self.codec, codes, _floats(gathered[:, :self.scale_bytes]), self.count,
-                self.numel)
+                self.codec, codes, _floats(gathered[:, : self.scale_bytes]), self.count, self.numel
+            )
         if self.own_scale:
             return self._decoded_sum(self._codes(gathered), self.count)
         total = None
@@ -273,14 +283,17 @@ class Allgather(_Exchange):
     def _serve(self, rows):
         """The replicated server: every rank runs the same server step on every worker's
         message, averaged as the sharded server averages its shard (sum, then divide)."""
-        own_scales = _floats(rows[:, :self.scale_bytes])
-        bits = rows[:, self.scale_bytes:]
+        own_scales = _floats(rows[:, : self.scale_bytes])
+        bits = rows[:, self.scale_bytes :]
         if own_scales.shape[1] == 1 and fused.applies(self.codec, own_scales):
-            packed, server_scale = fused.server_step(self.server, self.codec, bits,
-                                                     own_scales[:, 0], self.count, self.numel)
+            packed, server_scale = fused.server_step(
+                self.server, self.codec, bits, own_scales[:, 0], self.count, self.numel
+            )
             return self._servers_signs(packed.reshape(1, -1), server_scale, self.numel)[0]
-        rows = ((unpack(bits[r:r + 1], self.codec.code_space, self.numel), own_scales[r:r + 1])
-                for r in range(bits.shape[0]))
+        rows = (
+            (unpack(bits[r : r + 1], self.codec.code_space, self.numel), own_scales[r : r + 1])
+            for r in range(bits.shape[0])
+        )
         average = self._decoded_sum(rows, 1) / self.count
         return self.server(self.codec, average)[2]
 
@@ -303,8 +316,9 @@ class Sharded(_Exchange):
 
     def payload(self) -> torch.Tensor:
         """The codes of all shards, padded with 0 to ``world_size`` shards."""
-        return torch.empty(self.codec.code_space.packed_nbytes(self.world_size * self.length),
-                           dtype=torch.uint8)
+        return torch.empty(
+            self.codec.code_space.packed_nbytes(self.world_size * self.length), dtype=torch.uint8
+        )
 
     def start(self, codes, scale, name):
         padded = codes.new_zeros(self.world_size * self.length)
@@ -331,8 +345,9 @@ class Sharded(_Exchange):
         handle, scale = pending
         rows = wait(handle)
         if self._fused(scale):
-            return fused.decoded_segments(self.codec, rows, self.total_space, self.length,
-                                          scale, self.count, self.numel)
+            return fused.decoded_segments(
+                self.codec, rows, self.total_space, self.length, scale, self.count, self.numel
+            )
         total = unpack(rows, self.total_space, self.length).reshape(-1)[: self.numel]
         return self.codec.decode(total, scale, self.count)
 
@@ -370,24 +385,26 @@ class ShardedServer(_Exchange):
         fusion, name = pending
         received = fusion.receive(name)
         rank = hvd.rank()
-        scales = _floats(received[:, :self.scale_bytes])
+        scales = _floats(received[:, : self.scale_bytes])
         shard = self.shard(rank)
         valid = shard.stop - shard.start
         # Every worker's signs times its scales of the blocks this shard's elements are in.
         block_length = self.codec.bucket_length(self.numel)
         first_block = shard.start // block_length
-        bits = received[:, self.scale_bytes:]
+        bits = received[:, self.scale_bytes :]
         one_block = valid and (shard.stop - 1) // block_length == first_block
         if one_block and fused.applies(self.codec, scales[:, first_block]):
-            packed, server_scale = fused.server_step(self.server, self.codec, bits,
-                                                     scales[:, first_block], self.count, valid)
+            packed, server_scale = fused.server_step(
+                self.server, self.codec, bits, scales[:, first_block], self.count, valid
+            )
         else:
             if one_block:
                 scaled = unpack_scaled_signs(bits, scales[:, first_block], valid)
             else:
                 signs = unpack(bits, self.codec.code_space, valid)
-                scaled = per_bucket_(signs.to(torch.float32), "mul_", scales, block_length,
-                                     start=shard.start)
+                scaled = per_bucket_(
+                    signs.to(torch.float32), "mul_", scales, block_length, start=shard.start
+                )
             average = scaled.sum(dim=0) / self.count
             codes, server_scale, _ = self.server(self.codec, average)
             packed = self._packed(codes)
@@ -398,8 +415,8 @@ class ShardedServer(_Exchange):
 
     def finish(self, handle):
         rows = wait(handle)
-        scales = _floats(rows[:, :self.server_scale_bytes])
-        packed = rows[:, self.server_scale_bytes:]
+        scales = _floats(rows[:, : self.server_scale_bytes])
+        packed = rows[:, self.server_scale_bytes :]
         if scales.shape[1] == 1:  # one block per shard
             return self._servers_signs(packed, scales, self.length).reshape(-1)[: self.numel]
         signs = unpack(packed, self.codec.code_space, self.length)
@@ -455,8 +472,10 @@ class SparseAllgather(_Exchange):
         return _allgather_with_sizes(message, name, self.meter)
 
     def finish(self, handles):
-        values = [self.codec.decode_message(message, self.numel, self.bin_length)
-                  for message in _gathered_payloads(handles)]
+        values = [
+            self.codec.decode_message(message, self.numel, self.bin_length)
+            for message in _gathered_payloads(handles)
+        ]
         return torch.stack(values).sum(dim=0) / self.count
 
 
@@ -485,8 +504,9 @@ class LeaderAllreduce(_Exchange):
             indices = self.codec.top_k(compensated, self.sent_elements)
         else:
             indices = torch.zeros(self.sent_elements, dtype=torch.int32, device=grad.device)
-        handle = hvd.broadcast_async(self.meter.hand(indices), root_rank=self.leader,
-                                     name=f"{name}.indices")
+        handle = hvd.broadcast_async(
+            self.meter.hand(indices), root_rank=self.leader, name=f"{name}.indices"
+        )
         return handle, compensated, name
 
     def advance(self, pending):
@@ -496,8 +516,9 @@ class LeaderAllreduce(_Exchange):
         sent = torch.zeros_like(compensated)
         sent[indices] = values
         self.memory.update(self.key, compensated, sent, self.codec.beta)
-        return hvd.allreduce_async(self.meter.hand(allreducible(values)), op=hvd.Sum,
-                                   name=name), indices
+        return hvd.allreduce_async(
+            self.meter.hand(allreducible(values)), op=hvd.Sum, name=name
+        ), indices
 
     def finish(self, pending):
         handle, indices = pending
@@ -519,5 +540,4 @@ def make_exchange(name, codec, numel, world_size, meter, count, server=None, fus
 
 def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step):
     """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``."""
-    return SPARSE_EXCHANGES[name](codec, plan.numel, world_size, meter, count, memory, plan,
-                                  step)
+    return SPARSE_EXCHANGES[name](codec, plan.numel, world_size, meter, count, memory, plan, step)

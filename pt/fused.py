@@ -12,6 +12,7 @@ rounding of it, so its float32 scales very rarely differ in the last bit).
 ``HVD_COMPRESS_KERNELS=0`` in the environment keeps the eager calls everywhere, to compare
 the two.
 """
+
 import functools
 import importlib.util
 import os
@@ -24,8 +25,10 @@ from hvd_compress.seeding import key_words
 
 from .blocksign import BlockSign
 
-ENABLED = importlib.util.find_spec("numba") is not None and \
-    os.environ.get("HVD_COMPRESS_KERNELS", "1") != "0"
+ENABLED = (
+    importlib.util.find_spec("numba") is not None
+    and os.environ.get("HVD_COMPRESS_KERNELS", "1") != "0"
+)
 
 # "No residual" for kernels that take an array.
 _NONE = torch.empty(0).numpy()
@@ -39,6 +42,7 @@ def _kernels():
     """``hvd_compress.kernels``, imported when first needed: numba's import takes 0.25 s
     that a process without work for the kernels need not spend."""
     from hvd_compress import kernels
+
     return kernels
 
 
@@ -46,16 +50,21 @@ def applies(codec, tensor):
     """Whether ``codec``'s work on tensors like ``tensor`` goes through the kernels: CPU
     float32 tensors of ``BlockSign``, ``TernGrad`` and the QSGD family's fixed width (by
     name: the codec modules call this module)."""
-    return ENABLED and tensor.device.type == "cpu" and tensor.dtype == torch.float32 and (
-        isinstance(codec, BlockSign) or codec.name in _QUANTIZERS and codec.wire == "fixed")
+    return (
+        ENABLED
+        and tensor.device.type == "cpu"
+        and tensor.dtype == torch.float32
+        and (isinstance(codec, BlockSign) or codec.name in _QUANTIZERS and codec.wire == "fixed")
+    )
 
 
 def momentum(grad, buffer, mu, nesterov):
     """``WorkerMomentum``'s m = mu m + g and u = g + mu m (or m) in one pass over a
     contiguous ``grad``, which becomes u; returns the new m."""
     out = torch.empty_like(grad)
-    _kernels().momentum(grad.view(-1).numpy(), buffer.reshape(-1).numpy(), mu, nesterov,
-                        out.view(-1).numpy())
+    _kernels().momentum(
+        grad.view(-1).numpy(), buffer.reshape(-1).numpy(), mu, nesterov, out.view(-1).numpy()
+    )
     return out
 
 
@@ -72,13 +81,25 @@ def compensated_scale(codec, vector, residual, ratio, momentum=None):
         return vector, local_scale(codec, vector)
     sums = torch.empty(codec.buckets(numel) if blocks else 1, dtype=torch.float64)
     p = vector if residual is None and momentum is None else torch.empty_like(vector)
-    accelerate = (_NONE, 0.0, False, _NONE) if momentum is None else \
-        (momentum.buffer.reshape(-1).numpy(), momentum.mu, momentum.nesterov,
-         momentum.out.view(-1).numpy())
-    _kernels().compensated_block_l1(vector.detach().numpy(), *accelerate,
-                                    _NONE if residual is None else residual.numpy(), ratio,
-                                    codec.bucket_length(numel) if blocks else max(numel, 1),
-                                    p.detach().numpy(), sums.numpy())
+    accelerate = (
+        (_NONE, 0.0, False, _NONE)
+        if momentum is None
+        else (
+            momentum.buffer.reshape(-1).numpy(),
+            momentum.mu,
+            momentum.nesterov,
+            momentum.out.view(-1).numpy(),
+        )
+    )
+    _kernels().compensated_block_l1(
+        vector.detach().numpy(),
+        *accelerate,
+        _NONE if residual is None else residual.numpy(),
+        ratio,
+        codec.bucket_length(numel) if blocks else max(numel, 1),
+        p.detach().numpy(),
+        sums.numpy(),
+    )
     return p, codec.scale_from_sums(sums, numel) if blocks else local_scale(codec, p)
 
 
@@ -87,9 +108,13 @@ def signs_with_feedback(codec, p, scale):
     ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
     packed = torch.empty(-(-p.numel() // 8), dtype=torch.uint8)
     residual = torch.empty_like(p)
-    _kernels().signs_with_feedback(p.detach().numpy(), scale.numpy(),
-                                   codec.bucket_length(p.numel()), packed.numpy(),
-                                   residual.numpy())
+    _kernels().signs_with_feedback(
+        p.detach().numpy(),
+        scale.numpy(),
+        codec.bucket_length(p.numel()),
+        packed.numpy(),
+        residual.numpy(),
+    )
     return packed, residual
 
 
@@ -101,9 +126,16 @@ def server_step(server, codec, bits, scales, count, numel):
     p = torch.empty(numel, dtype=torch.float32)
     sums = torch.empty(codec.buckets(numel), dtype=torch.float64)
     previous = server.memory.residuals.get(server.key)
-    _kernels().averaged_block_l1(bits.numpy(), scales.contiguous().numpy(), count,
-                                 _NONE if previous is None else previous.numpy(), server.ratio,
-                                 codec.bucket_length(numel), p.numpy(), sums.numpy())
+    _kernels().averaged_block_l1(
+        bits.numpy(),
+        scales.contiguous().numpy(),
+        count,
+        _NONE if previous is None else previous.numpy(),
+        server.ratio,
+        codec.bucket_length(numel),
+        p.numpy(),
+        sums.numpy(),
+    )
     scale = codec.scale_from_sums(sums, numel)
     packed, residual = signs_with_feedback(codec, p, scale)
     server.memory.propose(server.key, residual)
@@ -158,11 +190,12 @@ def _levels(codec):
 def _divisor(codec, count):
     """The divisor of ``codec.decode(total, scale, count)``."""
     levels, exponent = _levels(codec)
-    return (levels or 2 ** exponent) * count
+    return (levels or 2**exponent) * count
 
 
-def encode(codec, exchange, p: torch.Tensor, scale: torch.Tensor, key: int,
-           feedback: bool) -> tuple:
+def encode(
+    codec, exchange, p: torch.Tensor, scale: torch.Tensor, key: int, feedback: bool
+) -> tuple:
     """``codec.encode`` of p under ``scale`` with the draws of stream ``key``
     (``seeding.uniforms``), written as ``exchange`` sends it (its ``payload``: packed
     codes, or values in the allreduce's carrier), and with ``feedback`` the residual
@@ -176,18 +209,28 @@ def encode(codec, exchange, p: torch.Tensor, scale: torch.Tensor, key: int,
     packed = payload.dtype == torch.uint8
     if packed:
         # Past the tensor's codes: the code 0 in every field (the sharded exchange's padding).
-        payload[space.packed_nbytes(p.numel()):] = sum(
-            space.bound << (space.width * t) for t in range(space.codes_per_byte))
+        payload[space.packed_nbytes(p.numel()) :] = sum(
+            space.bound << (space.width * t) for t in range(space.codes_per_byte)
+        )
     # numba has no float16: values for a float16 carrier are converted after the kernel.
-    values = torch.empty(0 if packed else p.numel(),
-                         dtype=torch.int32 if payload.dtype == torch.float16 else payload.dtype)
+    values = torch.empty(
+        0 if packed else p.numel(),
+        dtype=torch.int32 if payload.dtype == torch.float16 else payload.dtype,
+    )
     levels, exponent = _levels(codec)
     _kernels().quantized(
-        p.detach().numpy(), scale.reshape(-1).contiguous().numpy(),
-        codec.bucket_length(p.numel()), levels, exponent,
-        *(np.uint32(word) for word in key_words(key)), space.bound, space.width, values.numpy(),
+        p.detach().numpy(),
+        scale.reshape(-1).contiguous().numpy(),
+        codec.bucket_length(p.numel()),
+        levels,
+        exponent,
+        *(np.uint32(word) for word in key_words(key)),
+        space.bound,
+        space.width,
+        values.numpy(),
         payload.numpy() if packed else _NONE.view(np.uint8),
-        _NONE if residual is None else residual.numpy())
+        _NONE if residual is None else residual.numpy(),
+    )
     if not packed:
         payload = values if values.dtype == payload.dtype else values.to(payload.dtype)
     return payload, residual
@@ -197,14 +240,14 @@ def encode(codec, exchange, p: torch.Tensor, scale: torch.Tensor, key: int,
 def _table(codec, space):
     """Row ``byte``: the values of the fields of ``byte`` in ``space`` (of at most 8 bits):
     ``codec.values`` of codes, or with no codec the fields less the bound (sums)."""
-    fields = np.arange(2 ** space.width) - space.bound
+    fields = np.arange(2**space.width) - space.bound
     if codec is not None:
-        fields = codec.values(torch.from_numpy(fields.clip(-space.bound, space.bound))
-                              .to(torch.int32)).numpy()
+        fields = codec.values(
+            torch.from_numpy(fields.clip(-space.bound, space.bound)).to(torch.int32)
+        ).numpy()
     per = space.codes_per_byte
     shifts = space.width * np.arange(per)
-    return fields[(np.arange(256)[:, None] >> shifts) & (2 ** space.width - 1)] \
-        .astype(np.int32)
+    return fields[(np.arange(256)[:, None] >> shifts) & (2**space.width - 1)].astype(np.int32)
 
 
 def _rows(codec, space, rows):
@@ -218,9 +261,13 @@ def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) 
     out = torch.empty(total.shape, dtype=torch.float32)
     if total.dtype == torch.float16:  # exact integers: numba has no float16
         total = total.to(torch.float32)
-    _kernels().decoded_totals(total.numpy(), scale.reshape(-1).contiguous().numpy(),
-                              codec.bucket_length(total.numel()), _divisor(codec, count),
-                              out.numpy())
+    _kernels().decoded_totals(
+        total.numpy(),
+        scale.reshape(-1).contiguous().numpy(),
+        codec.bucket_length(total.numel()),
+        _divisor(codec, count),
+        out.numpy(),
+    )
     return out
 
 
@@ -228,39 +275,65 @@ def summed_codes(codec, rows: torch.Tensor, length: int, total_space: IntCodes) 
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
     every row, summed over the rows and packed in ``total_space``."""
     out = torch.empty(total_space.packed_nbytes(length), dtype=torch.uint8)
-    _kernels().summed_codes(*_rows(codec, codec.code_space, rows), length,
-                            total_space.bound, total_space.width, out.numpy())
+    _kernels().summed_codes(
+        *_rows(codec, codec.code_space, rows),
+        length,
+        total_space.bound,
+        total_space.width,
+        out.numpy(),
+    )
     return out
 
 
-def decoded_sums(codec, rows: torch.Tensor, scale: torch.Tensor, count: int,
-                 numel: int) -> torch.Tensor:
+def decoded_sums(
+    codec, rows: torch.Tensor, scale: torch.Tensor, count: int, numel: int
+) -> torch.Tensor:
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
     out = torch.empty(numel, dtype=torch.float32)
-    _kernels().decoded_sums(*_rows(codec, codec.code_space, rows),
-                            scale.reshape(-1).contiguous().numpy(),
-                            codec.bucket_length(numel), _divisor(codec, count), out.numpy())
+    _kernels().decoded_sums(
+        *_rows(codec, codec.code_space, rows),
+        scale.reshape(-1).contiguous().numpy(),
+        codec.bucket_length(numel),
+        _divisor(codec, count),
+        out.numpy(),
+    )
     return out
 
 
-def decoded_own_scales(codec, rows: torch.Tensor, scales: torch.Tensor, count: int,
-                       numel: int) -> torch.Tensor:
+def decoded_own_scales(
+    codec, rows: torch.Tensor, scales: torch.Tensor, count: int, numel: int
+) -> torch.Tensor:
     """The allgather's sum over the rows of ``codec.decode`` of their values, each row
     under its own scales (row of ``scales``)."""
     out = torch.empty(numel, dtype=torch.float32)
-    _kernels().decoded_own_scales(*_rows(codec, codec.code_space, rows),
-                                  scales.contiguous().numpy(), codec.bucket_length(numel),
-                                  _divisor(codec, count), out.numpy())
+    _kernels().decoded_own_scales(
+        *_rows(codec, codec.code_space, rows),
+        scales.contiguous().numpy(),
+        codec.bucket_length(numel),
+        _divisor(codec, count),
+        out.numpy(),
+    )
     return out
 
 
-def decoded_segments(codec, rows: torch.Tensor, total_space: IntCodes, length: int,
-                     scale: torch.Tensor, count: int, numel: int) -> torch.Tensor:
+def decoded_segments(
+    codec,
+    rows: torch.Tensor,
+    total_space: IntCodes,
+    length: int,
+    scale: torch.Tensor,
+    count: int,
+    numel: int,
+) -> torch.Tensor:
     """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
     elements r length .. (r + 1) length - 1, packed in ``total_space``."""
     out = torch.empty(numel, dtype=torch.float32)
-    _kernels().decoded_segments(*_rows(None, total_space, rows), length,
-                                scale.reshape(-1).contiguous().numpy(),
-                                codec.bucket_length(numel), _divisor(codec, count),
-                                out.numpy())
+    _kernels().decoded_segments(
+        *_rows(None, total_space, rows),
+        length,
+        scale.reshape(-1).contiguous().numpy(),
+        codec.bucket_length(numel),
+        _divisor(codec, count),
+        out.numpy(),
+    )
     return out

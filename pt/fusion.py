@@ -1,4 +1,5 @@
 """One alltoall for the rows of several sharded exchanges (``hvd_compress.fusion``)."""
+
 import horovod.torch as hvd
 import torch
 

@@ -18,6 +18,7 @@ local step. Iteration 0's average is the ``hvd.broadcast_parameters`` that every
 program starts with, so T calls of ``step()`` make floor(T / I) averaging rounds, and after
 any multiple of I steps all ranks hold the same parameters.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,8 @@ class _LocalClipSGD:
         self._hvdc_meter = Meter()
         self._hvdc_steps = 0
         self._hvdc_average_grad_norm = None  # ||g_bar|| ("global_average", "max")
-        self.syncs = 0              # averaging rounds made by this process
-        self.last_step_bytes = 0    # bytes handed to Horovod by the last step()
+        self.syncs = 0  # averaging rounds made by this process
+        self.last_step_bytes = 0  # bytes handed to Horovod by the last step()
 
     @property
     def local_steps(self):
@@ -100,11 +101,13 @@ class _LocalClipSGD:
     def _hvdc_averaged_gradient_norm(self):
         """||g_bar||, the norm of the average of all workers' gradients (one more allreduce)."""
         # Every rank must hand over the same tensors, also for parameters without a gradient.
-        grads = [self._hvdc_meter.hand(allreducible(torch.zeros_like(p) if p.grad is None
-                                                    else p.grad))
-                 for _, p in self._hvdc_named]
-        averaged = wait(hvd.grouped_allreduce_async(grads, op=hvd.Average,
-                                                    name="hvdc.local_sgd.gradients"))
+        grads = [
+            self._hvdc_meter.hand(allreducible(torch.zeros_like(p) if p.grad is None else p.grad))
+            for _, p in self._hvdc_named
+        ]
+        averaged = wait(
+            hvd.grouped_allreduce_async(grads, op=hvd.Average, name="hvdc.local_sgd.gradients")
+        )
         return float(torch.nn.utils.get_total_norm(averaged))
 
     @contextlib.contextmanager
@@ -128,13 +131,18 @@ class _LocalClipSGD:
         """One averaging round: the parameters by one grouped allreduce (or the codec), the
         floating-point buffers by another."""
         if self._hvdc_pipeline is None:
-            grouped_allreduce_in_place([p.detach() for _, p in self._hvdc_named], hvd.Average,
-                                       "hvdc.local_sgd.parameters", self._hvdc_meter)
+            grouped_allreduce_in_place(
+                [p.detach() for _, p in self._hvdc_named],
+                hvd.Average,
+                "hvdc.local_sgd.parameters",
+                self._hvdc_meter,
+            )
         else:
             self._hvdc_exchange_moves()
         if self._hvdc_buffers:
-            grouped_allreduce_in_place(self._hvdc_buffers, hvd.Average,
-                                       "hvdc.local_sgd.buffers", self._hvdc_meter)
+            grouped_allreduce_in_place(
+                self._hvdc_buffers, hvd.Average, "hvdc.local_sgd.buffers", self._hvdc_meter
+            )
         self.syncs += 1
 
     def _hvdc_exchange_moves(self):
@@ -158,8 +166,7 @@ class _LocalClipSGD:
 
     def state_dict(self):
         state = self._hvdc_base.state_dict(self)
-        ours = {"local_steps": self._hvdc_steps,
-                "average_grad_norm": self._hvdc_average_grad_norm}
+        ours = {"local_steps": self._hvdc_steps, "average_grad_norm": self._hvdc_average_grad_norm}
         if self._hvdc_pipeline is not None:
             ours["anchors"] = {name: a.clone() for name, a in self._hvdc_anchors.items()}
             ours["pipeline"] = self._hvdc_pipeline.state_dict()
@@ -175,19 +182,24 @@ class _LocalClipSGD:
         self._hvdc_steps = int(ours["local_steps"])
         self._hvdc_average_grad_norm = ours["average_grad_norm"]
         if self._hvdc_pipeline is not None:
-            self._hvdc_anchors = {name: a.clone() for name, a in
-                                  self._hvdc_pipeline.placed(ours["anchors"]).items()}
+            self._hvdc_anchors = {
+                name: a.clone() for name, a in self._hvdc_pipeline.placed(ours["anchors"]).items()
+            }
             self._hvdc_pipeline.load_state_dict(ours["pipeline"])
 
     def compression_stats(self):
         """What the last step handed to Horovod, and how each tensor travels at a round."""
         pipeline = self._hvdc_pipeline
         if pipeline is None:
-            tensors = [(name, p.numel(), "grouped allreduce", "parameters averaged whole")
-                       for name, p in self._hvdc_named]
+            tensors = [
+                (name, p.numel(), "grouped allreduce", "parameters averaged whole")
+                for name, p in self._hvdc_named
+            ]
         else:
-            tensors = [(plan.name, plan.numel, plan.exchange, plan.reason)
-                       for plan in pipeline.plans.values()]
+            tensors = [
+                (plan.name, plan.numel, plan.exchange, plan.reason)
+                for plan in pipeline.plans.values()
+            ]
         return {
             "codec": repr(self._hvdc_codec),
             "step": self._hvdc_steps,
@@ -199,9 +211,17 @@ class _LocalClipSGD:
         }
 
 
-def LocalClipSGD(optimizer: torch.optim.SGD, model: torch.nn.Module, *, clip: float,
-                 sync_every: int = 8, clipping: str = "local", average_buffers: bool = True,
-                 compression: Compression = "none", seed: int = 0) -> torch.optim.SGD:
+def LocalClipSGD(
+    optimizer: torch.optim.SGD,
+    model: torch.nn.Module,
+    *,
+    clip: float,
+    sync_every: int = 8,
+    clipping: str = "local",
+    average_buffers: bool = True,
+    compression: Compression = "none",
+    seed: int = 0,
+) -> torch.optim.SGD:
     """Wraps a ``torch.optim.SGD`` so that every Horovod rank trains locally with clipped
     steps and the ranks average their models every ``sync_every`` steps (CELGC).
 
@@ -263,34 +283,41 @@ def LocalClipSGD(optimizer: torch.optim.SGD, model: torch.nn.Module, *, clip: fl
     """
     owner = "LocalClipSGD"
     if not isinstance(optimizer, torch.optim.SGD):
-        raise TypeError(f"{owner}: optimizer must be a torch.optim.SGD (CELGC clips SGD "
-                        f"steps), got {type(optimizer).__name__}")
+        raise TypeError(
+            f"{owner}: optimizer must be a torch.optim.SGD (CELGC clips SGD "
+            f"steps), got {type(optimizer).__name__}"
+        )
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{owner}: model must be the torch.nn.Module whose parameters the "
-                        f"optimizer trains, got {type(model).__name__}")
+        raise TypeError(
+            f"{owner}: model must be the torch.nn.Module whose parameters the "
+            f"optimizer trains, got {type(model).__name__}"
+        )
     clip = check_float(owner, "clip", clip)
     if clip <= 0:
         raise ValueError(f"{owner}: clip (gamma) must be > 0, got {clip!r}")
     sync_every = check_int(owner, "sync_every", sync_every, low=1)
     check_choice(owner, "clipping", clipping, CLIPPINGS)
     if not isinstance(average_buffers, bool):
-        raise TypeError(f"{owner}: average_buffers must be True or False, got "
-                        f"{average_buffers!r}")
+        raise TypeError(f"{owner}: average_buffers must be True or False, got {average_buffers!r}")
     codec = resolve(compression, CODECS)
     seed = check_int(owner, "seed", seed, low=0)
     for index, group in enumerate(optimizer.param_groups):
         if not group["lr"] > 0:
-            raise ValueError(f"{owner}: the learning rate of parameter group {index} must be "
-                             f"> 0 (the clip threshold is gamma / eta_0), got {group['lr']!r}")
+            raise ValueError(
+                f"{owner}: the learning rate of parameter group {index} must be "
+                f"> 0 (the clip threshold is gamma / eta_0), got {group['lr']!r}"
+            )
 
     named = _named_parameters(optimizer, model.named_parameters())
-    buffers = [b for _, b in model.named_buffers() if b.is_floating_point()] \
-        if average_buffers else []
+    buffers = (
+        [b for _, b in model.named_buffers() if b.is_floating_point()] if average_buffers else []
+    )
     pipeline = None
     if codec.code_space is not None:
         whole = set() if codec.compress_classifier else _classifier_names(named)
-        pipeline = CompressionPipeline(named, codec, seed=seed, uncompressed=whole,
-                                       error_feedback=True)
+        pipeline = CompressionPipeline(
+            named, codec, seed=seed, uncompressed=whole, error_feedback=True
+        )
     for group in optimizer.param_groups:
         group[MAX_GRAD_NORM] = clip / group["lr"]
     wrapped = wrap_in_subclass(optimizer, _LocalClipSGD)

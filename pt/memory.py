@@ -37,8 +37,9 @@ class ErrorFeedback:
         residual = compensated - sent
         if beta != 1.0:
             previous = self.residuals.get(name)
-            residual = residual * beta if previous is None else \
-                previous * (1.0 - beta) + residual * beta
+            residual = (
+                residual * beta if previous is None else previous * (1.0 - beta) + residual * beta
+            )
         self.propose(name, residual)
 
     def flush(self, name, vector, ratio=1.0):

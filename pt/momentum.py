@@ -12,6 +12,7 @@ Weight decay stays out of compression, with its own momentum buffer w, and the b
 runs with momentum and weight decay switched off, so nothing is applied twice. Learning-rate
 changes from any scheduler are seen through the parameter groups.
 """
+
 import contextlib
 import dataclasses
 
@@ -25,6 +26,7 @@ class WorkerMomentum:
     class Deferred:
         """One gradient's momentum step, left to the pipeline's fused compensation
         (``fused.compensated_scale``), which writes the new m into ``out``."""
+
         buffer: torch.Tensor  # m
         mu: float
         nesterov: bool
@@ -35,10 +37,11 @@ class WorkerMomentum:
         self.pipeline = pipeline
         # Group positions, not the group dicts: load_state_dict replaces the dicts, and the
         # learning rate must be read from the live ones that schedulers set.
-        self.group_index = {p: i for i, group in enumerate(optimizer.param_groups)
-                            for p in group["params"]}
-        self.momentum = {}      # name -> m
-        self.decay = {}         # name -> w, the weight-decay momentum
+        self.group_index = {
+            p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"]
+        }
+        self.momentum = {}  # name -> m
+        self.decay = {}  # name -> w, the weight-decay momentum
         self.learning_rate = {}  # name -> eta of the last exchange
         # name -> (m, eta) of the step in flight, kept by ``commit`` only if the step's
         # gradients are finite everywhere (the pipeline decides, like its residuals).
@@ -48,8 +51,9 @@ class WorkerMomentum:
     @staticmethod
     def check(optimizer):
         if not isinstance(optimizer, torch.optim.SGD):
-            raise TypeError(f"worker_momentum needs a torch.optim.SGD, got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"worker_momentum needs a torch.optim.SGD, got {type(optimizer).__name__}"
+            )
         for group in optimizer.param_groups:
             if group.get("dampening", 0) != 0:
                 raise ValueError("worker_momentum needs SGD with dampening=0")
@@ -72,8 +76,11 @@ class WorkerMomentum:
             if buffer is not None and defer:
                 deferred = self.Deferred(buffer, mu, group["nesterov"], torch.empty_like(grad))
                 buffer = deferred.out
-            elif buffer is not None and grad.is_contiguous() and \
-                    fused.applies(self.pipeline.codec, grad):
+            elif (
+                buffer is not None
+                and grad.is_contiguous()
+                and fused.applies(self.pipeline.codec, grad)
+            ):
                 buffer = fused.momentum(grad, buffer, mu, group["nesterov"])
             else:
                 buffer = grad.clone() if buffer is None else torch.add(grad, buffer, alpha=mu)
@@ -126,9 +133,11 @@ class WorkerMomentum:
                 group.update(momentum=mu, weight_decay=decay, nesterov=nesterov)
 
     def state_dict(self):
-        return {"momentum": {k: v.clone() for k, v in self.momentum.items()},
-                "decay": {k: v.clone() for k, v in self.decay.items()},
-                "learning_rate": dict(self.learning_rate)}
+        return {
+            "momentum": {k: v.clone() for k, v in self.momentum.items()},
+            "decay": {k: v.clone() for k, v in self.decay.items()},
+            "learning_rate": dict(self.learning_rate),
+        }
 
     def load_state_dict(self, state):
         self.momentum = {k: v.clone() for k, v in self.pipeline.placed(state["momentum"]).items()}

@@ -1,5 +1,6 @@
 """``DistributedOptimizer``: a drop-in for ``horovod.torch.DistributedOptimizer`` that
 compresses gradients with any codec of ``hvd_compress``."""
+
 from __future__ import annotations
 
 import contextlib
@@ -33,32 +34,38 @@ class _DistributedOptimizer:
     ``DistributedOptimizer``); the base class is called explicitly, never through ``super``,
     because these functions are copied into a class built at run time."""
 
-    def _hvdc_setup(self, base, pipeline, backward_passes_per_step, worker_momentum,
-                    sparse_as_dense):
+    def _hvdc_setup(
+        self, base, pipeline, backward_passes_per_step, worker_momentum, sparse_as_dense
+    ):
         self._hvdc_base = base
         self._hvdc_pipeline = pipeline
         # Horovod's optimizer keeps {parameter: name} under this private name, sorted by name,
         # and code written against it reads it.
-        self._parameter_names = {p: plan.name for p, plan in
-                                 sorted(pipeline.plans.items(), key=lambda item: item[1].name)}
+        self._parameter_names = {
+            p: plan.name
+            for p, plan in sorted(pipeline.plans.items(), key=lambda item: item[1].name)
+        }
         self._hvdc_sparse_as_dense = sparse_as_dense
         self._hvdc_densified = {}  # parameter -> sparse_dim of the gradient it densified
-        self._hvdc_momentum = WorkerMomentum(self, pipeline) \
-            if worker_momentum else None
+        self._hvdc_momentum = WorkerMomentum(self, pipeline) if worker_momentum else None
         self._hvdc_passes = backward_passes_per_step
         self._hvdc_delay = {p: backward_passes_per_step for p in pipeline.plans}
         self._hvdc_launched = set()
         self._hvdc_synchronized = False
         self._hvdc_should_synchronize = True
-        self._hvdc_hooks = [p.register_post_accumulate_grad_hook(self._hvdc_on_grad)
-                            for p in pipeline.plans if p.requires_grad]
+        self._hvdc_hooks = [
+            p.register_post_accumulate_grad_hook(self._hvdc_on_grad)
+            for p in pipeline.plans
+            if p.requires_grad
+        ]
 
     def _hvdc_on_grad(self, param):
         if param in self._hvdc_launched:
             raise RuntimeError(
                 f"gradients were computed more than backward_passes_per_step="
                 f"{self._hvdc_passes} times before step() or synchronize(); raise "
-                f"backward_passes_per_step to accumulate more passes")
+                f"backward_passes_per_step to accumulate more passes"
+            )
         self._hvdc_delay[param] -= 1
         if self._hvdc_delay[param] == 0:
             self._hvdc_launched.add(param)
@@ -66,7 +73,8 @@ class _DistributedOptimizer:
             ratio, momentum = 1.0, None
             if self._hvdc_momentum is not None:
                 ratio, momentum = self._hvdc_momentum.before_exchange(
-                    param, defer=self._hvdc_pipeline.fuses(param))
+                    param, defer=self._hvdc_pipeline.fuses(param)
+                )
             self._hvdc_pipeline.launch(param, ratio, momentum)
 
     def _hvdc_densify(self, param):
@@ -84,8 +92,9 @@ class _DistributedOptimizer:
         """Waits for every gradient exchange of this step and writes the averaged
         gradients into ``.grad``. Call it before gradient clipping, then ``step()`` inside
         ``skip_synchronize()``."""
-        missing = [p for p in self._hvdc_pipeline.plans
-                   if p.requires_grad and p not in self._hvdc_launched]
+        missing = [
+            p for p in self._hvdc_pipeline.plans if p.requires_grad and p not in self._hvdc_launched
+        ]
         for param in missing:
             self._hvdc_densify(param)
         self._hvdc_pipeline.synchronize(missing)
@@ -108,9 +117,11 @@ class _DistributedOptimizer:
     def step(self, closure=None):
         if self._hvdc_should_synchronize:
             if self._hvdc_synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
-                              "after optimizer.synchronize(): this synchronizes twice and "
-                              "exchanges already averaged gradients again.")
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() "
+                    "after optimizer.synchronize(): this synchronizes twice and "
+                    "exchanges already averaged gradients again."
+                )
             self.synchronize()
         self._hvdc_synchronized = False
         if self._hvdc_momentum is None:
@@ -123,7 +134,8 @@ class _DistributedOptimizer:
             raise RuntimeError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): the gradients being exchanged "
-                "would be overwritten. Call zero_grad() before backward() or after step().")
+                "would be overwritten. Call zero_grad() before backward() or after step()."
+            )
         return self._hvdc_base.zero_grad(self, set_to_none)
 
     def state_dict(self):
@@ -158,8 +170,9 @@ class _DistributedOptimizer:
             "bytes_handed": sent,
             "bytes_uncompressed": uncompressed,
             "compression_ratio": uncompressed / sent if sent else float("nan"),
-            "tensors": [(plan.name, plan.numel, plan.route, plan.reason)
-                        for plan in pipeline.plans.values()],
+            "tensors": [
+                (plan.name, plan.numel, plan.route, plan.reason) for plan in pipeline.plans.values()
+            ],
             "layers": pipeline.layer_stats(),
         }
         if pipeline.planner is not None:
@@ -167,16 +180,25 @@ class _DistributedOptimizer:
         return stats
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer,
-                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                         compression: Compression = "none", backward_passes_per_step: int = 1,
-                         op: int = hvd.Average, gradient_predivide_factor: float = 1.0,
-                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: hvd.ProcessSet = hvd.global_process_set, *,
-                         exchange: str = "auto", seed: int = 0,
-                         uncompressed: Iterable[str] = (), error_feedback: bool | None = None,
-                         worker_momentum: bool | None = None,
-                         adaptive: bool | Adaptive = False) -> torch.optim.Optimizer:
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    compression: Compression = "none",
+    backward_passes_per_step: int = 1,
+    op: int = hvd.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: hvd.ProcessSet = hvd.global_process_set,
+    *,
+    exchange: str = "auto",
+    seed: int = 0,
+    uncompressed: Iterable[str] = (),
+    error_feedback: bool | None = None,
+    worker_momentum: bool | None = None,
+    adaptive: bool | Adaptive = False,
+) -> torch.optim.Optimizer:
     """Wraps a ``torch.optim.Optimizer`` so that gradients are compressed, exchanged across
     all Horovod ranks and averaged before every ``step()``.
 
@@ -232,16 +254,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             only. Default False: every compressible tensor by the codec.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     codec = resolve(compression, CODECS)
-    passes = check_int("DistributedOptimizer", "backward_passes_per_step",
-                       backward_passes_per_step, low=1)
+    passes = check_int(
+        "DistributedOptimizer", "backward_passes_per_step", backward_passes_per_step, low=1
+    )
     if op not in (hvd.Average, hvd.Sum):
-        raise ValueError("DistributedOptimizer: op must be hvd.Average or hvd.Sum (Adasum "
-                         "does not compose with compressed codes)")
-    predivide = check_float("DistributedOptimizer", "gradient_predivide_factor",
-                            gradient_predivide_factor, low=0.0)
+        raise ValueError(
+            "DistributedOptimizer: op must be hvd.Average or hvd.Sum (Adasum "
+            "does not compose with compressed codes)"
+        )
+    predivide = check_float(
+        "DistributedOptimizer", "gradient_predivide_factor", gradient_predivide_factor, low=0.0
+    )
     if predivide == 0:
         raise ValueError("DistributedOptimizer: gradient_predivide_factor must be > 0")
     if predivide != 1.0 and op != hvd.Average:
@@ -250,16 +277,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if process_set is not hvd.global_process_set:
         raise ValueError("DistributedOptimizer: only hvd.global_process_set is supported")
     check_choice("DistributedOptimizer", "exchange", exchange, ("auto",) + EXCHANGES)
-    if exchange != "auto" and codec.code_space is not None and \
-            exchange not in exchanges_for(codec):
-        raise ValueError(f"DistributedOptimizer: {codec.name} codes cannot travel by "
-                         f"exchange={exchange!r}; they can by {exchanges_for(codec)} or 'auto'")
+    if exchange != "auto" and codec.code_space is not None and exchange not in exchanges_for(codec):
+        raise ValueError(
+            f"DistributedOptimizer: {codec.name} codes cannot travel by "
+            f"exchange={exchange!r}; they can by {exchanges_for(codec)} or 'auto'"
+        )
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
     adaptive = Adaptive.of(adaptive)
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)
     if worker_momentum is None:
-        worker_momentum = codec.two_way and isinstance(optimizer, torch.optim.SGD) and \
-            any(group["momentum"] > 0 for group in optimizer.param_groups)
+        worker_momentum = (
+            codec.two_way
+            and isinstance(optimizer, torch.optim.SGD)
+            and any(group["momentum"] > 0 for group in optimizer.param_groups)
+        )
     if worker_momentum:
         WorkerMomentum.check(optimizer)
 
@@ -267,23 +298,34 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     whole = set(uncompressed)
     unknown = whole - {name for name, _ in named}
     if unknown:
-        raise ValueError(f"DistributedOptimizer: uncompressed names unknown parameters: "
-                         f"{sorted(unknown)}")
+        raise ValueError(
+            f"DistributedOptimizer: uncompressed names unknown parameters: {sorted(unknown)}"
+        )
     if adaptive is not None:
         unpinnable = set(adaptive.pin) - {name for name, _ in named}
         if unpinnable:
-            raise ValueError(f"DistributedOptimizer: adaptive pins unknown parameters: "
-                             f"{sorted(unpinnable)}")
+            raise ValueError(
+                f"DistributedOptimizer: adaptive pins unknown parameters: {sorted(unpinnable)}"
+            )
     if not codec.compress_classifier:
         whole |= _classifier_names(named)
     pipeline = CompressionPipeline(
-        named, codec, exchange=exchange, average=op == hvd.Average, seed=seed,
-        uncompressed=whole, prescale_factor=1.0 / predivide, postscale_factor=predivide,
-        error_feedback=error_feedback, adaptive=adaptive)
+        named,
+        codec,
+        exchange=exchange,
+        average=op == hvd.Average,
+        seed=seed,
+        uncompressed=whole,
+        prescale_factor=1.0 / predivide,
+        postscale_factor=predivide,
+        error_feedback=error_feedback,
+        adaptive=adaptive,
+    )
 
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, local_step=_local_step)
-    wrapped._hvdc_setup(optimizer.__class__, pipeline, passes, bool(worker_momentum),
-                        bool(sparse_as_dense))
+    wrapped._hvdc_setup(
+        optimizer.__class__, pipeline, passes, bool(worker_momentum), bool(sparse_as_dense)
+    )
     return wrapped
 
 
@@ -313,8 +355,11 @@ def wrap_in_subclass(optimizer, methods, local_step=None):
     # (super(type(opt), opt).step()); any other module gets a full step(), which would
     # start collectives on only the ranks whose state is empty and hang.
     methods["__module__"] = horovod_optimizer.DistributedOptimizer.__module__
-    parent = base if local_step is None else \
-        type(base.__name__, (base,), {"step": local_step, "__module__": __name__})
+    parent = (
+        base
+        if local_step is None
+        else type(base.__name__, (base,), {"step": local_step, "__module__": __name__})
+    )
     cls = type(base.__name__, (parent,), methods)
     wrapped = cls.__new__(cls)
     # Share the state, parameter groups and hooks of the given optimizer, but not
@@ -327,12 +372,17 @@ def _named_parameters(optimizer, named_parameters):
     """(name, parameter) pairs for every parameter of the optimizer, checked like Horovod."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(optimizer.param_groups)
-                for j, p in enumerate(group["params"])]
+        return [
+            (f"allreduce.noname.{i}.{j}", p)
+            for i, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+        ]
     named = list(named_parameters)
     if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                         "pairs, usually model.named_parameters()")
+        raise ValueError(
+            "named_parameters should be a sequence of (name, parameter) "
+            "pairs, usually model.named_parameters()"
+        )
     names = [name for name, _ in named]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -340,8 +390,10 @@ def _named_parameters(optimizer, named_parameters):
     by_id = {id(p): name for name, p in named}
     unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
     if unnamed:
-        raise ValueError(f"named_parameters lacks {len(unnamed)} of the optimizer's "
-                         f"parameters (positions {unnamed[:10]} in its param_groups)")
+        raise ValueError(
+            f"named_parameters lacks {len(unnamed)} of the optimizer's "
+            f"parameters (positions {unnamed[:10]} in its param_groups)"
+        )
     return [(by_id[id(p)], p) for p in params]
 
 

@@ -3,6 +3,7 @@
 Only shifts, masks, sums, products and table lookups of integer tensors, and views of
 their bytes: the same code runs on CPU and CUDA tensors.
 """
+
 import functools
 
 import torch
@@ -180,7 +181,7 @@ def _pack_bits(unsigned, width):
 
 def _unpack_bits(packed, width, numel):
     bits = (packed.to(torch.int64).unsqueeze(-1) >> _bit_shifts(8, packed.device)) & 1
-    bits = bits.reshape(*packed.shape[:-1], -1)[..., :numel * width]
+    bits = bits.reshape(*packed.shape[:-1], -1)[..., : numel * width]
     fields = bits.reshape(*packed.shape[:-1], numel, width)
     return (fields << _bit_shifts(width, packed.device)).sum(dim=-1)
 

@@ -5,6 +5,7 @@ produced it and the moment the wrapped optimizer reads it back. It is kept apart
 optimizer class so that every wrapper (the optimizer, a local-SGD averager, tests) drives the
 same code.
 """
+
 import collections
 import contextlib
 import dataclasses
@@ -37,11 +38,12 @@ from .memory import ErrorFeedback
 @dataclasses.dataclass
 class TensorPlan:
     """How one parameter's gradient travels; fixed at construction."""
+
     name: str
     index: int
     numel: int
     exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
-    reason: str    # why it is, or is not, compressed
+    reason: str  # why it is, or is not, compressed
     layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
     # A compressed tensor's path this step (``hvd_compress.adaptive.PATHS``); only the
     # adaptive mode sends one by another path than its codec.
@@ -59,12 +61,12 @@ class TensorPlan:
 class _InFlight:
     plan: TensorPlan
     param: torch.Tensor
-    stage: str                 # "scale", "codes" or "plain" (an allreduce, fp32 or fp16)
+    stage: str  # "scale", "codes" or "plain" (an allreduce, fp32 or fp16)
     handle: object = None
     vector: torch.Tensor = None  # the flattened gradient, plus the worker residual
     scale: torch.Tensor = None
     exchange: object = None
-    fused: bool = False          # worker error feedback by ``fused``'s kernels
+    fused: bool = False  # worker error feedback by ``fused``'s kernels
 
 
 log = logging.getLogger("hvd_compress")
@@ -116,9 +118,20 @@ class CompressionPipeline:
             predicts fastest from measurements of this job. None: always by the codec.
     """
 
-    def __init__(self, named_parameters, codec, *, exchange="auto", average=True, seed=0,
-                 uncompressed=(), prescale_factor=1.0, postscale_factor=1.0,
-                 error_feedback=False, adaptive=None):
+    def __init__(
+        self,
+        named_parameters,
+        codec,
+        *,
+        exchange="auto",
+        average=True,
+        seed=0,
+        uncompressed=(),
+        prescale_factor=1.0,
+        postscale_factor=1.0,
+        error_feedback=False,
+        adaptive=None,
+    ):
         self.codec = codec
         self.worker_memory = ErrorFeedback() if error_feedback else None
         self.server_memory = ErrorFeedback() if codec.two_way else None
@@ -141,23 +154,34 @@ class CompressionPipeline:
         for index, (name, p) in enumerate(named_parameters):
             self.plans[p] = dataclasses.replace(
                 self._plan(name, index, p, exchange, name in uncompressed),
-                layer=codec.layer_kind(name, tuple(p.shape)))
+                layer=codec.layer_kind(name, tuple(p.shape)),
+            )
         self._choose_exchanges()
         self.planner = None
         if adaptive is not None:
             if codec.sparse:
-                raise ValueError(f"adaptive: {codec.name} selects what it sends from its "
-                                 f"memory; the adaptive mode takes the dense codecs")
-            self.planner = Planner(adaptive, [
-                plan.name for plan in self.plans.values() if plan.reason == "compressed"])
+                raise ValueError(
+                    f"adaptive: {codec.name} selects what it sends from its "
+                    f"memory; the adaptive mode takes the dense codecs"
+                )
+            self.planner = Planner(
+                adaptive, [plan.name for plan in self.plans.values() if plan.reason == "compressed"]
+            )
             self._follow_planner()
         self._step_started = None  # perf_counter() of the step's first gradient
-        self._step_agreed = False   # whether every rank has taken the same step counter
+        self._step_agreed = False  # whether every rank has taken the same step counter
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
-        problem = agreement.disagreement(hvd.allgather_object(agreement.describe(
-            codec, exchange, average,
-            [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()])))
+        problem = agreement.disagreement(
+            hvd.allgather_object(
+                agreement.describe(
+                    codec,
+                    exchange,
+                    average,
+                    [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()],
+                )
+            )
+        )
         if problem:
             raise ValueError(problem)
 
@@ -170,8 +194,9 @@ class CompressionPipeline:
         if self.codec.code_space is None:
             return TensorPlan(name, index, numel, UNCOMPRESSED, f"codec {self.codec.name}")
         if not self.codec.compresses(numel):
-            return TensorPlan(name, index, numel, UNCOMPRESSED,
-                              f"{numel} < min_size {self.codec.min_size}")
+            return TensorPlan(
+                name, index, numel, UNCOMPRESSED, f"{numel} < min_size {self.codec.min_size}"
+            )
         return TensorPlan(name, index, numel, exchange, "compressed")
 
     def _choose_exchanges(self):
@@ -180,8 +205,10 @@ class CompressionPipeline:
         if self.exchange != "auto":
             return
         compressed = [plan for plan in self.plans.values() if plan.reason == "compressed"]
-        for plan, exchange in zip(compressed, cost.choose_exchanges(
-                self.codec, [plan.numel for plan in compressed], self.world_size)):
+        for plan, exchange in zip(
+            compressed,
+            cost.choose_exchanges(self.codec, [plan.numel for plan in compressed], self.world_size),
+        ):
             plan.exchange = exchange
 
     # ----- one step -----
@@ -194,10 +221,15 @@ class CompressionPipeline:
         """Whether ``param``'s worker error feedback runs in ``fused``'s kernels, which can
         also take its momentum step (``WorkerMomentum.Deferred``)."""
         grad = param.grad
-        return self.worker_memory is not None and \
-            self.plans[param].route not in (UNCOMPRESSED, HALF) and not self.codec.sparse and \
-            grad is not None and not grad.is_sparse and grad.is_contiguous() and \
-            fused.applies(self.codec, grad)
+        return (
+            self.worker_memory is not None
+            and self.plans[param].route not in (UNCOMPRESSED, HALF)
+            and not self.codec.sparse
+            and grad is not None
+            and not grad.is_sparse
+            and grad.is_contiguous()
+            and fused.applies(self.codec, grad)
+        )
 
     def launch(self, param, ratio=1.0, momentum=None):
         """Starts the exchange of ``param.grad``; called once per parameter per step.
@@ -233,8 +265,7 @@ class CompressionPipeline:
         try:
             yield
         finally:
-            self.planner.spent(name, phase, time.thread_time() - start,
-                               time.perf_counter() - wall)
+            self.planner.spent(name, phase, time.thread_time() - start, time.perf_counter() - wall)
 
     def _launch(self, plan, param, grad, ratio, momentum):
         count = self.world_size if self.average else 1
@@ -242,48 +273,70 @@ class CompressionPipeline:
             # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
             # unless sparse_as_dense densified them.
             self._in_flight[param] = _InFlight(
-                plan, param, "plain", self._launch_plain(plan, grad, ratio, plan.route == HALF))
+                plan, param, "plain", self._launch_plain(plan, grad, ratio, plan.route == HALF)
+            )
             if plan.name in self._fusions:
                 self._fusions[plan.name].withdraw(_codes_name(plan.name))
         elif self.codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
             flight = _InFlight(plan, param, "codes")
             flight.exchange = make_sparse_exchange(
-                plan.exchange, self.codec, plan, self.world_size, self.meter, count,
-                self.worker_memory, self.step)
-            flight.handle = flight.exchange.start(grad.reshape(-1), ratio,
-                                                  _codes_name(plan.name))
+                plan.exchange,
+                self.codec,
+                plan,
+                self.world_size,
+                self.meter,
+                count,
+                self.worker_memory,
+                self.step,
+            )
+            flight.handle = flight.exchange.start(grad.reshape(-1), ratio, _codes_name(plan.name))
             self._in_flight[param] = flight
         else:
-            flight = _InFlight(plan, param, "scale", vector=grad.reshape(-1),
-                               fused=self.fuses(param))
+            flight = _InFlight(
+                plan, param, "scale", vector=grad.reshape(-1), fused=self.fuses(param)
+            )
             if flight.fused:
                 flight.vector, flight.scale = fused.compensated_scale(
-                    self.codec, flight.vector, self.worker_memory.residuals.get(plan.name),
-                    ratio, momentum=momentum)
+                    self.codec,
+                    flight.vector,
+                    self.worker_memory.residuals.get(plan.name),
+                    ratio,
+                    momentum=momentum,
+                )
             elif self.worker_memory is not None:
                 flight.vector = self.worker_memory.compensate(plan.name, flight.vector, ratio)
             server = None
             if self.codec.two_way:
                 server = ServerStep(self.server_memory, plan.name, ratio)
             flight.exchange = make_exchange(
-                plan.exchange, self.codec, plan.numel, self.world_size, self.meter, count,
-                server, self._fusions.get(plan.name))
+                plan.exchange,
+                self.codec,
+                plan.numel,
+                self.world_size,
+                self.meter,
+                count,
+                server,
+                self._fusions.get(plan.name),
+            )
             if self.codec.scaled:
                 if not flight.fused:
                     flight.scale = self.codec.local_scale(flight.vector)
                 if self.codec.shares_scale(plan.exchange):
-                    flight.handle = hvd.allreduce_async(self.meter.hand(flight.scale), op=hvd.Max,
-                                                        name=f"hvdc.{plan.name}.scale")
+                    flight.handle = hvd.allreduce_async(
+                        self.meter.hand(flight.scale), op=hvd.Max, name=f"hvdc.{plan.name}.scale"
+                    )
             self._in_flight[param] = flight
 
     def _fusion_groups(self):
         """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``)."""
-        sharded = [(plan.name, plan.numel) for plan in self.plans.values()
-                   if plan.route == "sharded"]
+        sharded = [
+            (plan.name, plan.numel) for plan in self.plans.values() if plan.route == "sharded"
+        ]
         groups = {}
-        for index, members in enumerate(fusion.alltoall_groups(self.codec, sharded,
-                                                                self.world_size)):
+        for index, members in enumerate(
+            fusion.alltoall_groups(self.codec, sharded, self.world_size)
+        ):
             group = AlltoallFusion([_codes_name(m) for m in members], f"hvdc.alltoall.{index}")
             groups.update(dict.fromkeys(members, group))
         return groups
@@ -300,9 +353,13 @@ class CompressionPipeline:
             grad = self.worker_memory.flush(plan.name, grad.reshape(-1), ratio).view(grad.shape)
         grad = allreducible(grad.to(torch.float16) if half else grad)
         self.meter.hand(grad)
-        return hvd.allreduce_async_(grad, name=name, op=op,
-                                    prescale_factor=self.prescale_factor,
-                                    postscale_factor=self.postscale_factor)
+        return hvd.allreduce_async_(
+            grad,
+            name=name,
+            op=op,
+            prescale_factor=self.prescale_factor,
+            postscale_factor=self.postscale_factor,
+        )
 
     def _start_ready_codes(self, block=False):
         """Encodes and hands over the codes of every tensor whose shared scale has arrived."""
@@ -320,14 +377,23 @@ class CompressionPipeline:
         vector, name = flight.vector, flight.plan.name
         key = stream_seed(self.seed, self.rank, self.step, flight.plan.index)
         if fused.applies(self.codec, vector):
-            codes, residual = fused.encode(self.codec, flight.exchange, vector, flight.scale,
-                                           key, feedback=self.worker_memory is not None)
+            codes, residual = fused.encode(
+                self.codec,
+                flight.exchange,
+                vector,
+                flight.scale,
+                key,
+                feedback=self.worker_memory is not None,
+            )
             if self.worker_memory is not None:
                 self.worker_memory.propose(name, residual)
             start = flight.exchange.start_packed
         else:
-            uniforms = seeding.uniforms(key, vector.numel(), vector.device) \
-                if self.codec.stochastic else None
+            uniforms = (
+                seeding.uniforms(key, vector.numel(), vector.device)
+                if self.codec.stochastic
+                else None
+            )
             codes = self.codec.encode(vector, flight.scale, uniforms)
             if self.worker_memory is not None:
                 sent = self.codec.decode(self.codec.values(codes), flight.scale, 1)
@@ -354,8 +420,7 @@ class CompressionPipeline:
         known = {}  # param -> whether its gradient is finite, as its exchange knows
         for param, flight in self._in_flight.items():
             if flight.stage == "plain":
-                output = wait(flight.handle) if isinstance(flight.handle, int) \
-                    else flight.handle()
+                output = wait(flight.handle) if isinstance(flight.handle, int) else flight.handle()
                 if output.is_sparse:
                     param.grad = output
                 elif output.data_ptr() != param.grad.data_ptr():  # float16, or flushed
@@ -372,8 +437,11 @@ class CompressionPipeline:
             keep = all(known.values()) and self.all_finite(skip=known)
             for state in self.step_state:
                 state.commit(keep)
-        self.last_sent_elements = {flight.plan.name: flight.exchange.sent_elements
-                                   for flight in self._in_flight.values() if flight.exchange}
+        self.last_sent_elements = {
+            flight.plan.name: flight.exchange.sent_elements
+            for flight in self._in_flight.values()
+            if flight.exchange
+        }
         self._in_flight.clear()
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
@@ -389,13 +457,17 @@ class CompressionPipeline:
     def all_finite(self, skip=()):
         """Whether every exchanged gradient of this step, but those of ``skip``, is finite;
         the same answer on every rank, since they all hold the same averages."""
-        grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-                 for p in self._in_flight if p not in skip]
+        grads = [
+            p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+            for p in self._in_flight
+            if p not in skip
+        ]
         # A tensor is finite iff its min and max are (both propagate NaN); aminmax is one
         # vectorized pass, ~15x cheaper on CPU than isfinite(g).all(), which was the
         # largest single cost of a codec's step on a 25M-parameter model.
-        extremes = [torch.stack(torch.aminmax(g)) for g in grads
-                    if g.numel() and g.is_floating_point()]
+        extremes = [
+            torch.stack(torch.aminmax(g)) for g in grads if g.numel() and g.is_floating_point()
+        ]
         return bool(torch.isfinite(torch.cat(extremes)).all()) if extremes else True
 
     def _agree_on_step(self):
@@ -445,15 +517,15 @@ class CompressionPipeline:
         count = world if self.average else 1
         residual = self.server_memory.residuals.pop(plan.name)
         if plan.exchange == "sharded":
-            shard = make_exchange("sharded", self.codec, plan.numel, self.world_size,
-                                  self.meter, 1).shard(self.rank)
+            shard = make_exchange(
+                "sharded", self.codec, plan.numel, self.world_size, self.meter, 1
+            ).shard(self.rank)
             full = residual.new_zeros(plan.numel)
             full[shard] = residual * count
             residual = full
         else:
             residual = residual * (count / world)
-        self.worker_memory.residuals[plan.name] = \
-            self.worker_memory.compensate(plan.name, residual)
+        self.worker_memory.residuals[plan.name] = self.worker_memory.compensate(plan.name, residual)
 
     # ----- the adaptive mode -----
 
@@ -465,8 +537,12 @@ class CompressionPipeline:
             if plan.reason != "compressed":
                 continue
             path = self.planner.path(plan.name)
-            if plan.path == "codec" and path != "codec" and self.server_memory is not None \
-                    and plan.name in self.server_memory.residuals:
+            if (
+                plan.path == "codec"
+                and path != "codec"
+                and self.server_memory is not None
+                and plan.name in self.server_memory.residuals
+            ):
                 self._server_residual_to_worker(plan, self.world_size)
             plan.path = path
 
@@ -486,26 +562,34 @@ class CompressionPipeline:
                 self.planner.record(name, "fp16", "after", time.thread_time() - middle)
         links = self._probe_links(next(iter(self.plans)).device)
         agreed = _max_over_ranks(self.planner.measurements(), "hvdc.adaptive.measurements")
-        traffic = {name: path_traffic(self.codec, plan.numel, self.world_size, plan.exchange,
-                                      param.element_size())
-                   for name, (param, plan) in plans.items() if name in self.planner.paths}
+        traffic = {
+            name: path_traffic(
+                self.codec, plan.numel, self.world_size, plan.exchange, param.element_size()
+            )
+            for name, (param, plan) in plans.items()
+            if name in self.planner.paths
+        }
         timings, contention = self.planner.timings(agreed, traffic)
         self.planner.decide(self.step, timings, links, contention)
         self._follow_planner()
         if self.rank == 0:
-            log.info("hvd_compress adaptive, step %d: %s", self.step,
-                     self.planner.describe())
+            log.info("hvd_compress adaptive, step %d: %s", self.step, self.planner.describe())
 
     def _judge(self):
         """Agrees with every rank on the step times of the decision on trial and keeps or
         reverts it (``adaptive.Planner.judge``); called between steps, on every rank at
         the same step."""
-        self.planner.judge(self.step, _max_over_ranks(self.planner.trial_seconds(),
-                                                      "hvdc.adaptive.trial"))
+        self.planner.judge(
+            self.step, _max_over_ranks(self.planner.trial_seconds(), "hvdc.adaptive.trial")
+        )
         self._follow_planner()
         if self.rank == 0:
-            log.info("hvd_compress adaptive, step %d: decision of step %d %s", self.step,
-                     self.planner.decision.step, self.planner.verdict())
+            log.info(
+                "hvd_compress adaptive, step %d: decision of step %d %s",
+                self.step,
+                self.planner.decision.step,
+                self.planner.verdict(),
+            )
 
     def _probe_links(self, device):
         """Every carrier's ``Link``, fitted to a small and a large probe collective on
@@ -523,7 +607,8 @@ class CompressionPipeline:
                 nbytes = grown
             links[carrier] = Link.fit(
                 (probe_sent(carrier, PROBE_SMALL, self.world_size), small),
-                (probe_sent(carrier, nbytes, self.world_size), large))
+                (probe_sent(carrier, nbytes, self.world_size), large),
+            )
         return links
 
     def _probe(self, carrier, nbytes, device):
@@ -573,8 +658,9 @@ class CompressionPipeline:
         checkpoint is usually loaded with ``map_location="cpu"``, and its state must live
         where the gradients are."""
         devices = {plan.name: param.device for param, plan in self.plans.items()}
-        return {name: tensor.to(devices.get(name, tensor.device))
-                for name, tensor in tensors.items()}
+        return {
+            name: tensor.to(devices.get(name, tensor.device)) for name, tensor in tensors.items()
+        }
 
     # ----- accounting -----
 
@@ -584,17 +670,19 @@ class CompressionPipeline:
         for param, plan in self.plans.items():
             if plan.route in (UNCOMPRESSED, HALF):
                 itemsize = 2 if plan.route == HALF else param.element_size()
-                total += cost.uncompressed_traffic(plan.numel, self.world_size,
-                                                   itemsize).handed
+                total += cost.uncompressed_traffic(plan.numel, self.world_size, itemsize).handed
             elif self.codec.sparse and not self.codec.summable:
                 # Variable-length messages: the formula of the last step's message sizes.
                 nbytes = self.codec.message_nbytes(
-                    plan.numel, self.codec.bin_length(plan.name, plan.layer),
-                    int(self.last_sent_elements[plan.name]))
+                    plan.numel,
+                    self.codec.bin_length(plan.name, plan.layer),
+                    int(self.last_sent_elements[plan.name]),
+                )
                 total += cost.allgather_with_sizes_traffic(nbytes, self.world_size).handed
             else:
-                total += cost.compressed_traffic(self.codec, plan.numel, self.world_size,
-                                                 plan.exchange).handed
+                total += cost.compressed_traffic(
+                    self.codec, plan.numel, self.world_size, plan.exchange
+                ).handed
         return total
 
     def uncompressed_bytes(self):
@@ -612,9 +700,14 @@ class CompressionPipeline:
             kind["bytes_uncompressed"] += plan.numel * param.element_size()
             kind["elements"] += plan.numel
             kind["sent"] += int(self.last_sent_elements.get(plan.name, plan.numel))
-        return {layer: {"bytes_handed": t["bytes_handed"],
-                        "bytes_uncompressed": t["bytes_uncompressed"],
-                        "compression_ratio": t["bytes_uncompressed"] / t["bytes_handed"]
-                        if t["bytes_handed"] else float("nan"),
-                        "density": t["sent"] / t["elements"] if t["elements"] else float("nan")}
-                for layer, t in totals.items()}
+        return {
+            layer: {
+                "bytes_handed": t["bytes_handed"],
+                "bytes_uncompressed": t["bytes_uncompressed"],
+                "compression_ratio": t["bytes_uncompressed"] / t["bytes_handed"]
+                if t["bytes_handed"]
+                else float("nan"),
+                "density": t["sent"] / t["elements"] if t["elements"] else float("nan"),
+            }
+            for layer, t in totals.items()
+        }

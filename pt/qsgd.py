@@ -1,4 +1,5 @@
 """QSGD, QSGD-inf and NUQSGD in PyTorch ops; see ``hvd_compress.qsgd``."""
+
 import torch
 
 from hvd_compress import qsgd as reference
@@ -61,10 +62,12 @@ class NUQSGD(reference.NUQSGD, Codec):
 
     def values(self, codes):
         index = codes.to(torch.int32).abs()
-        magnitude = torch.where(index > 0, torch.bitwise_left_shift(
-            torch.ones_like(index), (index - 1).clamp(min=0)), torch.zeros_like(index))
+        magnitude = torch.where(
+            index > 0,
+            torch.bitwise_left_shift(torch.ones_like(index), (index - 1).clamp(min=0)),
+            torch.zeros_like(index),
+        )
         return torch.sign(codes).to(torch.int32) * magnitude
 
     def decode(self, total, scale, count):
-        return rescale(total, scale, self.bucket_length(total.shape[-1]),
-                       2 ** self.exponent * count)
+        return rescale(total, scale, self.bucket_length(total.shape[-1]), 2**self.exponent * count)

@@ -1,4 +1,5 @@
 """The uniform stochastic quantizer in PyTorch ops; see ``hvd_compress.quantizer``."""
+
 import torch
 
 from hvd_compress import quantizer as reference

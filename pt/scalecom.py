@@ -1,4 +1,5 @@
 """CLT-k in PyTorch ops; the algorithm and its reference are in ``hvd_compress.scalecom``."""
+
 import torch
 
 from hvd_compress import scalecom as reference
@@ -13,7 +14,8 @@ class CyclicLocalTopK(reference.CyclicLocalTopK, Codec):
         raise TypeError(
             "CyclicLocalTopK cannot run inside Horovod's own DistributedOptimizer: it needs "
             "the leader's indices and each worker's memory. Use "
-            "hvd_compress.pt.DistributedOptimizer(optimizer, compression='clt-k') instead.")
+            "hvd_compress.pt.DistributedOptimizer(optimizer, compression='clt-k') instead."
+        )
 
     def top_k(self, compensated, k):
         magnitude = compensated.reshape(-1).to(torch.float32).abs()

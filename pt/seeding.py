@@ -4,6 +4,7 @@ int64 tensors hold the 32-bit words: products of two of them wrap modulo 2^64, w
 bits are the 32-bit product, kept by a mask; shifts of the masked, nonnegative words are the
 logical shifts of the reference.
 """
+
 import torch
 
 from hvd_compress.seeding import _LOWBIAS32, _MASK32, key_words
@@ -32,10 +33,10 @@ def uniforms(key: int, numel: int, device: torch.device) -> torch.Tensor:
     shifted = torch.empty_like(words)
     for start in range(0, numel, chunk):
         stop = min(numel, start + chunk)
-        x, scratch = torch.arange(start, stop, out=words[:stop - start]), shifted[:stop - start]
+        x, scratch = torch.arange(start, stop, out=words[: stop - start]), shifted[: stop - start]
         x ^= lo
         _lowbias32_(x, scratch)
         x ^= hi
         _lowbias32_(x, scratch)
-        out[start:stop].copy_(torch.bitwise_right_shift(x, 8, out=scratch)).mul_(2.0 ** -24)
+        out[start:stop].copy_(torch.bitwise_right_shift(x, 8, out=scratch)).mul_(2.0**-24)
     return out

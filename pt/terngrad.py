@@ -1,4 +1,5 @@
 """TernGrad in PyTorch ops; the algorithm and its reference are in ``hvd_compress.terngrad``."""
+
 import torch
 
 from hvd_compress import terngrad as reference

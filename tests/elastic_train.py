@@ -5,6 +5,7 @@ trains under ``hvd.elastic.run``; at ``shrink_at`` rank 0 rewrites the host-disc
     horovodrun -np 3 --min-np 2 --host-discovery-script <dir>/discover.sh \\
         python -m tests.elastic_train <dir> <steps> <shrink_at>
 """
+
 import os
 import sys
 import time
@@ -24,13 +25,15 @@ def _mass(pipeline):
     for plan in pipeline.plans.values():
         if plan.reason != "compressed":
             continue
-        total = pipeline.worker_memory.residuals.get(plan.name, torch.zeros(plan.numel)) \
+        total = (
+            pipeline.worker_memory.residuals.get(plan.name, torch.zeros(plan.numel))
             / pipeline.world_size
+        )
         server = pipeline.server_memory.residuals.get(plan.name)
         if server is not None:
-            shard = hc.exchange.make_exchange("sharded", pipeline.codec, plan.numel,
-                                              pipeline.world_size, pipeline.meter, 1
-                                              ).shard(pipeline.rank)
+            shard = hc.exchange.make_exchange(
+                "sharded", pipeline.codec, plan.numel, pipeline.world_size, pipeline.meter, 1
+            ).shard(pipeline.rank)
             total = total.clone()
             total[shard] += server
         mass[plan.name] = total
@@ -42,8 +45,11 @@ def main(directory, steps, shrink_at):
     torch.manual_seed(0)
     model = Net()
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters(),
-        compression=hc.BlockSign(min_size=0), exchange="sharded")
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model.named_parameters(),
+        compression=hc.BlockSign(min_size=0),
+        exchange="sharded",
+    )
     pipeline = optimizer._hvdc_pipeline
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0)
     seen = {"sizes": [], "before": None, "after": None}
@@ -66,7 +72,8 @@ def main(directory, steps, shrink_at):
             optimizer.zero_grad()
             x = torch.randn(8, 64, generator=data)
             torch.nn.functional.cross_entropy(
-                model(x), torch.randint(0, 10, (8,), generator=data)).backward()
+                model(x), torch.randint(0, 10, (8,), generator=data)
+            ).backward()
             optimizer.step()
             state.step += 1
             seen["sizes"].append(hvd.size())
@@ -85,8 +92,10 @@ def main(directory, steps, shrink_at):
 
     train(state)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    torch.save({"seen": seen, "params": params, "size": hvd.size()},
-               os.path.join(directory, f"rank{hvd.rank()}.pt"))
+    torch.save(
+        {"seen": seen, "params": params, "size": hvd.size()},
+        os.path.join(directory, f"rank{hvd.rank()}.pt"),
+    )
 
 
 if __name__ == "__main__":

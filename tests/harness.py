@@ -7,6 +7,7 @@
 runs under a hard timeout in its own process group, so a hang fails the test instead of the
 whole CI run. Every rank's process gets one thread (``OMP_NUM_THREADS=1``).
 """
+
 import importlib
 import os
 import pickle
@@ -29,8 +30,16 @@ def run_parallel(body, np, *args, launcher="horovodrun", timeout=300, **kwargs):
             pickle.dump((body.__module__, body.__qualname__, args, kwargs), f)
         worker = [sys.executable, "-m", "tests.harness", job]
         if launcher == "horovodrun":
-            command = [os.path.join(BIN, "horovodrun"), "-np", str(np), "-H", f"localhost:{np}",
-                       "--gloo", "--gloo-timeout-seconds", str(timeout)] + worker
+            command = [
+                os.path.join(BIN, "horovodrun"),
+                "-np",
+                str(np),
+                "-H",
+                f"localhost:{np}",
+                "--gloo",
+                "--gloo-timeout-seconds",
+                str(timeout),
+            ] + worker
         elif launcher == "mpirun":
             command = mpirun_command(np) + worker
         else:
@@ -48,8 +57,12 @@ def run_parallel(body, np, *args, launcher="horovodrun", timeout=300, **kwargs):
 def job_env():
     """The environment of a job's processes: one thread each, TensorFlow's log quiet, and the
     checkout importable as ``tests``."""
-    return dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
-                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+    )
 
 
 def run_job(command, what, timeout, cwd=REPO, env=None):
@@ -57,28 +70,54 @@ def run_job(command, what, timeout, cwd=REPO, env=None):
     ``job_env()`` or ``env``; returns its output. A non-zero exit fails the test with the
     output's error lines; a job still running after ``timeout`` seconds is killed, group and
     all, and fails it as a hang."""
-    process = subprocess.Popen(command, cwd=cwd, env=job_env() if env is None else env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True, text=True)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=job_env() if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        raise AssertionError(f"{what} timed out after {timeout}s (a hang?):\n"
-                             f"{output[-6000:]}") from None
+        raise AssertionError(
+            f"{what} timed out after {timeout}s (a hang?):\n{output[-6000:]}"
+        ) from None
     if process.returncode != 0:
         errors = [line for line in output.splitlines() if "Error" in line][:10]
-        raise AssertionError(f"{what} failed (exit {process.returncode}):\n" +
-                             "\n".join(errors) + f"\n...\n{output[-6000:]}")
+        raise AssertionError(
+            f"{what} failed (exit {process.returncode}):\n"
+            + "\n".join(errors)
+            + f"\n...\n{output[-6000:]}"
+        )
     return output
 
 
 def mpirun_command(np):
     """OpenMPI's mpirun for ``np`` local ranks; see launch/mpirun.sh for each flag."""
-    command = [shutil.which("mpirun") or "mpirun", "-np", str(np), "--oversubscribe",
-               "--bind-to", "none", "--map-by", "slot", "-x", "OMP_NUM_THREADS",
-               "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", "--mca", "btl", "self,tcp"]
+    command = [
+        shutil.which("mpirun") or "mpirun",
+        "-np",
+        str(np),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "--map-by",
+        "slot",
+        "-x",
+        "OMP_NUM_THREADS",
+        "-x",
+        "PYTHONPATH",
+        "-x",
+        "TF_CPP_MIN_LOG_LEVEL",
+        "--mca",
+        "btl",
+        "self,tcp",
+    ]
     if os.geteuid() == 0:
         command.insert(1, "--allow-run-as-root")
     return command

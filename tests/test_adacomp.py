@@ -1,5 +1,6 @@
 """AdaComp: the selection rule, the residue identity, the wire format (numpy reference and
 PyTorch port byte for byte), layer kinds, and real Horovod jobs against the reference."""
+
 import numpy as np
 import pytest
 import torch
@@ -44,8 +45,9 @@ def test_residue_telescopes_and_the_selection_rule_holds(numel, bin_length):
     residue, steps = _run_reference(codec, grads, bin_length)
     # sum_t sent_t + G_T = sum_t dW_t
     total_sent = np.sum([s[4].astype(np.float64) for s in steps], axis=0)
-    np.testing.assert_allclose(total_sent + residue, np.sum(grads, axis=0, dtype=np.float64),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        total_sent + residue, np.sum(grads, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5
+    )
     for compensated, grad, selected, message, sent in steps:
         bins = -(-numel // bin_length)
         padded = np.zeros(bins * bin_length, np.float32)
@@ -79,8 +81,11 @@ def test_all_zero_bin_sends_nothing_and_message_length_is_the_selection():
     message = codec.encode_message(grad, selected, 50)
     # scale + 6 counts of 6 bits + one 6-bit offset and one sign bit per sent element
     sent = int(selected.sum())
-    assert message.size == 4 + 5 + FieldCodes(6).packed_nbytes(sent) + -(-sent // 8) == \
-        codec.message_nbytes(300, 50, sent)
+    assert (
+        message.size
+        == 4 + 5 + FieldCodes(6).packed_nbytes(sent) + -(-sent // 8)
+        == codec.message_nbytes(300, 50, sent)
+    )
     counts = hvd_compress.packing.unpack(message[4:9], FieldCodes(6), 6)
     assert counts.tolist() == selected.reshape(6, 50).sum(axis=1).tolist()
     assert counts[1] == counts[2] == 0
@@ -98,12 +103,15 @@ def test_pytorch_port_sends_the_reference_bytes(numel, bin_length):
         selected = port.select(compensated, grad, bin_length)
         message = port.encode_message(compensated, selected, bin_length)
         expected = reference.encode_message(
-            compensated.numpy(), reference.select(compensated.numpy(), grad.numpy(), bin_length),
-            bin_length)
+            compensated.numpy(),
+            reference.select(compensated.numpy(), grad.numpy(), bin_length),
+            bin_length,
+        )
         np.testing.assert_array_equal(message.numpy(), expected, err_msg=f"step {step}")
         sent = port.decode_message(message, numel, bin_length)
         np.testing.assert_array_equal(
-            sent.numpy(), reference.decode_message(expected, numel, bin_length))
+            sent.numpy(), reference.decode_message(expected, numel, bin_length)
+        )
         residue = compensated - sent
 
 
@@ -127,23 +135,42 @@ class _Layers(torch.nn.Module):
 
 def test_layer_kinds_and_bin_lengths():
     model = _Layers()
-    codec = hc.AdaComp.for_model(model, bin_lengths={"recurrent": 400},
-                                 named_bin_lengths={"head.weight": 10})
+    codec = hc.AdaComp.for_model(
+        model, bin_lengths={"recurrent": 400}, named_bin_lengths={"head.weight": 10}
+    )
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     kinds = {name: codec.layer_kind(name, shape) for name, shape in shapes.items()}
-    assert kinds == {"embed.weight": "embedding", "conv.weight": "conv", "conv.bias": "conv",
-                     "gru.weight_ih_l0": "recurrent", "gru.weight_hh_l0": "recurrent",
-                     "gru.bias_ih_l0": "recurrent", "gru.bias_hh_l0": "recurrent",
-                     "norm.weight": "other", "norm.bias": "other", "head.weight": "linear",
-                     "head.bias": "linear"}
+    assert kinds == {
+        "embed.weight": "embedding",
+        "conv.weight": "conv",
+        "conv.bias": "conv",
+        "gru.weight_ih_l0": "recurrent",
+        "gru.weight_hh_l0": "recurrent",
+        "gru.bias_ih_l0": "recurrent",
+        "gru.bias_hh_l0": "recurrent",
+        "norm.weight": "other",
+        "norm.bias": "other",
+        "head.weight": "linear",
+        "head.bias": "linear",
+    }
     lengths = {name: codec.bin_length(name, kind) for name, kind in kinds.items()}
     assert lengths["conv.weight"] == 50 and lengths["embed.weight"] == 500
     assert lengths["gru.weight_hh_l0"] == 400 and lengths["head.weight"] == 10
     # Without the model: the same bin lengths by name and shape, except for biases.
     by_name = hc.AdaComp()
     assert [by_name.layer_kind(n, s) for n, s in shapes.items()] == [
-        "linear", "conv", "other", "recurrent", "recurrent", "recurrent", "recurrent",
-        "other", "other", "linear", "other"]
+        "linear",
+        "conv",
+        "other",
+        "recurrent",
+        "recurrent",
+        "recurrent",
+        "recurrent",
+        "other",
+        "other",
+        "linear",
+        "other",
+    ]
     # The reference rebuilds the port with the same layers (registry, cross-port resolve).
     assert hvd_compress.resolve(codec, hc.CODECS) is codec
     assert hvd_compress.resolve(hvd_compress.AdaComp(**codec.params()), hc.CODECS) == codec
@@ -162,17 +189,20 @@ def test_bad_hyperparameters_and_misuse():
         hc.AdaComp().compress(torch.ones(3))
     model = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="cannot travel by exchange='allreduce'"):
-        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                compression="adacomp", exchange="allreduce")
+        hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), compression="adacomp", exchange="allreduce"
+        )
     with pytest.raises(ValueError, match="cannot run with error_feedback=False"):
-        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                compression="adacomp", error_feedback=False)
+        hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), compression="adacomp", error_feedback=False
+        )
 
 
 # ----- real Horovod jobs -----
 
-CODEC = hvd_compress.AdaComp(named_bin_lengths={"middle.weight": 64},
-                             bin_lengths={"other": 20}, min_size=0)
+CODEC = hvd_compress.AdaComp(
+    named_bin_lengths={"middle.weight": 64}, bin_lengths={"other": 20}, min_size=0
+)
 
 
 def train(codec, steps=6):
@@ -180,6 +210,7 @@ def train(codec, steps=6):
     the local gradients, the exchanged gradients, the parameters and the byte accounting,
     and at the end the worker memory."""
     import horovod.torch as hvd
+
     hvd.init()
     torch.manual_seed(0)
     model = Net()
@@ -187,28 +218,42 @@ def train(codec, steps=6):
     local = {}
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(
-            lambda p, name=name: local.__setitem__(name, p.grad.detach().clone()))
+            lambda p, name=name: local.__setitem__(name, p.grad.detach().clone())
+        )
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
-        compression=codec)
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model.named_parameters(),
+        compression=codec,
+    )
     data = torch.Generator().manual_seed(100 + hvd.rank())
     records = []
     for _ in range(steps):
         optimizer.zero_grad()
         x = torch.randn(8, 64, generator=data)
-        torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (8,), generator=data)
-                                          ).backward()
+        torch.nn.functional.cross_entropy(
+            model(x), torch.randint(0, 10, (8,), generator=data)
+        ).backward()
         optimizer.synchronize()
         exchanged = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         with optimizer.skip_synchronize():
             optimizer.step()
         stats = optimizer.compression_stats()
-        records.append({"local": dict(local), "exchanged": exchanged, "params": _flat(model),
-                        "bytes": stats["bytes_handed"], "layers": stats["layers"],
-                        "expected": optimizer._hvdc_pipeline.expected_bytes()})
-    return {"records": records, "tensors": stats["tensors"],
-            "kinds": {plan.name: plan.layer for plan in optimizer._hvdc_pipeline.plans.values()},
-            "memory": optimizer.state_dict()["hvd_compress"]["worker"]}
+        records.append(
+            {
+                "local": dict(local),
+                "exchanged": exchanged,
+                "params": _flat(model),
+                "bytes": stats["bytes_handed"],
+                "layers": stats["layers"],
+                "expected": optimizer._hvdc_pipeline.expected_bytes(),
+            }
+        )
+    return {
+        "records": records,
+        "tensors": stats["tensors"],
+        "kinds": {plan.name: plan.layer for plan in optimizer._hvdc_pipeline.plans.values()},
+        "memory": optimizer.state_dict()["hvd_compress"]["worker"],
+    }
 
 
 def assert_ranks_agree(results, step):
@@ -226,8 +271,10 @@ def assert_ranks_agree(results, step):
 def test_ranks_agree_and_match_the_reference(world):
     results = run_parallel(train, world, CODEC)
     names = [name for name, _, exchange, reason in results[0]["tensors"]]
-    assert all(reason == "compressed" and exchange == "allgather"
-               for _, _, exchange, reason in results[0]["tensors"])
+    assert all(
+        reason == "compressed" and exchange == "allgather"
+        for _, _, exchange, reason in results[0]["tensors"]
+    )
     kinds = results[0]["kinds"]
     residues = {(rank, n): 0 for rank in range(world) for n in names}
     for step in range(len(results[0]["records"])):
@@ -240,13 +287,18 @@ def test_ranks_agree_and_match_the_reference(world):
                 grad = r["records"][step]["local"][name].numpy().ravel()
                 compensated = residues[rank, name] + grad
                 selected = CODEC.select(compensated, grad, bin_length)
-                sent = CODEC.decode_message(CODEC.encode_message(compensated, selected,
-                                                                 bin_length),
-                                            grad.size, bin_length)
+                sent = CODEC.decode_message(
+                    CODEC.encode_message(compensated, selected, bin_length), grad.size, bin_length
+                )
                 residues[rank, name] = compensated - sent
                 total = total + sent
-            np.testing.assert_allclose(first["exchanged"][name].numpy().ravel(), total / world,
-                                       rtol=1e-6, atol=1e-9, err_msg=f"{name} step {step}")
+            np.testing.assert_allclose(
+                first["exchanged"][name].numpy().ravel(),
+                total / world,
+                rtol=1e-6,
+                atol=1e-9,
+                err_msg=f"{name} step {step}",
+            )
         for r in results:
             rec = r["records"][step]
             assert rec["bytes"] == rec["expected"]
@@ -260,14 +312,21 @@ def _train_with_conv(steps=200):
     """A small CNN on a fixed learnable task: AdaComp's per-layer statistics and that it
     learns."""
     import horovod.torch as hvd
+
     hvd.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv1d(1, 16, 5, padding=2), torch.nn.ReLU(),
-                                torch.nn.Flatten(), torch.nn.Linear(16 * 32, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Conv1d(1, 16, 5, padding=2),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16 * 32, 4),
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters(),
-        compression=hc.AdaComp.for_model(model, min_size=0))
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model.named_parameters(),
+        compression=hc.AdaComp.for_model(model, min_size=0),
+    )
     data = torch.Generator().manual_seed(hvd.rank())
     losses, layers = [], []
     for _ in range(steps):

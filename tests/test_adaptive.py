@@ -1,5 +1,6 @@
 """The adaptive mode's timeline model and planner (``hvd_compress.adaptive``), without
 Horovod: exact timelines, the choices they imply, and the planner's bookkeeping."""
+
 import pytest
 
 from hvd_compress import TernGrad
@@ -32,10 +33,15 @@ def _tensor(name, ready, megabytes, codec_cpu=(0.0, 0.0), ratio=16):
     """A tensor whose fp32 allreduce sends ``megabytes``; fp16 half of it, the codec
     1/``ratio`` of it in two rounds, at ``codec_cpu`` seconds before and after."""
     sent = megabytes * MB
-    return TensorTiming(name, ready, {
-        "fp32": PathCost(0.0, 0.0, sent, 1, "fp32"),
-        "fp16": PathCost(0.001, 0.001, sent / 2, 1, "fp16"),
-        "codec": PathCost(codec_cpu[0], codec_cpu[1], sent / ratio, 2, "bytes")})
+    return TensorTiming(
+        name,
+        ready,
+        {
+            "fp32": PathCost(0.0, 0.0, sent, 1, "fp32"),
+            "fp16": PathCost(0.001, 0.001, sent / 2, 1, "fp16"),
+            "codec": PathCost(codec_cpu[0], codec_cpu[1], sent / ratio, 2, "bytes"),
+        },
+    )
 
 
 def _links(latency, seconds_per_byte):
@@ -60,8 +66,9 @@ def test_simulate_is_the_timeline_by_hand():
     assert simulate(tensors, {"a": "codec", "b": "fp32"}, links) == pytest.approx(0.10)
     # Contention doubles every CPU second: a's encode (0.04) moves b to 0.09, and a decodes
     # for 0.06 after the backward ends there.
-    assert simulate(tensors, {"a": "codec", "b": "fp32"}, links, contention=2.0) == \
-        pytest.approx(0.09 + 0.06)
+    assert simulate(tensors, {"a": "codec", "b": "fp32"}, links, contention=2.0) == pytest.approx(
+        0.09 + 0.06
+    )
 
 
 def test_a_collective_queued_behind_another_pays_no_latency():
@@ -76,18 +83,19 @@ def test_a_collective_queued_behind_another_pays_no_latency():
 
 def test_fast_link_keeps_fp32_and_slow_link_compresses():
     tensors = [_tensor(f"t{i}", 0.01 * i, 4, codec_cpu=(0.004, 0.004)) for i in range(6)]
-    fast = _links(latency=1e-4, seconds_per_byte=1 / 1.25e9)   # 10 Gbit/s
-    slow = _links(latency=1e-3, seconds_per_byte=1 / 12.5e6)   # 100 Mbit/s
+    fast = _links(latency=1e-4, seconds_per_byte=1 / 1.25e9)  # 10 Gbit/s
+    slow = _links(latency=1e-3, seconds_per_byte=1 / 12.5e6)  # 100 Mbit/s
     assert set(choose(tensors, fast).values()) == {"fp32"}
     assert set(choose(tensors, slow).values()) == {"codec"}
     for link in (fast, slow):
         chosen = simulate(tensors, choose(tensors, link), link)
-        assert chosen <= min(simulate(tensors, uniform(tensors, p), link)
-                             for p in ("codec", "fp16", "fp32"))
+        assert chosen <= min(
+            simulate(tensors, uniform(tensors, p), link) for p in ("codec", "fp16", "fp32")
+        )
 
 
 def test_codec_slower_than_the_bytes_it_saves_is_declined():
-    links = _links(latency=1e-4, seconds_per_byte=1 / 125e6)    # 1 Gbit/s: 4 MB in 32 ms
+    links = _links(latency=1e-4, seconds_per_byte=1 / 125e6)  # 1 Gbit/s: 4 MB in 32 ms
     tensors = [_tensor("t", 0.0, 4, codec_cpu=(0.05, 0.05))]
     assert choose(tensors, links) == {"t": "fp16"}
     # Where Horovod sums fp16 four times slower per byte than fp32, fp32 wins.
@@ -109,17 +117,20 @@ def test_path_traffic_is_the_cost_model():
     # whose rounds the tensor shares with the others of its fusion group by its bytes.
     share = alltoall_nbytes(codec, 100_000, 4) / FUSION_BYTES
     assert 0 < share < 1
-    assert traffic["codec"] == (compressed_traffic(codec, 100_000, 4, "sharded").sent,
-                                1 + 2 * share, "bytes")
+    assert traffic["codec"] == (
+        compressed_traffic(codec, 100_000, 4, "sharded").sent,
+        1 + 2 * share,
+        "bytes",
+    )
     # Summed ternary values of 4 workers fit fp16's exact integers: the fp16 carrier.
     assert path_traffic(codec, 100_000, 4, "allreduce")["codec"][1:] == (2, "fp16")
 
 
 def test_probes_grow_until_the_bandwidth_shows():
     assert next_probe(1 << 20, 0.002) == 4 << 20
-    assert next_probe(4 << 20, 0.03) is None           # long enough
-    assert next_probe(16 << 20, 0.001) is None         # the largest
-    assert probe_sent("bytes", 1000, 4) == 3000        # an allgather sends N - 1 copies
+    assert next_probe(4 << 20, 0.03) is None  # long enough
+    assert next_probe(16 << 20, 0.001) is None  # the largest
+    assert probe_sent("bytes", 1000, 4) == 3000  # an allgather sends N - 1 copies
     assert probe_sent("fp16", 1000, 4) == uncompressed_traffic(500, 4, 2).sent
 
 
@@ -140,10 +151,27 @@ def test_planner_warms_up_decides_and_redecides():
     measured = planner.measurements()
     # The contention; a: ready, codec before/after measured, fp16 not; b: ready, and fp32
     # does no codec work.
-    assert measured == [pytest.approx(2.0), pytest.approx(0.01), 0.002, 0.003, -1.0, -1.0,
-                        0.0, -1, -1, -1, -1]
-    traffic = {name: {"fp32": (4 * MB, 1, "fp32"), "fp16": (2 * MB, 1, "fp16"),
-                      "codec": (MB / 4, 2, "bytes")} for name in "ab"}
+    assert measured == [
+        pytest.approx(2.0),
+        pytest.approx(0.01),
+        0.002,
+        0.003,
+        -1.0,
+        -1.0,
+        0.0,
+        -1,
+        -1,
+        -1,
+        -1,
+    ]
+    traffic = {
+        name: {
+            "fp32": (4 * MB, 1, "fp32"),
+            "fp16": (2 * MB, 1, "fp16"),
+            "codec": (MB / 4, 2, "bytes"),
+        }
+        for name in "ab"
+    }
     timings, contention = planner.timings(measured, traffic)
     assert contention == pytest.approx(2.0)
     assert [t.name for t in timings] == ["b", "a"]  # in the order they became ready
@@ -167,8 +195,7 @@ FAST, SLOW = (1e-5, 1 / 125e9), (1e-4, 1 / 12.5e6)
 
 
 @pytest.mark.parametrize("trial_seconds, kept", [(0.09, True), (0.1, True), (0.11, False)])
-def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_no_slower(
-        trial_seconds, kept):
+def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_no_slower(trial_seconds, kept):
     planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
     for seconds in (0.5, 0.1, 0.1):  # the first step's allocations are outvoted
         planner.end_step(seconds)
@@ -197,11 +224,14 @@ def test_every_zero_decides_once():
     assert not any(planner.due(step) for step in range(100))
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(warmup_steps=0), "Adaptive: warmup_steps must be >= 1, got 0"),
-    (dict(every=-1), "Adaptive: every must be >= 0, got -1"),
-    (dict(pin={"a": "int8"}), "pin maps parameter names to one of"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(warmup_steps=0), "Adaptive: warmup_steps must be >= 1, got 0"),
+        (dict(every=-1), "Adaptive: every must be >= 0, got -1"),
+        (dict(pin={"a": "int8"}), "pin maps parameter names to one of"),
+    ],
+)
 def test_bad_options_name_the_parameter(options, message):
     with pytest.raises(ValueError, match=message):
         Adaptive(**options)
@@ -215,17 +245,19 @@ def test_pins_of_tensors_sent_whole_are_refused():
 
 
 def test_a_mix_of_paths_must_be_clearly_faster_than_one_path():
-    links = _links(latency=1e-4, seconds_per_byte=1 / 12.5e6)   # 100 Mbit/s
+    links = _links(latency=1e-4, seconds_per_byte=1 / 12.5e6)  # 100 Mbit/s
     # Large and cheap to compress, then small with a codec that costs more than its bytes.
     big = _tensor("big", 0.0, 40, codec_cpu=(0.01, 0.01))
     small = _tensor("small", 0.0, 0.1, codec_cpu=(0.1, 0.1))
     mixed = {"big": "codec", "small": "fp32"}
-    assert simulate([big, small], mixed, links) < \
-        simulate([big, small], uniform([big, small], "codec"), links)
+    assert simulate([big, small], mixed, links) < simulate(
+        [big, small], uniform([big, small], "codec"), links
+    )
     # The mix saves 0.2 s of 0.42 s: taken. Where the small tensor's codec costs 0.05 s a
     # side, the mix would save 0.05 s of 0.27 s (18%): one path.
     assert choose([big, small], links) == mixed
     cheaper_small = _tensor("small", 0.0, 0.1, codec_cpu=(0.05, 0.05))
-    assert simulate([big, cheaper_small], mixed, links) < \
-        simulate([big, cheaper_small], uniform([big, cheaper_small], "codec"), links)
+    assert simulate([big, cheaper_small], mixed, links) < simulate(
+        [big, cheaper_small], uniform([big, cheaper_small], "codec"), links
+    )
     assert choose([big, cheaper_small], links) == {"big": "codec", "small": "codec"}

@@ -1,5 +1,6 @@
 """The adaptive mode in real Horovod jobs: the same decisions on every rank, pins, a late
 rank at the probe, and error feedback kept whole when a tensor leaves its codec."""
+
 import pytest
 import torch
 
@@ -24,15 +25,17 @@ def _adaptive_run():
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
         compression=hc.TernGrad(min_size=1000, compress_classifier=False),
-        adaptive=hc.Adaptive(warmup_steps=WARMUP, every=EVERY,
-                             pin={"middle.weight": "codec"}))
+        adaptive=hc.Adaptive(warmup_steps=WARMUP, every=EVERY, pin={"middle.weight": "codec"}),
+    )
     data = torch.Generator().manual_seed(100 + hvd.rank())
     reports, routes = [], []
     for step in range(STEPS):
@@ -46,8 +49,11 @@ def _adaptive_run():
         stats = optimizer.compression_stats()
         reports.append(stats["adaptive"])
         routes.append({name: route for name, _, route, _ in stats["tensors"]})
-    return {"reports": reports, "routes": routes,
-            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    return {
+        "reports": reports,
+        "routes": routes,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+    }
 
 
 def _leave_codec(codec, exchange, switch_at=3, steps=5):
@@ -57,16 +63,21 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     local = []
     model.hidden.weight.register_post_accumulate_grad_hook(
-        lambda p: local.append(p.grad.detach().clone()))
+        lambda p: local.append(p.grad.detach().clone())
+    )
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
-        compression=codec, exchange=exchange,
-        adaptive=hc.Adaptive(warmup_steps=100, pin={}))
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model.named_parameters(),
+        compression=codec,
+        exchange=exchange,
+        adaptive=hc.Adaptive(warmup_steps=100, pin={}),
+    )
     pipeline = optimizer._hvdc_pipeline
     data = torch.Generator().manual_seed(200 + hvd.rank())
     exchanged, residuals = [], []
@@ -80,9 +91,13 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.synchronize()
         exchanged.append(model.hidden.weight.grad.detach().clone())
-        residuals.append(sorted(name for memory in (pipeline.worker_memory,
-                                                    pipeline.server_memory)
-                                for name in memory.residuals))
+        residuals.append(
+            sorted(
+                name
+                for memory in (pipeline.worker_memory, pipeline.server_memory)
+                for name in memory.residuals
+            )
+        )
         with optimizer.skip_synchronize():
             optimizer.step()
     return {"local": local, "exchanged": exchanged, "residuals": residuals}
@@ -92,9 +107,12 @@ def _leave_codec_runs():
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
-    return {exchange: _leave_codec(hc.BlockSign(min_size=1000), exchange)
-            for exchange in ("allgather", "sharded")}
+    return {
+        exchange: _leave_codec(hc.BlockSign(min_size=1000), exchange)
+        for exchange in ("allgather", "sharded")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +130,22 @@ def test_every_rank_takes_the_same_decisions(adaptive_runs):
     # every EVERY steps.
     tried = first["reports"][WARMUP - 1]["judging"]
     second_decision = WARMUP + (TRIAL_STEPS if tried else 0) + EVERY
-    assert decided == [None] * (WARMUP - 1) + [WARMUP] * (second_decision - WARMUP) + \
-        [second_decision] * (STEPS + 1 - second_decision)
+    assert decided == [None] * (WARMUP - 1) + [WARMUP] * (second_decision - WARMUP) + [
+        second_decision
+    ] * (STEPS + 1 - second_decision)
     if tried:
         judged = first["reports"][WARMUP + TRIAL_STEPS - 1]
         assert not judged["judging"] and set(judged["trial"]) == {
-            "replaced_seconds", "seconds", "kept"}
+            "replaced_seconds",
+            "seconds",
+            "kept",
+        }
     report = first["reports"][-1]
     assert set(report["predicted_seconds"]) == {"chosen", "codec", "fp16", "fp32"}
-    assert report["predicted_seconds"]["chosen"] <= min(
-        report["predicted_seconds"][p] for p in ("codec", "fp16", "fp32")) + 1e-12
+    assert (
+        report["predicted_seconds"]["chosen"]
+        <= min(report["predicted_seconds"][p] for p in ("codec", "fp16", "fp32")) + 1e-12
+    )
 
 
 def test_pinned_tensor_keeps_its_codec(adaptive_runs):
@@ -147,15 +171,14 @@ def test_leaving_the_codec_delivers_every_residual():
         first, second = (result[exchange] for result in results)
         steps = len(first["exchanged"])
         for step in range(steps):
-            torch.testing.assert_close(first["exchanged"][step], second["exchanged"][step],
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                first["exchanged"][step], second["exchanged"][step], rtol=0, atol=0
+            )
         true_sum = sum((a + b) / 2 for a, b in zip(first["local"], second["local"]))
         sent_sum = sum(first["exchanged"])
-        before_switch = sum((a + b) / 2 for a, b in zip(first["local"][:3],
-                                                        second["local"][:3]))
+        before_switch = sum((a + b) / 2 for a, b in zip(first["local"][:3], second["local"][:3]))
         # Before the switch the codec held something back; after it, nothing.
-        assert not torch.allclose(sum(first["exchanged"][:3]), before_switch, atol=1e-5), \
-            exchange
+        assert not torch.allclose(sum(first["exchanged"][:3]), before_switch, atol=1e-5), exchange
         torch.testing.assert_close(sent_sum, true_sum, rtol=1e-5, atol=1e-6)
         assert "hidden.weight" in first["residuals"][2], exchange
         assert "hidden.weight" not in first["residuals"][3], exchange

@@ -2,6 +2,7 @@
 (2 workers, the MNIST-1D CNN, 100 Mbit/s links, a few steps). Benchmarks are not tests;
 this only checks the harness end to end, on shaped network namespaces when this process may
 create them (root) and on localhost otherwise, which the harness must say."""
+
 import json
 
 import pytest
@@ -10,10 +11,28 @@ from benchmarks import bench, network
 
 pytestmark = pytest.mark.multiprocess
 
-SMOKE = ["--workers", "2", "--rates", "100M", "--models", "cnn",
-         "--methods", "hvd-none,terngrad,terngrad-auto,ef-sign,ddp-fp16", "--steps", "2",
-         "--bare-repeats", "1", "--accuracy-workers", "2", "--accuracy-steps", "4",
-         "--accuracy-methods", "terngrad", "--timeout", "600"]
+SMOKE = [
+    "--workers",
+    "2",
+    "--rates",
+    "100M",
+    "--models",
+    "cnn",
+    "--methods",
+    "hvd-none,terngrad,terngrad-auto,ef-sign,ddp-fp16",
+    "--steps",
+    "2",
+    "--bare-repeats",
+    "1",
+    "--accuracy-workers",
+    "2",
+    "--accuracy-steps",
+    "4",
+    "--accuracy-methods",
+    "terngrad",
+    "--timeout",
+    "600",
+]
 
 
 def _run(tmp_path, capsys, *extra):
@@ -32,8 +51,7 @@ def _check_results(result, tmp_path):
         row = rows[codec]
         assert row["sent"] < none["sent"] / 5
         # The collectives the probe recorded carry exactly the cost model's bytes.
-        event = next(e for e in result["events"]
-                     if e["kind"] == "step" and e["method"] == codec)
+        event = next(e for e in result["events"] if e["kind"] == "step" and e["method"] == codec)
         assert event["bare_sent"] == pytest.approx(row["sent"])
         assert row["codec"] is not None and row["wait"] >= 0
     # The adaptive row decided (after its warm-up at this rate) and faces the fastest of the
@@ -43,8 +61,9 @@ def _check_results(result, tmp_path):
     assert auto["fastest"] == min(steps, key=steps.get)
     assert auto["adaptive"]["decided_at_step"] is not None
     assert sum(auto["adaptive"]["counts"].values()) == len(auto["adaptive"]["paths"])
-    assert "the adaptive mode against the fastest fixed choice" in \
-        (tmp_path / "bench.md").read_text()
+    assert (
+        "the adaptive mode against the fastest fixed choice" in (tmp_path / "bench.md").read_text()
+    )
     accuracy = [e for e in result["events"] if e["kind"] == "accuracy"]
     assert [e["method"] for e in accuracy] == ["terngrad"]
     assert [p[1] for p in accuracy[0]["points"]] == list(range(1, 5))
@@ -78,8 +97,15 @@ def test_bench_smoke(tmp_path, capsys):
 
 @pytest.mark.timeout(900)
 def test_bench_falls_back_to_localhost(tmp_path, capsys):
-    result, out = _run(tmp_path, capsys, "--localhost", "--methods", "hvd-none,terngrad",
-                       "--no-accuracy", "--no-op-counts")
+    result, out = _run(
+        tmp_path,
+        capsys,
+        "--localhost",
+        "--methods",
+        "hvd-none,terngrad",
+        "--no-accuracy",
+        "--no-op-counts",
+    )
     assert "falling back to localhost" in out
     assert result["network"].startswith("localhost")
     assert {row["method"] for row in result["rows"]} == {"hvd-none", "terngrad"}

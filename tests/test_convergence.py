@@ -17,6 +17,7 @@ signals a run's gap to its baseline moves from seed to seed. At 3000 steps, seed
 heavy-ball codecs gave single gaps of -1.4 to +0.8 points (README, Results), and a 1-point
 bound failed 3 of those 20 runs.
 """
+
 import json
 
 import pytest
@@ -28,8 +29,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.convergence]
 SINGLE_SEED_TOLERANCE = 0.020
 # The adaptive run is left out: on localhost it sends by fp32 what its baseline sends, and its
 # switching is tested in tests/test_adaptive_distributed.py.
-RUNS = [run for run in cli.FULL_RUNS if not run.startswith(("4:", "lm/")) and
-        not run.endswith(cli.ADAPTIVE_SUFFIX)]
+RUNS = [
+    run
+    for run in cli.FULL_RUNS
+    if not run.startswith(("4:", "lm/")) and not run.endswith(cli.ADAPTIVE_SUFFIX)
+]
 
 
 @pytest.mark.timeout(3000)  # twelve training runs of one to four minutes, one at a time
@@ -37,8 +41,9 @@ def test_runs_within_two_points_of_their_baseline_on_mnist1d(tmp_path):
     out = tmp_path / "demo.json"
     cli.main(["demo", "--runs", ",".join(RUNS), "--out", str(out), "--timeout", "900"])
     results = json.load(open(out))
-    assert [(r["model"], r["workers"], r["label"]) for r in results] == \
-        [(run.model, run.workers, run.codec) for run in cli._parse_runs(",".join(RUNS))]
+    assert [(r["model"], r["workers"], r["label"]) for r in results] == [
+        (run.model, run.workers, run.codec) for run in cli._parse_runs(",".join(RUNS))
+    ]
     for result in results:
         baseline = cli.baseline_accuracy(results, result)
         if result["label"] == cli.EXAMPLES[result["model"]].baseline:

@@ -1,4 +1,5 @@
 """The byte-count cost model and the choice of exchange."""
+
 import pytest
 
 import hvd_compress
@@ -9,13 +10,13 @@ def test_terngrad_traffic_formulas():
     codec = hvd_compress.TernGrad()
     n = 1_000_000
     gather = cost.compressed_traffic(codec, n, 4, "allgather")
-    assert gather.handed == n // 4 + 4            # 2-bit codes + the shared scale
+    assert gather.handed == n // 4 + 4  # 2-bit codes + the shared scale
     assert gather.sent == pytest.approx(3 * n / 4 + 2 * 3 / 4 * 4)
     sharded = cost.compressed_traffic(codec, n, 4, "sharded")
     # phase 1: 4 shards of n/4 codes at 2 bits; phase 2: one shard of sums in [-4, 4], 4 bits
     assert sharded.handed == n // 4 + n // 8 + 4
     reduce = cost.compressed_traffic(codec, n, 4, "allreduce")
-    assert reduce.handed == 2 * n + 4             # float16 carrier: sums up to 2048 are exact
+    assert reduce.handed == 2 * n + 4  # float16 carrier: sums up to 2048 are exact
     assert cost.compressed_traffic(codec, n, 3000, "allreduce").handed == 4 * n + 4  # int32
 
 
@@ -26,8 +27,10 @@ def test_auto_picks_the_fewest_bytes_counting_the_alltoall_latency():
     assert cost.choose_exchanges(hvd_compress.FP16(), [100_000], 8) == ["allreduce"]
     # At N = 4 sharded sends 3/16 of a byte per element fewer than allgather: below
     # 200k elements the saving is less than the alltoall's latency.
-    saving = (cost.compressed_traffic(codec, 100_000, 4, "allgather").sent -
-              cost.compressed_traffic(codec, 100_000, 4, "sharded").sent)
+    saving = (
+        cost.compressed_traffic(codec, 100_000, 4, "allgather").sent
+        - cost.compressed_traffic(codec, 100_000, 4, "sharded").sent
+    )
     assert 0 < saving < cost.ALLTOALL_LATENCY_BYTES
     assert cost.choose_exchanges(codec, [100_000], 4) == ["allgather"]
     assert cost.choose_exchanges(codec, [300_000], 4) == ["sharded"]
@@ -39,6 +42,7 @@ def test_auto_shards_tensors_together_once_their_savings_pay_for_the_alltoall():
 
     def sent(exchange):
         return cost.compressed_traffic(codec, n, 4, exchange).sent
+
     saving = sent("allgather") - sent("sharded")
     # Alone, a tensor saves less than the alltoall's latency; two save a little less, three
     # more than the latency of the one fusion group they share.

@@ -1,11 +1,11 @@
 """MNIST-1D is generated once per seed and read back from the cache afterwards."""
+
 import numpy as np
 
 from hvd_compress import datasets
 
 
-def test_cached_arrays_equal_generated_ones_and_a_damaged_file_is_replaced(tmp_path,
-                                                                           monkeypatch):
+def test_cached_arrays_equal_generated_ones_and_a_damaged_file_is_replaced(tmp_path, monkeypatch):
     monkeypatch.setenv("HVD_COMPRESS_CACHE", str(tmp_path))
     generated = datasets.load_mnist1d(seed=3)
     files = list(tmp_path.iterdir())

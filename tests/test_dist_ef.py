@@ -1,5 +1,6 @@
 """dist-EF-blockSGD(M): the BlockSign compressor, worker and server error feedback, and the
 worker-momentum optimizer mode, in real Horovod jobs."""
+
 import numpy as np
 import pytest
 import torch
@@ -21,14 +22,17 @@ def test_compressor_identity(block):
     scale = codec.local_scale(p)
     decoded = codec.decode(codec.encode(p, scale, None), scale, 1).astype(np.float64)
     size = codec.bucket_length(p.size)
-    blocks = [p[i:i + size].astype(np.float64) for i in range(0, p.size, size)]
+    blocks = [p[i : i + size].astype(np.float64) for i in range(0, p.size, size)]
     # ||C(p) - p||^2 = ||p||^2 - sum_b ||p_b||_1^2 / |G_b|, and ||C(p)_b||_1 = ||p_b||_1.
-    np.testing.assert_allclose(np.sum((decoded - p) ** 2),
-                               np.sum(p.astype(np.float64) ** 2) -
-                               sum(np.abs(b).sum() ** 2 / b.size for b in blocks), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.sum((decoded - p) ** 2),
+        np.sum(p.astype(np.float64) ** 2) - sum(np.abs(b).sum() ** 2 / b.size for b in blocks),
+        rtol=1e-6,
+    )
     for i, b in enumerate(blocks):
-        np.testing.assert_allclose(np.abs(decoded[i * size:i * size + b.size]).sum(),
-                                   np.abs(b).sum(), rtol=1e-6)
+        np.testing.assert_allclose(
+            np.abs(decoded[i * size : i * size + b.size]).sum(), np.abs(b).sum(), rtol=1e-6
+        )
     assert decoded[3] > 0 and decoded[500] > 0  # sign(0) = +1
 
 
@@ -38,6 +42,7 @@ def test_port_scales_match_the_float64_reference(block):
     # float64. Lengths around a run's and a block's end, half-precision inputs, and a NaN
     # or Inf that marks every block.
     import hvd_compress.pt as hc
+
     port, reference = hc.BlockSign(block), hvd_compress.BlockSign(block)
     rng = np.random.default_rng(0)
     for numel in (1024, 4095, 4097, 12_289, 1_000_003):
@@ -51,17 +56,20 @@ def test_port_scales_match_the_float64_reference(block):
         for bad in (np.nan, np.inf, -np.inf):
             x = g.copy()
             x[numel // 3] = bad
-            np.testing.assert_array_equal(port.local_scale(torch.from_numpy(x)).numpy(),
-                                          reference.local_scale(x))
+            np.testing.assert_array_equal(
+                port.local_scale(torch.from_numpy(x)).numpy(), reference.local_scale(x)
+            )
 
 
-def _train_ef(exchange, steps=50, drop_at=25, codec=None, momentum=0.9, nesterov=True,
-              weight_decay=0.0):
+def _train_ef(
+    exchange, steps=50, drop_at=25, codec=None, momentum=0.9, nesterov=True, weight_decay=0.0
+):
     """Momentum SGD with error feedback on random data (by default dist-EF-blockSGDM with
     every tensor compressed); records what the invariant needs."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     if codec is None:
         codec = hc.BlockSign(min_size=0)
@@ -71,20 +79,28 @@ def _train_ef(exchange, steps=50, drop_at=25, codec=None, momentum=0.9, nesterov
     raw = {}
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(
-            lambda p, name=name: raw.__setitem__(name, p.grad.detach().clone()))
-    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum, nesterov=nesterov,
-                           weight_decay=weight_decay)
-    optimizer = hc.DistributedOptimizer(base, model.named_parameters(), compression=codec,
-                                        exchange=exchange, error_feedback=True,
-                                        worker_momentum=True)
+            lambda p, name=name: raw.__setitem__(name, p.grad.detach().clone())
+        )
+    base = torch.optim.SGD(
+        model.parameters(), lr=0.05, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay
+    )
+    optimizer = hc.DistributedOptimizer(
+        base,
+        model.named_parameters(),
+        compression=codec,
+        exchange=exchange,
+        error_feedback=True,
+        worker_momentum=True,
+    )
     schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, [drop_at], gamma=0.1)
     data = torch.Generator().manual_seed(100 + hvd.rank())
     x0, params, grads, rates, handed = _flat(model), [], [], [], []
     for _ in range(steps):
         optimizer.zero_grad()
         x = torch.randn(8, 64, generator=data)
-        torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (8,), generator=data)
-                                          ).backward()
+        torch.nn.functional.cross_entropy(
+            model(x), torch.randint(0, 10, (8,), generator=data)
+        ).backward()
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
@@ -92,11 +108,18 @@ def _train_ef(exchange, steps=50, drop_at=25, codec=None, momentum=0.9, nesterov
         params.append(_flat(model))
         handed.append(optimizer.compression_stats()["bytes_handed"])
     state = optimizer.state_dict()["hvd_compress"]
-    return {"x0": x0, "params": params, "grads": grads, "rates": rates, "handed": handed,
-            "worker": state.get("worker", {}), "server": state.get("server", {}),
-            "names": [n for n, _ in model.named_parameters()],
-            "numel": {n: p.numel() for n, p in model.named_parameters()},
-            "expected": optimizer._hvdc_pipeline.expected_bytes()}
+    return {
+        "x0": x0,
+        "params": params,
+        "grads": grads,
+        "rates": rates,
+        "handed": handed,
+        "worker": state.get("worker", {}),
+        "server": state.get("server", {}),
+        "names": [n for n, _ in model.named_parameters()],
+        "numel": {n: p.numel() for n, p in model.named_parameters()},
+        "expected": optimizer._hvdc_pipeline.expected_bytes(),
+    }
 
 
 def _virtual_iterate_gap(results, exchange, mu=0.9):
@@ -119,8 +142,8 @@ def _virtual_iterate_gap(results, exchange, mu=0.9):
     offset = 0
     for n in names:
         size = numel[n]
-        x0 = results[0]["x0"][offset:offset + size].double()
-        xT = results[0]["params"][-1][offset:offset + size].double()
+        x0 = results[0]["x0"][offset : offset + size].double()
+        xT = results[0]["params"][-1][offset : offset + size].double()
         # Tensors sent whole, and one-way codecs' servers, keep no residual.
         zero = torch.zeros(size, dtype=torch.float64)
         worker = sum(r["worker"].get(n, zero).double() for r in results) / world
@@ -164,28 +187,31 @@ def _identity_against_sgd(steps=10):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     torch.manual_seed(0)
     ours, theirs = Net(), Net()
     theirs.load_state_dict(ours.state_dict())
     settings = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
-    opt_ours = hc.DistributedOptimizer(torch.optim.SGD(ours.parameters(), **settings),
-                                       ours.named_parameters(), compression="none",
-                                       worker_momentum=True)
+    opt_ours = hc.DistributedOptimizer(
+        torch.optim.SGD(ours.parameters(), **settings),
+        ours.named_parameters(),
+        compression="none",
+        worker_momentum=True,
+    )
     opt_theirs = torch.optim.SGD(theirs.parameters(), **settings)
     return train_side_by_side([(ours, opt_ours), (theirs, opt_theirs)], steps, 0)
 
 
 def test_identity_codec_at_one_worker_is_nesterov_sgd():
-    (ours, theirs), = run_parallel(_identity_against_sgd, 1)
+    ((ours, theirs),) = run_parallel(_identity_against_sgd, 1)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_bytes_stay_flat_from_two_to_four_workers():
     codec = hvd_compress.BlockSign()
     n = 10_000_000
-    sent = {world: cost.compressed_traffic(codec, n, world, "sharded").sent
-            for world in (2, 4, 8)}
+    sent = {world: cost.compressed_traffic(codec, n, world, "sharded").sent for world in (2, 4, 8)}
     one_way = n / 8
     # On the wire, each way (N - 1) / N of the signs: 2 (N - 1) / N x n / 8 in all, never
     # more than 2 x n / 8 (an allgather of the signs would send (N - 1) x n / 8).
@@ -193,20 +219,22 @@ def test_sharded_bytes_stay_flat_from_two_to_four_workers():
         assert value == pytest.approx(2 * (world - 1) / world * one_way, rel=1e-3)
     # Handed to Horovod: all n / 8 bytes of signs to the alltoall, with the block scale in
     # each of the N shards, and one shard (n / 8N bytes + a scale) to the allgather.
-    handed = {world: cost.compressed_traffic(codec, n, world, "sharded").handed
-              for world in (2, 4)}
+    handed = {world: cost.compressed_traffic(codec, n, world, "sharded").handed for world in (2, 4)}
     assert handed[4] == 4 * (4 + n // 32) + 4 + n // 32
     assert handed[4] <= handed[2] <= 2 * (one_way + 4 * 2)
 
 
 def test_bad_block_size_and_exchange():
     import hvd_compress.pt as hc
+
     with pytest.raises(ValueError, match="max_block_size must be >= 1"):
         hc.BlockSign(max_block_size=0)
     model = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="cannot travel by exchange='allreduce'"):
-        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                compression="ef-sign", exchange="allreduce")
+        hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), compression="ef-sign", exchange="allreduce"
+        )
     with pytest.raises(TypeError, match="worker_momentum needs a torch.optim.SGD"):
-        hc.DistributedOptimizer(torch.optim.Adam(model.parameters()), compression="ef-sign",
-                                worker_momentum=True)
+        hc.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), compression="ef-sign", worker_momentum=True
+        )

@@ -1,6 +1,7 @@
 """The Markdown files of the repository refer only to what the repository holds: every
 relative link reaches a file (and its #anchor, for Markdown targets), every `name.md` they
 mention exists, and no file names an absolute path of a machine. Fast; needs no Horovod."""
+
 import os
 import re
 from pathlib import Path
@@ -18,15 +19,20 @@ REFERENCE_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s.*)?$")
 # A Markdown file named in prose or in code: `docs/usage.md`, netsim.md.
 MD_MENTION = re.compile(r"(?<![\w/.-])((?:\.{1,2}/|[\w-]+/)*[\w.-]+\.md)\b")
 # Home directories and the work trees of particular machines, and file:// URLs.
-ABSOLUTE = re.compile(r"(?<![\w.~$}-])(/(?:work|root|home|Users|mnt|opt|scratch)/[\w.-]+"
-                      r"|file://\S+|[A-Za-z]:\\\\?[\w.-]+)")
+ABSOLUTE = re.compile(
+    r"(?<![\w.~$}-])(/(?:work|root|home|Users|mnt|opt|scratch)/[\w.-]+"
+    r"|file://\S+|[A-Za-z]:\\\\?[\w.-]+)"
+)
 EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
 def markdown_files():
     for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and
-                             d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not d.startswith(".") and d not in SKIP_DIRS and not d.endswith(".egg-info")
+        )
         for name in sorted(filenames):
             if name.endswith(".md"):
                 yield Path(dirpath, name)
@@ -121,18 +127,26 @@ def test_mentioned_markdown_files_exist(path):
 
 @pytest.mark.parametrize("path", FILES, ids=rel)
 def test_no_absolute_paths_of_a_machine(path):
-    found = [f"{rel(path)}:{number}: {match}"
-             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             for match in ABSOLUTE.findall(line)]
+    found = [
+        f"{rel(path)}:{number}: {match}"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for match in ABSOLUTE.findall(line)
+    ]
     assert not found, "absolute paths:\n" + "\n".join(found)
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path):
-    assert slug("Options of `DistributedOptimizer` (PyTorch)") == \
-        "options-of-distributedoptimizer-pytorch"
+    assert (
+        slug("Options of `DistributedOptimizer` (PyTorch)")
+        == "options-of-distributedoptimizer-pytorch"
+    )
     text = "[a](docs/nowhere.md) `[b](ignored.md)`\n```\n[c](also-ignored.md)\n```\n"
     assert [t for _, t in links(text)] == ["docs/nowhere.md"]
-    assert MD_MENTION.findall("see architecture.md and `docs/usage.md`.") == \
-        ["architecture.md", "docs/usage.md"]
-    assert ABSOLUTE.findall("in /work/main/x and /root/.cache, not /usr/local/cuda") == \
-        ["/work/main", "/root/.cache"]
+    assert MD_MENTION.findall("see architecture.md and `docs/usage.md`.") == [
+        "architecture.md",
+        "docs/usage.md",
+    ]
+    assert ABSOLUTE.findall("in /work/main/x and /root/.cache, not /usr/local/cuda") == [
+        "/work/main",
+        "/root/.cache",
+    ]

@@ -1,5 +1,6 @@
 """Horovod elastic: a 3-worker dist-EF-blockSGDM job loses a worker mid-training and finishes,
 and the residual mass the survivors hold is carried into the smaller world."""
+
 import os
 import subprocess
 
@@ -18,15 +19,38 @@ def test_losing_one_of_three_workers_keeps_the_survivors_residual_mass(tmp_path)
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
-    command = [os.path.join(BIN, "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
-               "--host-discovery-script", str(discover), "--gloo-timeout-seconds", "120",
-               # One host: elastic mode cannot compare interfaces across hosts, so name it.
-               "--network-interface", "lo",
-               os.path.join(BIN, "python"), "-m", "tests.elastic_train", str(tmp_path),
-               str(steps), str(shrink_at)]
+    command = [
+        os.path.join(BIN, "horovodrun"),
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--max-np",
+        "3",
+        "--host-discovery-script",
+        str(discover),
+        "--gloo-timeout-seconds",
+        "120",
+        # One host: elastic mode cannot compare interfaces across hosts, so name it.
+        "--network-interface",
+        "lo",
+        os.path.join(BIN, "python"),
+        "-m",
+        "tests.elastic_train",
+        str(tmp_path),
+        str(steps),
+        str(shrink_at),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    job = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=800, start_new_session=True)
+    job = subprocess.run(
+        command,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+        start_new_session=True,
+    )
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
 
     finished = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

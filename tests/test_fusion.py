@@ -1,6 +1,7 @@
 """Fusion of sharded exchanges' alltoalls (``hvd_compress.fusion``, ``hvd_compress.pt.fusion``):
 the groups it forms, and that a fused step sends the same bytes and gives the same
 parameters, bit for bit, as one alltoall per tensor."""
+
 import pytest
 import torch
 
@@ -39,14 +40,16 @@ def test_columns_follow_the_members_order_whatever_order_they_arrive_in():
     ranks (several NCCL streams); the columns, which every rank reads by the same slices,
     must not depend on it."""
     members = ["a", "b", "c", "d"]
-    rows = {m: torch.full((2, width), i, dtype=torch.uint8)
-            for i, (m, width) in enumerate(zip(members, (3, 1, 4, 2)))}
+    rows = {
+        m: torch.full((2, width), i, dtype=torch.uint8)
+        for i, (m, width) in enumerate(zip(members, (3, 1, 4, 2)))
+    }
     layouts = []
     for arrival in (["a", "b", "c", "d"], ["d", "c", "b", "a"], ["c", "a", "d", "b"]):
         group = _Recorded(members, "g")
         for member in arrival:
             if member == "b":
-                group.withdraw(member)   # on every rank alike
+                group.withdraw(member)  # on every rank alike
             else:
                 group.send(member, rows[member])
         layouts.append((dict(group.columns), [r[0, 0].item() for r in group.joined]))
@@ -64,6 +67,7 @@ def _train_fused(configs):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     results = []
     for codec, threshold in configs:
@@ -74,36 +78,48 @@ def _train_fused(configs):
         named = [(f"p{i}", p) for i, p in enumerate(params)]
         named.insert(3, ("embedding.weight", embedding.weight))
         optimizer = hc.DistributedOptimizer(
-            torch.optim.SGD([p for _, p in named], lr=0.1), named,
-            compression=codec, exchange="sharded")
+            torch.optim.SGD([p for _, p in named], lr=0.1),
+            named,
+            compression=codec,
+            exchange="sharded",
+        )
         alltoalls, original = [], hvd.alltoall_async
 
         def recording(tensor, *args, **kwargs):
             alltoalls.append(kwargs["name"])
             return original(tensor, *args, **kwargs)
+
         hvd.alltoall_async = recording
         generator = torch.Generator().manual_seed(hvd.rank())
         step_bytes = []
         try:
             for _ in range(3):
                 optimizer.zero_grad()
-                loss = sum((p * torch.randn(p.shape, generator=generator)).sum() ** 2
-                           for p in params)
+                loss = sum(
+                    (p * torch.randn(p.shape, generator=generator)).sum() ** 2 for p in params
+                )
                 loss = loss + embedding(torch.tensor([hvd.rank(), 5])).sum()
                 loss.backward()
                 optimizer.step()
                 step_bytes.append(optimizer.compression_stats()["bytes_handed"])
         finally:
             hvd.alltoall_async = original
-        results.append({"params": torch.cat([p.detach().reshape(-1) for _, p in named]),
-                        "bytes": step_bytes, "alltoalls": alltoalls})
+        results.append(
+            {
+                "params": torch.cat([p.detach().reshape(-1) for _, p in named]),
+                "bytes": step_bytes,
+                "alltoalls": alltoalls,
+            }
+        )
     return results
 
 
 @pytest.mark.multiprocess
 def test_fused_alltoalls_give_the_parameters_of_one_alltoall_per_tensor():
-    codecs = [hvd_compress.BlockSign(min_size=0),
-              hvd_compress.TernGrad(min_size=0, compress_classifier=True)]
+    codecs = [
+        hvd_compress.BlockSign(min_size=0),
+        hvd_compress.TernGrad(min_size=0, compress_classifier=True),
+    ]
     threshold = 1500  # the model's codes make several groups
     configs = [(codec, t) for codec in codecs for t in (threshold, 0)]
     per_rank = run_parallel(_train_fused, 4, configs)
@@ -131,6 +147,7 @@ def _tf_fused(thresholds, steps=2):
     import numpy as np
 
     from .tf_perceptron import tape_steps
+
     hvd.init()
     results = []
     for threshold in thresholds:
@@ -141,18 +158,24 @@ def _tf_fused(thresholds, steps=2):
         def recording(tensor, *args, **kwargs):
             alltoalls.append(kwargs["name"])
             return original(tensor, *args, **kwargs)
+
         hvd.alltoall = recording
         try:
-            for _, _, variables, pipeline in tape_steps(steps, False, compression=codec,
-                                                        exchange="sharded"):
+            for _, _, variables, pipeline in tape_steps(
+                steps, False, compression=codec, exchange="sharded"
+            ):
                 pass
         finally:
             hvd.alltoall = original
-        sharded = [(plan.name, plan.numel) for plan in pipeline.plans
-                   if plan.exchange == "sharded"]
-        results.append({"params": np.concatenate([v.numpy().ravel() for v in variables]),
-                        "alltoalls": len(alltoalls), "tensors": len(sharded),
-                        "groups": len(fusion.alltoall_groups(codec, sharded, hvd.size()))})
+        sharded = [(plan.name, plan.numel) for plan in pipeline.plans if plan.exchange == "sharded"]
+        results.append(
+            {
+                "params": np.concatenate([v.numpy().ravel() for v in variables]),
+                "alltoalls": len(alltoalls),
+                "tensors": len(sharded),
+                "groups": len(fusion.alltoall_groups(codec, sharded, hvd.size())),
+            }
+        )
     return results
 
 

@@ -3,6 +3,7 @@ the eager codec, memory, server and exchange calls they replace: ef-sign's codes
 residuals, momentum and decoded values, and TernGrad's and the QSGD family's draws, packed
 codes, residuals, partial sums and decoded values bit for bit; scales equal to the float64
 reference."""
+
 import collections
 
 import numpy as np
@@ -83,8 +84,9 @@ def test_server_step_is_the_eager_server_step(block, numel, rows):
         if residual is not None:
             eager_memory.residuals["s"] = fused_memory.residuals["s"] = residual
         p = eager_memory.compensate("s", average, ratio)
-        packed, scale = fused.server_step(ServerStep(fused_memory, "s", ratio), codec, bits,
-                                          scales, rows, numel)
+        packed, scale = fused.server_step(
+            ServerStep(fused_memory, "s", ratio), codec, bits, scales, rows, numel
+        )
         np.testing.assert_array_equal(scale.numpy(), reference.local_scale(p.numpy()))
         want_packed, want_kept = _eager_message(codec, p, scale)
         np.testing.assert_array_equal(packed.numpy(), want_packed.numpy())
@@ -96,6 +98,7 @@ def test_server_step_is_the_eager_server_step(block, numel, rows):
 def test_replicated_server_is_the_eager_server_step(numel, bad):
     from hvd_compress.pt.exchange import Allgather, Meter
     from hvd_compress.pt.packing import unpack
+
     codec, reference = hc.BlockSign(), hvd_compress.BlockSign()
     bits, scales = _server_inputs(4, numel, numel)
     if bad is not None:
@@ -155,6 +158,7 @@ def test_momentum_is_the_eager_momentum(nesterov):
 @pytest.mark.parametrize("block", [None, 7, 4096])
 def test_deferred_momentum_is_the_eager_momentum_then_compensation(nesterov, block):
     from hvd_compress.pt.momentum import WorkerMomentum
+
     codec, reference = hc.BlockSign(block), hvd_compress.BlockSign(block)
     grad, buffer = _vector(100_003, 6), _vector(100_003, 7)
     want_buffer, u = _eager_momentum(grad, buffer, 0.9, nesterov)
@@ -179,8 +183,7 @@ def test_kernels_are_only_for_cpu_float32_fixed_width_codes():
         assert not fused.applies(codec, torch.zeros(3))
 
 
-_FUSED = ("momentum", "compensated_scale", "signs_with_feedback", "server_step",
-          "scaled_signs")
+_FUSED = ("momentum", "compensated_scale", "signs_with_feedback", "server_step", "scaled_signs")
 # compensated_scale with a ``WorkerMomentum.Deferred``: momentum and compensation in one pass.
 _DEFERRED = "compensated_scale+momentum"
 
@@ -191,12 +194,15 @@ def _train_counting_kernels(enabled, exchange):
     from hvd_compress.pt import fused
 
     from .test_dist_ef import _train_ef
+
     fused.ENABLED = enabled
     calls = collections.Counter()
     for name in _FUSED:
+
         def counted(*args, _original=getattr(fused, name), _name=name, **kwargs):
             calls[_name if kwargs.get("momentum") is None else _DEFERRED] += 1
             return _original(*args, **kwargs)
+
         setattr(fused, name, counted)
     return _train_ef(exchange, steps=20)["params"][-1], dict(calls)
 
@@ -222,12 +228,17 @@ def test_optimizer_runs_the_kernels_and_trains_as_the_eager_calls(world, exchang
 
 # Every width of codes (2, 4, 8 bits), NUQSGD's every exponent, buckets that end inside a
 # byte, and (with the lengths) partial buckets and bytes.
-QUANTIZERS = [hvd_compress.TernGrad(), hvd_compress.TernGrad(clip=0),
-              hvd_compress.QSGD(bits=2, bucket_size=7), hvd_compress.QSGDInf(),
-              hvd_compress.QSGDInf(bits=8, bucket_size=100),
-              hvd_compress.NUQSGD(bits=2, bucket_size=9),
-              hvd_compress.NUQSGD(bits=3, bucket_size=9),
-              hvd_compress.NUQSGD(bucket_size=2048), hvd_compress.NUQSGD(bits=5, bucket_size=100)]
+QUANTIZERS = [
+    hvd_compress.TernGrad(),
+    hvd_compress.TernGrad(clip=0),
+    hvd_compress.QSGD(bits=2, bucket_size=7),
+    hvd_compress.QSGDInf(),
+    hvd_compress.QSGDInf(bits=8, bucket_size=100),
+    hvd_compress.NUQSGD(bits=2, bucket_size=9),
+    hvd_compress.NUQSGD(bits=3, bucket_size=9),
+    hvd_compress.NUQSGD(bucket_size=2048),
+    hvd_compress.NUQSGD(bits=5, bucket_size=100),
+]
 
 
 def _port(reference):
@@ -245,6 +256,7 @@ def _eager(call, *args):
 
 def _key(numel):
     from hvd_compress.seeding import stream_seed
+
     return stream_seed(numel, 3, 7, 11)
 
 
@@ -256,11 +268,13 @@ def test_one_generator_in_numpy_torch_and_the_kernels(numel):
     from hvd_compress.pt import seeding as pt_seeding
     from hvd_compress.pt.exchange import Meter, make_exchange
     from hvd_compress.pt.packing import unpack
-    for key in (_key(numel), 0, 2 ** 63 - 1):
+
+    for key in (_key(numel), 0, 2**63 - 1):
         want = seeding.uniforms(key, numel)
         assert want.dtype == np.float32 and ((0 <= want) & (want < 1)).all()
-        np.testing.assert_array_equal(pt_seeding.uniforms(key, numel, torch.device("cpu")).numpy(),
-                                      want)
+        np.testing.assert_array_equal(
+            pt_seeding.uniforms(key, numel, torch.device("cpu")).numpy(), want
+        )
         drawn = np.empty(numel, np.float32)
         kernels.draws(*(np.uint32(word) for word in seeding.key_words(key)), drawn)
         np.testing.assert_array_equal(drawn, want)
@@ -272,18 +286,21 @@ def test_one_generator_in_numpy_torch_and_the_kernels(numel):
         scale = codec.local_scale(g)
         u = seeding.uniforms(_key(numel), numel)
         codes = reference.encode(g.numpy(), scale.numpy(), u)
-        np.testing.assert_array_equal(_eager(codec.encode, g, scale, torch.from_numpy(u)).numpy(),
-                                      codes)
+        np.testing.assert_array_equal(
+            _eager(codec.encode, g, scale, torch.from_numpy(u)).numpy(), codes
+        )
         exchange = make_exchange("allgather", codec, numel, 1, Meter(), 1)
         packed, _ = fused.encode(codec, exchange, g, scale, _key(numel), feedback=False)
         np.testing.assert_array_equal(
-            unpack(packed.reshape(1, -1), codec.code_space, numel)[0].numpy(), codes)
+            unpack(packed.reshape(1, -1), codec.code_space, numel)[0].numpy(), codes
+        )
 
 
 def test_uniforms_are_uniform_and_streams_independent():
     """Chi-square of 2^20 draws in 256 cells, and the correlation of neighbouring draws and
     of the streams of neighbouring steps and ranks, within 5 standard errors."""
     from hvd_compress.seeding import stream_seed, uniforms
+
     n = 1 << 20
     u = uniforms(stream_seed(0, 0, 0, 0), n).astype(np.float64)
     counts = np.bincount((u * 256).astype(int), minlength=256)
@@ -298,12 +315,13 @@ def test_uniforms_are_uniform_and_streams_independent():
 def _eager_payload(codec, exchange, codes):
     """What the eager ``exchange.start`` hands over for ``codes``."""
     from hvd_compress.pt.packing import pack
+
     if exchange.name == "allreduce":
         return codec.values(codes).to(exchange.carrier)
     if exchange.name == "allgather":
         return pack(codes.reshape(1, -1), codec.code_space).reshape(-1)
     padded = codes.new_zeros(exchange.world_size * exchange.length)
-    padded[:codes.numel()] = codes
+    padded[: codes.numel()] = codes
     return pack(padded, codec.code_space)
 
 
@@ -315,6 +333,7 @@ def test_quantizer_worker_step_is_the_eager_step(reference, numel, bad):
     buckets, the sharded padding, allreduce values) and the residual."""
     from hvd_compress.pt import seeding
     from hvd_compress.pt.exchange import Meter, make_exchange
+
     codec = _port(reference)
     p = _vector(numel, numel, bad)
     scale = codec.local_scale(p)
@@ -342,6 +361,7 @@ def _received(codec, rows, numel, seed):
     """Random packed codes as ``rows`` workers send them, sliced after a head of scale
     bytes as the gathered rows are (not contiguous)."""
     from hvd_compress.pt.packing import pack
+
     space = codec.code_space
     rng = np.random.default_rng(seed)
     codes = rng.integers(-space.bound, space.bound + 1, (rows, numel)).astype(np.int8)
@@ -350,8 +370,11 @@ def _received(codec, rows, numel, seed):
 
 
 def _scales(codec, numel, rows, seed, bad):
-    scales = torch.from_numpy(np.random.default_rng(seed).uniform(
-        0.1, 2.0, (rows, codec.buckets(numel))).astype(np.float32))
+    scales = torch.from_numpy(
+        np.random.default_rng(seed)
+        .uniform(0.1, 2.0, (rows, codec.buckets(numel)))
+        .astype(np.float32)
+    )
     if bad is not None:
         scales[0, -1] = bad
     return scales
@@ -364,6 +387,7 @@ def test_allgather_eager_decode_row_by_row_is_the_kernels_sum(monkeypatch, refer
     time and accumulates, gives the kernels' in-order sum bit for bit, shared scale or own
     scales."""
     from hvd_compress.pt.exchange import Allgather, Meter
+
     world = 5
     codec = _port(reference)
     exchange = Allgather(codec, numel, world, Meter(), world)
@@ -387,6 +411,7 @@ def test_quantizer_receiving_side_is_the_eager_exchange(reference, numel, world,
     32-bit widths) and decode of the gathered sums."""
     from hvd_compress.pt.exchange import Meter, _sum_rows, make_exchange
     from hvd_compress.pt.packing import pack, unpack
+
     codec = _port(reference)
     space = codec.code_space
     rows = _received(codec, world, numel, numel + world)
@@ -395,49 +420,76 @@ def test_quantizer_receiving_side_is_the_eager_exchange(reference, numel, world,
     allreduce = make_exchange("allreduce", codec, numel, world, Meter(), world)
     for total in (_sum_rows(values).to(allreduce.carrier), _sum_rows(values)):
         eager_total = total if total.is_floating_point() else total.to(torch.int32)
-        np.testing.assert_array_equal(fused.decoded_totals(codec, total, scale, world).numpy(),
-                                      codec.decode(eager_total, scale, world).numpy())
-    np.testing.assert_array_equal(fused.decoded_sums(codec, rows, scale, world, numel).numpy(),
-                                  codec.decode(_sum_rows(values), scale, world).numpy())
+        np.testing.assert_array_equal(
+            fused.decoded_totals(codec, total, scale, world).numpy(),
+            codec.decode(eager_total, scale, world).numpy(),
+        )
+    np.testing.assert_array_equal(
+        fused.decoded_sums(codec, rows, scale, world, numel).numpy(),
+        codec.decode(_sum_rows(values), scale, world).numpy(),
+    )
     own = _scales(codec, numel, world, numel + 1, bad)
     np.testing.assert_array_equal(
         fused.decoded_own_scales(codec, rows, own, world, numel).numpy(),
-        codec.decode(values, own, world).sum(dim=0).numpy())
+        codec.decode(values, own, world).sum(dim=0).numpy(),
+    )
     sharded = make_exchange("sharded", codec, numel, world, Meter(), world)
     length, total_space = sharded.length, sharded.total_space
     received = _received(codec, world, length, numel + 2)
     summed = _sum_rows(codec.values(unpack(received, space, length)))
-    assert torch.equal(fused.summed_codes(codec, received, length, total_space),
-                       pack(summed, total_space))
-    gathered = pack(torch.from_numpy(np.random.default_rng(numel + 3).integers(
-        -total_space.bound, total_space.bound + 1, (world, length)).astype(np.int64)), total_space)
+    assert torch.equal(
+        fused.summed_codes(codec, received, length, total_space), pack(summed, total_space)
+    )
+    gathered = pack(
+        torch.from_numpy(
+            np.random.default_rng(numel + 3)
+            .integers(-total_space.bound, total_space.bound + 1, (world, length))
+            .astype(np.int64)
+        ),
+        total_space,
+    )
     total = unpack(gathered, total_space, length).reshape(-1)[:numel]
     np.testing.assert_array_equal(
         fused.decoded_segments(codec, gathered, total_space, length, scale, world, numel).numpy(),
-        codec.decode(total, scale, world).numpy())
+        codec.decode(total, scale, world).numpy(),
+    )
 
 
 def test_sum_widths_cover_every_packing():
     """The receiving-side cases above reach sums of 4, 8, 16 and 32 bits."""
     from hvd_compress.pt.exchange import Meter, make_exchange
-    widths = {make_exchange("sharded", _port(r), 100, world, Meter(), world).total_space.width
-              for r in QUANTIZERS[::2] for world in (1, 4)}
+
+    widths = {
+        make_exchange("sharded", _port(r), 100, world, Meter(), world).total_space.width
+        for r in QUANTIZERS[::2]
+        for world in (1, 4)
+    }
     assert {4, 8, 16, 32} <= widths, widths
 
 
-_QUANTIZER_KERNELS = ("local_scale", "compensated_scale", "encode", "decoded_totals",
-                      "summed_codes", "decoded_sums", "decoded_own_scales", "decoded_segments")
+_QUANTIZER_KERNELS = (
+    "local_scale",
+    "compensated_scale",
+    "encode",
+    "decoded_totals",
+    "summed_codes",
+    "decoded_sums",
+    "decoded_own_scales",
+    "decoded_segments",
+)
 # Every exchange of the quantizers, with and without error feedback, at N = 4: the
 # allreduce's float16 carrier, the allgather's shared (TernGrad) and own (QSGD) scales, the
 # sharded sums of 4, 8 and 16 bits. Every tensor compressed: sums of codes are exact, where
 # Horovod's float sums of tensors sent whole depend on what its fusion buffer held.
 _WHOLE = {"min_size": 0, "compress_classifier": True}
-_QUANTIZER_RUNS = [(hvd_compress.TernGrad(**_WHOLE), "allreduce", True),
-                   (hvd_compress.TernGrad(**_WHOLE), "allgather", False),
-                   (hvd_compress.TernGrad(**_WHOLE), "sharded", False),
-                   (hvd_compress.QSGDInf(**_WHOLE), "allgather", True),
-                   (hvd_compress.QSGD(bits=3, bucket_size=700, **_WHOLE), "sharded", True),
-                   (hvd_compress.NUQSGD(bucket_size=2048, **_WHOLE), "sharded", False)]
+_QUANTIZER_RUNS = [
+    (hvd_compress.TernGrad(**_WHOLE), "allreduce", True),
+    (hvd_compress.TernGrad(**_WHOLE), "allgather", False),
+    (hvd_compress.TernGrad(**_WHOLE), "sharded", False),
+    (hvd_compress.QSGDInf(**_WHOLE), "allgather", True),
+    (hvd_compress.QSGD(bits=3, bucket_size=700, **_WHOLE), "sharded", True),
+    (hvd_compress.NUQSGD(bucket_size=2048, **_WHOLE), "sharded", False),
+]
 
 
 def _train_quantizers_counting_kernels(enabled):
@@ -447,15 +499,23 @@ def _train_quantizers_counting_kernels(enabled):
     from hvd_compress.pt import fused
 
     from .test_pt_distributed import _train
+
     fused.ENABLED = enabled
     calls = collections.Counter()
     for name in _QUANTIZER_KERNELS:
+
         def counted(*args, _original=getattr(fused, name), _name=name, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
+
         setattr(fused, name, counted)
-    runs = [[(r["exchanged"], r["params"]) for r in _train(codec, exchange, error_feedback=ef)[
-        "records"]] for codec, exchange, ef in _QUANTIZER_RUNS]
+    runs = [
+        [
+            (r["exchanged"], r["params"])
+            for r in _train(codec, exchange, error_feedback=ef)["records"]
+        ]
+        for codec, exchange, ef in _QUANTIZER_RUNS
+    ]
     return runs, dict(calls)
 
 

@@ -1,5 +1,6 @@
 """The language-model task: the corpus split and the example's run through the demo's table
 (a few steps at N = 2; the demo measures the full schedule)."""
+
 import math
 
 import pytest
@@ -14,7 +15,7 @@ def test_corpus_is_split_by_file_without_test_suites():
     assert files == sorted(files, key=lambda p: p.as_posix())
     assert not any({"test", "tests", "idle_test", "site-packages"} & set(p.parts) for p in files)
     train, validation = corpus.load_stdlib_text()
-    held_out = files[::corpus.VALIDATION_EVERY]
+    held_out = files[:: corpus.VALIDATION_EVERY]
     assert validation.size == sum(p.stat().st_size + 1 for p in held_out)
     assert train.size == sum(p.stat().st_size + 1 for p in files) - validation.size
     assert train.size > 5 * validation.size > 5_000_000
@@ -24,9 +25,17 @@ def _lm_runs():
     import horovod.torch as hvd
 
     from hvd_compress.examples import lm_torch
+
     hvd.init()
-    return [dict(lm_torch.main(["--compression", codec, "--steps", "6", "--warmup", "2"]),
-                 model="lm", label=codec, optimizer="adamw") for codec in ("none", "terngrad")]
+    return [
+        dict(
+            lm_torch.main(["--compression", codec, "--steps", "6", "--warmup", "2"]),
+            model="lm",
+            label=codec,
+            optimizer="adamw",
+        )
+        for codec in ("none", "terngrad")
+    ]
 
 
 @pytest.mark.multiprocess
@@ -39,5 +48,7 @@ def test_language_model_trains_and_reports_bits_per_byte():
     assert none["compression_ratio"] == 1 and terngrad["compression_ratio"] > 5
     table = cli.format_table(results)
     versus = terngrad["validation_bits_per_byte"] - none["validation_bits_per_byte"]
-    assert f"| adamw | terngrad | {terngrad['validation_bits_per_byte']:.3f} bits/byte | " \
-           f"{versus:+.3f} bits/byte |" in table
+    assert (
+        f"| adamw | terngrad | {terngrad['validation_bits_per_byte']:.3f} bits/byte | "
+        f"{versus:+.3f} bits/byte |" in table
+    )

@@ -1,4 +1,5 @@
 """CELGC local SGD with per-worker gradient clipping (``LocalClipSGD``) in real Horovod jobs."""
+
 import collections
 import contextlib
 import copy
@@ -40,14 +41,17 @@ def _batch(rank, step):
 def _counting_calls(hvd):
     """Counts the calls of Horovod's grouped allreduces by the name they are given."""
     calls = collections.Counter()
-    originals = {name: getattr(hvd, name)
-                 for name in ("grouped_allreduce_async", "grouped_allreduce_async_")}
+    originals = {
+        name: getattr(hvd, name) for name in ("grouped_allreduce_async", "grouped_allreduce_async_")
+    }
 
     def counted(real):
         def call(tensors, **kwargs):
             calls[kwargs.get("name")] += 1
             return real(tensors, **kwargs)
+
         return call
+
     for name, real in originals.items():
         setattr(hvd, name, counted(real))
     try:
@@ -64,11 +68,18 @@ def _train(sync_every, clipping, compression, steps=STEPS, model_class=Net, **op
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     torch.manual_seed(hvd.rank())  # different on every rank until the broadcast
     model = model_class()
-    optimizer = hc.LocalClipSGD(torch.optim.SGD(model.parameters(), lr=LR), model,
-                                clip=CLIP, sync_every=sync_every, clipping=clipping,
-                                compression=compression, **options)
+    optimizer = hc.LocalClipSGD(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        clip=CLIP,
+        sync_every=sync_every,
+        clipping=clipping,
+        compression=compression,
+        **options,
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     local = []
@@ -82,27 +93,45 @@ def _train(sync_every, clipping, compression, steps=STEPS, model_class=Net, **op
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
             state = optimizer.state_dict()["hvd_compress"]
-            records.append({"before": before, "local": local[-1], "after": _flat(model),
-                            "bytes": optimizer.last_step_bytes,
-                            "residuals": state.get("pipeline", {}).get("worker", {}),
-                            "buffers": {n: b.clone() for n, b in model.named_buffers()}})
+            records.append(
+                {
+                    "before": before,
+                    "local": local[-1],
+                    "after": _flat(model),
+                    "bytes": optimizer.last_step_bytes,
+                    "residuals": state.get("pipeline", {}).get("worker", {}),
+                    "buffers": {n: b.clone() for n, b in model.named_buffers()},
+                }
+            )
     stats = optimizer.compression_stats()
-    return {"records": records, "syncs": optimizer.syncs, "counts": dict(calls),
-            "local_steps": optimizer.local_steps, "tensors": stats["tensors"],
-            "uncompressed": stats["bytes_uncompressed"],
-            "names": [(n, p.numel()) for n, p in model.named_parameters()]}
+    return {
+        "records": records,
+        "syncs": optimizer.syncs,
+        "counts": dict(calls),
+        "local_steps": optimizer.local_steps,
+        "tensors": stats["tensors"],
+        "uncompressed": stats["bytes_uncompressed"],
+        "names": [(n, p.numel()) for n, p in model.named_parameters()],
+    }
 
 
-UNCOMPRESSED = [(4, "local", "none"), (4, "max", "none"), (3, "global_average", "none"),
-                (1, "local", "none")]
-COMPRESSED = [(2, "local", {"name": "terngrad", "min_size": 100}),
-              (2, "local", {"name": "ef-sign", "min_size": 100})]
+UNCOMPRESSED = [
+    (4, "local", "none"),
+    (4, "max", "none"),
+    (3, "global_average", "none"),
+    (1, "local", "none"),
+]
+COMPRESSED = [
+    (2, "local", {"name": "terngrad", "min_size": 100}),
+    (2, "local", {"name": "ef-sign", "min_size": 100}),
+]
 
 
 def _train_many(configs):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     results = []
     for sync_every, clipping, compression in configs:
@@ -174,10 +203,13 @@ def test_rounds_agree_steps_are_clipped_and_collectives_counted(world):
     # BatchNorm running statistics are averaged at rounds unless average_buffers=False.
     for results, averaged in ((runs[-2], True), (runs[-1], False)):
         buffers = [r["records"][1]["buffers"] for r in results]
-        assert torch.equal(buffers[0]["norm.num_batches_tracked"],
-                           buffers[1]["norm.num_batches_tracked"])
-        assert torch.equal(buffers[0]["norm.running_mean"],
-                           buffers[1]["norm.running_mean"]) == averaged
+        assert torch.equal(
+            buffers[0]["norm.num_batches_tracked"], buffers[1]["norm.num_batches_tracked"]
+        )
+        assert (
+            torch.equal(buffers[0]["norm.running_mean"], buffers[1]["norm.running_mean"])
+            == averaged
+        )
 
 
 def _check_error_feedback(results, sync_every):
@@ -192,16 +224,27 @@ def _check_error_feedback(results, sync_every):
     def mean_residual(step):
         if step < 0:
             return 0
-        return torch.cat([sum(r["records"][step]["residuals"].get(name, torch.zeros(numel))
-                              .reshape(-1).double() for r in results) / world
-                          for name, numel in names])
+        return torch.cat(
+            [
+                sum(
+                    r["records"][step]["residuals"]
+                    .get(name, torch.zeros(numel))
+                    .reshape(-1)
+                    .double()
+                    for r in results
+                )
+                / world
+                for name, numel in names
+            ]
+        )
 
     previous = -1
     for step in range(sync_every - 1, STEPS, sync_every):
         moved = sum(r["records"][step]["local"].double() for r in results) / world
         after = results[0]["records"][step]["after"].double()
-        torch.testing.assert_close(after + mean_residual(step), moved + mean_residual(previous),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            after + mean_residual(step), moved + mean_residual(previous), rtol=0, atol=1e-6
+        )
         previous = step
 
 
@@ -212,6 +255,7 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.085):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     settings = dict(lr=lr, momentum=0.9, weight_decay=1e-3)
     results = {}
@@ -219,11 +263,18 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.085):
         torch.manual_seed(0)
         ours, theirs = Net(), Net()
         theirs.load_state_dict(ours.state_dict())
-        opt_ours = hc.LocalClipSGD(torch.optim.SGD(ours.parameters(), **settings), ours,
-                                   clip=clip, sync_every=1, clipping=clipping)
+        opt_ours = hc.LocalClipSGD(
+            torch.optim.SGD(ours.parameters(), **settings),
+            ours,
+            clip=clip,
+            sync_every=1,
+            clipping=clipping,
+        )
         opt_theirs = torch.optim.SGD(theirs.parameters(), **settings)
-        schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5)
-                     for o in (opt_ours, opt_theirs)]
+        schedules = [
+            torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5)
+            for o in (opt_ours, opt_theirs)
+        ]
         clipped = []
         for step in range(steps):
             x, y = _batch(0, step)
@@ -231,8 +282,11 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.085):
                 optimizer.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
             eta = opt_theirs.param_groups[0]["lr"]
-            norm = float(torch.linalg.vector_norm(
-                torch.cat([p.grad.reshape(-1) for p in theirs.parameters()])))
+            norm = float(
+                torch.linalg.vector_norm(
+                    torch.cat([p.grad.reshape(-1) for p in theirs.parameters()])
+                )
+            )
             opt_theirs.param_groups[0]["lr"] = min(eta, clip * eta / lr / norm)
             clipped.append(opt_theirs.param_groups[0]["lr"] < eta)
             opt_theirs.step()
@@ -257,14 +311,20 @@ def _resume(split, steps=10, compression="none"):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
 
     def build():
         torch.manual_seed(0)
         model = Net()
-        optimizer = hc.LocalClipSGD(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-                                    model, clip=CLIP, sync_every=4, clipping="max",
-                                    compression=compression)
+        optimizer = hc.LocalClipSGD(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+            model,
+            clip=CLIP,
+            sync_every=4,
+            clipping="max",
+            compression=compression,
+        )
         return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)
 
     def run(model, optimizer, schedule, start, stop):
@@ -287,8 +347,7 @@ def _resume(split, steps=10, compression="none"):
     for part, state in zip(second, checkpoint):
         part.load_state_dict(state)
     run(*second, split, steps)
-    return {"straight": _flat(straight[0]), "resumed": _flat(second[0]),
-            "initialized": initialized}
+    return {"straight": _flat(straight[0]), "resumed": _flat(second[0]), "initialized": initialized}
 
 
 @pytest.mark.parametrize("compression", ["none", "terngrad"])
@@ -302,11 +361,13 @@ def test_state_dict_resumes_mid_period_bitwise(compression):
 
 def test_bad_options_name_the_parameter():
     import hvd_compress.pt as hc
+
     model = torch.nn.Linear(3, 3)
 
     def make(optimizer=None, **options):
         optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
         return hc.LocalClipSGD(optimizer, model, **{"clip": 1.0, **options})
+
     for clip in (0.0, -1.0):
         with pytest.raises(ValueError, match=r"clip \(gamma\) must be > 0"):
             make(clip=clip)
@@ -316,8 +377,9 @@ def test_bad_options_name_the_parameter():
         make(sync_every=0)
     with pytest.raises(TypeError, match="sync_every must be an integer"):
         make(sync_every=2.5)
-    with pytest.raises(ValueError, match="clipping must be one of 'local', 'global_average', "
-                                         "'max'; got 'global'"):
+    with pytest.raises(
+        ValueError, match="clipping must be one of 'local', 'global_average', 'max'; got 'global'"
+    ):
         make(clipping="global")
     with pytest.raises(ValueError, match="compression must be one of"):
         make(compression="zip")
@@ -326,5 +388,4 @@ def test_bad_options_name_the_parameter():
     with pytest.raises(ValueError, match="learning rate of parameter group 0 must be > 0"):
         make(torch.optim.SGD(model.parameters(), lr=0.0))
     with pytest.raises(TypeError, match="model must be the torch.nn.Module"):
-        hc.LocalClipSGD(torch.optim.SGD(model.parameters(), lr=0.1), model.parameters(),
-                        clip=1.0)
+        hc.LocalClipSGD(torch.optim.SGD(model.parameters(), lr=0.1), model.parameters(), clip=1.0)

@@ -1,4 +1,5 @@
 """A job started by OpenMPI's mpirun that hands Horovod an mpi4py communicator."""
+
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ pytestmark = pytest.mark.multiprocess
 def _train_on_mpi4py_comm():
     import horovod.torch as hvd
     from mpi4py import MPI
+
     hvd.init(comm=MPI.COMM_WORLD)
     assert hvd.mpi_enabled() and hvd.size() == MPI.COMM_WORLD.Get_size()
     return _train(hvd_compress.TernGrad(**TERNGRAD), "sharded")

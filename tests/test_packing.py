@@ -1,4 +1,5 @@
 """The wire format of integer codes: numpy reference and PyTorch port, byte for byte."""
+
 import numpy as np
 import pytest
 import torch
@@ -76,8 +77,16 @@ def test_rows_pack_independently():
 
 
 def test_widths_and_sums():
-    assert [IntCodes(b).width for b in (1, 2, 7, 8, 127, 128, 32767, 32768)] == \
-        [2, 4, 4, 8, 8, 16, 16, 32]
+    assert [IntCodes(b).width for b in (1, 2, 7, 8, 127, 128, 32767, 32768)] == [
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        16,
+        32,
+    ]
     assert IntCodes(1).summed(4) == IntCodes(4)
     assert IntCodes(1).allreduce_carrier(2, ("float16", "int32")) == "float16"
     assert IntCodes(1).allreduce_carrier(2049, ("float16", "int32")) == "int32"

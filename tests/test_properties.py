@@ -1,6 +1,7 @@
 """Property-based tests (hypothesis) of every codec over shapes, dtypes and parameter ranges:
 each input either round-trips through scales, codes, the packed wire format and decoding, or
 is refused with a clear error; and summed codes never overflow their carrier."""
+
 import numpy as np
 import pytest
 import torch
@@ -16,25 +17,37 @@ from hvd_compress.pt import elias, packing
 # Hyperparameters of every codec that has codes, including out-of-range values.
 HYPERPARAMETERS = {
     "fp16": st.just({}),
-    "terngrad": st.fixed_dictionaries({"clip": st.sampled_from([0.0, 1.0, 2.5, 10.0]),
-                                       "min_size": st.integers(0, 5)}),
-    "qsgd": st.fixed_dictionaries({"bits": st.integers(0, 9),
-                                   "bucket_size": st.integers(0, 300), "min_size": st.just(0),
-                                   "wire": st.sampled_from(["fixed", "elias"])}),
-    "qsgd-inf": st.fixed_dictionaries({"bits": st.integers(0, 9),
-                                       "bucket_size": st.integers(0, 300),
-                                       "min_size": st.just(0)}),
-    "nuqsgd": st.fixed_dictionaries({"bits": st.integers(0, 6),
-                                     "bucket_size": st.integers(0, 300), "min_size": st.just(0),
-                                     "wire": st.sampled_from(["fixed", "elias"])}),
-    "ef-sign": st.fixed_dictionaries({"max_block_size": st.one_of(st.none(), st.integers(0, 64)),
-                                      "min_size": st.just(0)}),
+    "terngrad": st.fixed_dictionaries(
+        {"clip": st.sampled_from([0.0, 1.0, 2.5, 10.0]), "min_size": st.integers(0, 5)}
+    ),
+    "qsgd": st.fixed_dictionaries(
+        {
+            "bits": st.integers(0, 9),
+            "bucket_size": st.integers(0, 300),
+            "min_size": st.just(0),
+            "wire": st.sampled_from(["fixed", "elias"]),
+        }
+    ),
+    "qsgd-inf": st.fixed_dictionaries(
+        {"bits": st.integers(0, 9), "bucket_size": st.integers(0, 300), "min_size": st.just(0)}
+    ),
+    "nuqsgd": st.fixed_dictionaries(
+        {
+            "bits": st.integers(0, 6),
+            "bucket_size": st.integers(0, 300),
+            "min_size": st.just(0),
+            "wire": st.sampled_from(["fixed", "elias"]),
+        }
+    ),
+    "ef-sign": st.fixed_dictionaries(
+        {"max_block_size": st.one_of(st.none(), st.integers(0, 64)), "min_size": st.just(0)}
+    ),
 }
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-SHAPES = st.one_of(st.just(()), st.just((0,)), st.lists(st.integers(1, 37), min_size=1,
-                                                         max_size=3).map(tuple))
-PROPERTY = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SHAPES = st.one_of(
+    st.just(()), st.just((0,)), st.lists(st.integers(1, 37), min_size=1, max_size=3).map(tuple)
+)
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _tensor(shape, dtype, magnitude, transpose, seed):
@@ -46,9 +59,14 @@ def _tensor(shape, dtype, magnitude, transpose, seed):
 
 @pytest.mark.parametrize("name", sorted(HYPERPARAMETERS))
 @PROPERTY
-@given(data=st.data(), shape=SHAPES, dtype=st.sampled_from(DTYPES),
-       magnitude=st.sampled_from([0.0, 1e-30, 1e-12, 1e-3, 1.0, 1e4]), transpose=st.booleans(),
-       seed=st.integers(0, 2 ** 16))
+@given(
+    data=st.data(),
+    shape=SHAPES,
+    dtype=st.sampled_from(DTYPES),
+    magnitude=st.sampled_from([0.0, 1e-30, 1e-12, 1e-3, 1.0, 1e4]),
+    transpose=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_round_trip_through_the_wire(name, data, shape, dtype, magnitude, transpose, seed):
     params = data.draw(HYPERPARAMETERS[name])
     try:
@@ -61,8 +79,11 @@ def test_round_trip_through_the_wire(name, data, shape, dtype, magnitude, transp
     if not codec.compresses(flat.numel()):
         return  # sent whole by the optimizer's plain allreduce
     scale = codec.local_scale(flat) if codec.scaled else None
-    uniforms = torch.rand(flat.shape, generator=torch.Generator().manual_seed(seed)) \
-        if codec.stochastic else None
+    uniforms = (
+        torch.rand(flat.shape, generator=torch.Generator().manual_seed(seed))
+        if codec.stochastic
+        else None
+    )
     codes = codec.encode(flat, scale, uniforms)
     if codec.wire == "elias":
         wire = elias.encode(codes)
@@ -93,10 +114,14 @@ def test_round_trip_through_the_wire(name, data, shape, dtype, magnitude, transp
         g = flat.numpy()
         ref_scale = reference.local_scale(g) if codec.scaled else None
         np.testing.assert_allclose(ref_scale, scale.numpy(), rtol=1e-6)
-        ref_codes = reference.encode(g, scale.numpy(),
-                                     None if uniforms is None else uniforms.numpy())
-        ref_wire = hvd_compress.elias.encode(ref_codes) if codec.wire == "elias" else \
-            np_packing.pack(ref_codes.reshape(1, -1), codec.code_space)
+        ref_codes = reference.encode(
+            g, scale.numpy(), None if uniforms is None else uniforms.numpy()
+        )
+        ref_wire = (
+            hvd_compress.elias.encode(ref_codes)
+            if codec.wire == "elias"
+            else np_packing.pack(ref_codes.reshape(1, -1), codec.code_space)
+        )
         np.testing.assert_array_equal(ref_wire, wire.numpy())
 
 
@@ -105,11 +130,18 @@ def _numpy(x):
 
 
 @PROPERTY
-@given(shape=SHAPES, dtype=st.sampled_from(DTYPES), bin_length=st.integers(1, 600),
-       magnitude=st.sampled_from([0.0, 1e-30, 1e-3, 1.0, 1e4]), transpose=st.booleans(),
-       zero_bins=st.booleans(), seed=st.integers(0, 2 ** 16))
-def test_adacomp_messages_round_trip(shape, dtype, bin_length, magnitude, transpose, zero_bins,
-                                     seed):
+@given(
+    shape=SHAPES,
+    dtype=st.sampled_from(DTYPES),
+    bin_length=st.integers(1, 600),
+    magnitude=st.sampled_from([0.0, 1e-30, 1e-3, 1.0, 1e4]),
+    transpose=st.booleans(),
+    zero_bins=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_adacomp_messages_round_trip(
+    shape, dtype, bin_length, magnitude, transpose, zero_bins, seed
+):
     codec, reference = hc.AdaComp(min_size=0), hvd_compress.AdaComp(min_size=0)
     grad = _tensor(shape, dtype, magnitude, transpose, seed)
     compensated = grad + _tensor(shape, dtype, magnitude, transpose, seed + 1)
@@ -135,14 +167,19 @@ def test_adacomp_messages_round_trip(shape, dtype, bin_length, magnitude, transp
         ref_selected = reference.select(_numpy(compensated), _numpy(grad), bin_length)
         np.testing.assert_array_equal(ref_selected, selected.numpy())
         np.testing.assert_array_equal(
-            reference.encode_message(_numpy(compensated), ref_selected, bin_length),
-            message.numpy())
+            reference.encode_message(_numpy(compensated), ref_selected, bin_length), message.numpy()
+        )
 
 
 @PROPERTY
-@given(shape=SHAPES, dtype=st.sampled_from(DTYPES), data=st.data(),
-       magnitude=st.sampled_from([0.0, 1e-30, 1.0, 1e4]), transpose=st.booleans(),
-       seed=st.integers(0, 2 ** 16))
+@given(
+    shape=SHAPES,
+    dtype=st.sampled_from(DTYPES),
+    data=st.data(),
+    magnitude=st.sampled_from([0.0, 1e-30, 1.0, 1e4]),
+    transpose=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_clt_k_selects_exactly_the_largest(shape, dtype, data, magnitude, transpose, seed):
     x = _tensor(shape, dtype, magnitude, transpose, seed)
     numel = x.numel()
@@ -160,8 +197,8 @@ def test_clt_k_selects_exactly_the_largest(shape, dtype, data, magnitude, transp
     if k < numel:
         assert magnitude[taken].min() >= magnitude[~taken].max()
     np.testing.assert_array_equal(
-        hvd_compress.CyclicLocalTopK(ratio=ratio, min_size=0).top_k(_numpy(x), k),
-        indices.numpy())
+        hvd_compress.CyclicLocalTopK(ratio=ratio, min_size=0).top_k(_numpy(x), k), indices.numpy()
+    )
 
 
 @pytest.mark.parametrize("name", sorted(HYPERPARAMETERS))
@@ -177,9 +214,16 @@ def test_integer_tensors_pass_through_horovods_hook(name, dtype):
     assert torch.equal(codec.decompress(compressed, context), x)
 
 
-@pytest.mark.parametrize("name,params", [("terngrad", {}), ("qsgd", {"bits": 8}),
-                                         ("qsgd-inf", {"bits": 8}), ("nuqsgd", {"bits": 5}),
-                                         ("fp16", {})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("terngrad", {}),
+        ("qsgd", {"bits": 8}),
+        ("qsgd-inf", {"bits": 8}),
+        ("nuqsgd", {"bits": 5}),
+        ("fp16", {}),
+    ],
+)
 @pytest.mark.parametrize("world", [2, 3, 127, 128, 1024, 2047, 2048])
 def test_summed_codes_fit_their_carrier_up_to_2048_workers(name, params, world):
     codec = hvd_compress.CODECS[name](**params)
@@ -197,4 +241,3 @@ def test_summed_codes_fit_their_carrier_up_to_2048_workers(name, params, world):
     summed = space.summed(world)
     extremes = torch.tensor([[-summed.bound, summed.bound, 0, 1 - summed.bound]])
     assert torch.equal(packing.unpack(packing.pack(extremes, summed), summed, 4), extremes.int())
-

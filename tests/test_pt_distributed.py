@@ -1,4 +1,5 @@
 """The PyTorch DistributedOptimizer in real Horovod jobs of 2 and 4 processes over Gloo."""
+
 import numpy as np
 import pytest
 import torch
@@ -32,13 +33,22 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _train(codec, exchange, steps=3, passes=1, clip_norm=None, nan_at=None, op="average",
-           error_feedback=None):
+def _train(
+    codec,
+    exchange,
+    steps=3,
+    passes=1,
+    clip_norm=None,
+    nan_at=None,
+    op="average",
+    error_feedback=None,
+):
     """Trains ``Net`` on random data of this rank; records, each step, the local gradient,
     the exchanged gradient and the parameters."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     torch.manual_seed(0)
     model = Net()
@@ -46,8 +56,12 @@ def _train(codec, exchange, steps=3, passes=1, clip_norm=None, nan_at=None, op="
     local = {}
 
     def capture(p, name):
-        if nan_at is not None and hvd.rank() == 1 and len(records) == nan_at and \
-                name == "hidden.weight":
+        if (
+            nan_at is not None
+            and hvd.rank() == 1
+            and len(records) == nan_at
+            and name == "hidden.weight"
+        ):
             p.grad[3, 5] = float("nan")
         local[name] = p.grad.detach().clone()
 
@@ -55,9 +69,14 @@ def _train(codec, exchange, steps=3, passes=1, clip_norm=None, nan_at=None, op="
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: capture(p, name))
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
-        compression=codec, exchange=exchange, backward_passes_per_step=passes,
-        op=hvd.Average if op == "average" else hvd.Sum, error_feedback=error_feedback)
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model.named_parameters(),
+        compression=codec,
+        exchange=exchange,
+        backward_passes_per_step=passes,
+        op=hvd.Average if op == "average" else hvd.Sum,
+        error_feedback=error_feedback,
+    )
     data = torch.Generator().manual_seed(100 + hvd.rank())
     for _ in range(steps):
         optimizer.zero_grad()
@@ -71,11 +90,21 @@ def _train(codec, exchange, steps=3, passes=1, clip_norm=None, nan_at=None, op="
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         with optimizer.skip_synchronize():
             optimizer.step()
-        records.append({"local": dict(local), "exchanged": exchanged, "params": _flat(model),
-                        "bytes": optimizer.compression_stats()["bytes_handed"]})
+        records.append(
+            {
+                "local": dict(local),
+                "exchanged": exchanged,
+                "params": _flat(model),
+                "bytes": optimizer.compression_stats()["bytes_handed"],
+            }
+        )
     stats = optimizer.compression_stats()
-    return {"records": records, "expected_bytes": optimizer._hvdc_pipeline.expected_bytes(),
-            "tensors": stats["tensors"], "rank": hvd.rank()}
+    return {
+        "records": records,
+        "expected_bytes": optimizer._hvdc_pipeline.expected_bytes(),
+        "tensors": stats["tensors"],
+        "rank": hvd.rank(),
+    }
 
 
 def _reference(results, codec, step, average=True):
@@ -89,10 +118,14 @@ def _reference(results, codec, step, average=True):
             total = np.sum(np.stack(grads), axis=0)
             expected[name] = (total / world if average else total, exchange)
             continue
-        uniforms = [seeding.uniforms(stream_seed(0, rank, step, index), grads[rank].size)
-                    for rank in range(world)]
-        expected[name] = (simulate.exchange_step(codec, grads, uniforms, exchange, average),
-                          exchange)
+        uniforms = [
+            seeding.uniforms(stream_seed(0, rank, step, index), grads[rank].size)
+            for rank in range(world)
+        ]
+        expected[name] = (
+            simulate.exchange_step(codec, grads, uniforms, exchange, average),
+            exchange,
+        )
     return expected
 
 
@@ -120,8 +153,9 @@ def _check_consistent_and_exact(results, codec, average=True):
 def test_terngrad_ranks_agree_and_match_reference(world, exchange):
     results = run_parallel(_train, world, hvd_compress.TernGrad(**TERNGRAD), exchange)
     tensors = {name: (ex, reason) for name, _, ex, reason in results[0]["tensors"]}
-    assert tensors["hidden.weight"][1] == "compressed" and tensors["middle.weight"][1] == \
-        "compressed"
+    assert (
+        tensors["hidden.weight"][1] == "compressed" and tensors["middle.weight"][1] == "compressed"
+    )
     assert tensors["out.weight"][1] == "excluded"  # the classifier
     assert tensors["hidden.bias"][1].endswith("< min_size 1000")
     if exchange == "auto":
@@ -130,9 +164,11 @@ def test_terngrad_ranks_agree_and_match_reference(world, exchange):
     _check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
 
 
-QSGD_FAMILY = [hvd_compress.QSGDInf(bits=4, bucket_size=512, min_size=1000),
-               hvd_compress.NUQSGD(bits=4, bucket_size=2048, min_size=1000),
-               hvd_compress.QSGD(bits=3, bucket_size=700, min_size=1000)]
+QSGD_FAMILY = [
+    hvd_compress.QSGDInf(bits=4, bucket_size=512, min_size=1000),
+    hvd_compress.NUQSGD(bits=4, bucket_size=2048, min_size=1000),
+    hvd_compress.QSGD(bits=3, bucket_size=700, min_size=1000),
+]
 
 
 def _train_many(configs):
@@ -141,8 +177,11 @@ def _train_many(configs):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_qsgd_family_ranks_agree_and_match_reference(world):
-    configs = [(codec, exchange) for codec in QSGD_FAMILY
-               for exchange in ("allgather", "allreduce", "sharded", "auto")]
+    configs = [
+        (codec, exchange)
+        for codec in QSGD_FAMILY
+        for exchange in ("allgather", "allreduce", "sharded", "auto")
+    ]
     configs += [(hvd_compress.NUQSGD(bucket_size=1000, min_size=1000, wire="elias"), "auto")]
     per_rank = run_parallel(_train_many, world, configs)
     for (codec, exchange), results in zip(configs, zip(*per_rank)):
@@ -159,8 +198,9 @@ def test_fp16_and_sum_op_and_accumulation():
 
 
 def test_backward_passes_and_clipping_through_synchronize():
-    results = run_parallel(_train, 2, hvd_compress.TernGrad(**TERNGRAD), "sharded", steps=3,
-                           passes=2, clip_norm=0.05)
+    results = run_parallel(
+        _train, 2, hvd_compress.TernGrad(**TERNGRAD), "sharded", steps=3, passes=2, clip_norm=0.05
+    )
     _check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
     # Clipping acted on the exchanged gradient: the step moved the weights by at most
     # lr * clip_norm * (1 + momentum terms) in norm.
@@ -173,14 +213,19 @@ def _compare_with_horovod(steps=4):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     torch.manual_seed(0)
     ours, theirs = Net(), Net()
     theirs.load_state_dict(ours.state_dict())
-    opt_ours = hc.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9),
-                                       ours.named_parameters(), compression="none")
+    opt_ours = hc.DistributedOptimizer(
+        torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9),
+        ours.named_parameters(),
+        compression="none",
+    )
     opt_theirs = hvd.DistributedOptimizer(
-        torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9), theirs.named_parameters())
+        torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9), theirs.named_parameters()
+    )
     return train_side_by_side([(ours, opt_ours), (theirs, opt_theirs)], steps, hvd.rank())
 
 
@@ -207,11 +252,15 @@ def _broadcast_after_checkpoint(tmpdir):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     torch.manual_seed(hvd.rank())  # different initial weights on every rank
     model = Net()
-    optimizer = hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                        model.named_parameters(), compression="terngrad")
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model.named_parameters(),
+        compression="terngrad",
+    )
     if hvd.rank() == 0:
         checkpoint = torch.load(f"{tmpdir}/checkpoint.pt", weights_only=True)
         model.load_state_dict(checkpoint["model"])
@@ -233,8 +282,9 @@ def test_broadcasts_after_rank0_loads_checkpoint(tmp_path):
     torch.manual_seed(42)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    torch.nn.functional.cross_entropy(model(torch.randn(4, 64)), torch.zeros(4, dtype=torch.long)
-                                      ).backward()
+    torch.nn.functional.cross_entropy(
+        model(torch.randn(4, 64)), torch.zeros(4, dtype=torch.long)
+    ).backward()
     optimizer.step()
     state = optimizer.state_dict()
     state["hvd_compress"] = {"step": 7}
@@ -248,20 +298,23 @@ def test_broadcasts_after_rank0_loads_checkpoint(tmp_path):
 
 
 def test_nan_on_one_rank_reaches_every_rank():
-    results = run_parallel(_train, 2, hvd_compress.TernGrad(**TERNGRAD), "allgather", steps=3,
-                           nan_at=1)
+    results = run_parallel(
+        _train, 2, hvd_compress.TernGrad(**TERNGRAD), "allgather", steps=3, nan_at=1
+    )
     for r in results:
         exchanged = r["records"][1]["exchanged"]["hidden.weight"]
         assert torch.isnan(exchanged).all()
         assert torch.isfinite(r["records"][0]["exchanged"]["hidden.weight"]).all()
-    assert torch.equal(results[0]["records"][2]["params"].isnan(),
-                       results[1]["records"][2]["params"].isnan())
+    assert torch.equal(
+        results[0]["records"][2]["params"].isnan(), results[1]["records"][2]["params"].isnan()
+    )
 
 
 def _misuse_and_sparse():
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(50, 8, sparse=True)
@@ -270,8 +323,9 @@ def _misuse_and_sparse():
     hvd.broadcast_parameters(head.state_dict(), 0)
     params = list(embedding.parameters()) + list(head.parameters())
     named = [("embedding.weight", params[0]), ("head.weight", params[1]), ("head.bias", params[2])]
-    optimizer = hc.DistributedOptimizer(torch.optim.SGD(params, lr=0.5), named,
-                                        compression=hc.TernGrad(min_size=0))
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(params, lr=0.5), named, compression=hc.TernGrad(min_size=0)
+    )
     errors = []
 
     def loss():
@@ -310,6 +364,7 @@ def _wait_for_late_rank():
     import horovod.torch as hvd
 
     from hvd_compress.pt.exchange import wait
+
     hvd.init()
     if hvd.rank() == 1:
         time.sleep(1.0)
@@ -335,13 +390,16 @@ def _backward_without_host_syncs(compression):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     device = rank_device("cuda")
     torch.manual_seed(0)
     model = Net().to(device)
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
-        compression=compression)
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model.named_parameters(),
+        compression=compression,
+    )
     x = torch.randn(8, 64, device=device)
     y = torch.randint(0, 10, (8,), device=device)
     for checked in (False, True):

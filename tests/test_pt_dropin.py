@@ -3,6 +3,7 @@ embeddings with and without ``sparse_as_dense``, ``hvd.broadcast_optimizer_state
 0 alone loaded a checkpoint (every ``torch.optim`` optimizer Horovod's own test broadcasts,
 with ``none``, TernGrad, QSGD-inf and ef-sign), and ``_parameter_names``. One 2-process job
 runs all three."""
+
 import inspect
 import io
 import itertools
@@ -18,11 +19,15 @@ pytestmark = pytest.mark.multiprocess
 # embedding once it is dense (min_size=0; the head is the classifier, sent whole), an
 # accumulation of sparse gradients over two passes, and Horovod's own case, SparseAdam on the
 # embedding alone (then the classifier, compressed only if told).
-SPARSE_CASES = [(codec, dense, 1, "SGD") for codec in ("none", "terngrad:min_size=0")
-                for dense in (False, True)] + [
-    ("ef-sign:min_size=0", True, 1, "SGD"), ("terngrad:min_size=0", True, 2, "SGD"),
-    ("none", False, 1, "SparseAdam"), ("none", True, 1, "SparseAdam"),
-    ("terngrad:min_size=0:compress_classifier=True", True, 1, "SparseAdam")]
+SPARSE_CASES = [
+    (codec, dense, 1, "SGD") for codec in ("none", "terngrad:min_size=0") for dense in (False, True)
+] + [
+    ("ef-sign:min_size=0", True, 1, "SGD"),
+    ("terngrad:min_size=0", True, 2, "SGD"),
+    ("none", False, 1, "SparseAdam"),
+    ("none", True, 1, "SparseAdam"),
+    ("terngrad:min_size=0:compress_classifier=True", True, 1, "SparseAdam"),
+]
 SPARSE_STEPS = 3
 LOOKED_UP = {0, 1, 3, 4, 5, 10, 11}  # the embedding's rows some rank looks up (``_tokens``)
 
@@ -35,9 +40,13 @@ def _broadcast_optimizers():
     """Horovod's test's optimizers, AdamW included: every optimizer of ``torch.optim`` but
     L-BFGS (which Horovod cannot broadcast), SparseAdam (sparse gradients only) and Muon (2-d
     parameters only)."""
-    return [cls for name, cls in sorted(vars(torch.optim).items())
-            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and
-            name not in ("Optimizer", "LBFGS", "SparseAdam", "Muon")]
+    return [
+        cls
+        for name, cls in sorted(vars(torch.optim).items())
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
+        and name not in ("Optimizer", "LBFGS", "SparseAdam", "Muon")
+    ]
 
 
 def _tokens(rank, step):
@@ -53,6 +62,7 @@ def _sparse_run(codec, sparse_as_dense, passes, optimizer_name):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(50, 8, sparse=True)
     head = torch.nn.Linear(8, 3)
@@ -62,9 +72,13 @@ def _sparse_run(codec, sparse_as_dense, passes, optimizer_name):
     else:
         named += [("head.weight", head.weight), ("head.bias", head.bias)]
         base = torch.optim.SGD([p for _, p in named], lr=0.5, momentum=0.9)
-    optimizer = hc.DistributedOptimizer(base, named, compression=codec,
-                                        sparse_as_dense=sparse_as_dense,
-                                        backward_passes_per_step=passes)
+    optimizer = hc.DistributedOptimizer(
+        base,
+        named,
+        compression=codec,
+        sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=passes,
+    )
     weights, sparse = [], []
     for step in range(SPARSE_STEPS):
         optimizer.zero_grad()
@@ -81,9 +95,13 @@ def _state(optimizer):
     """A copy of the optimizer's ``state`` and ``param_groups`` (the compression state
     apart): what ``hvd.broadcast_optimizer_state`` sends."""
     state = optimizer.state_dict()
-    return {"state": {pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                      for pid, s in state["state"].items()},
-            "param_groups": state["param_groups"]}
+    return {
+        "state": {
+            pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for pid, s in state["state"].items()
+        },
+        "param_groups": state["param_groups"],
+    }
 
 
 def _broadcast_run(cls, options, codec):
@@ -93,6 +111,7 @@ def _broadcast_run(cls, options, codec):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     accepted = inspect.signature(cls.__init__).parameters
     data = torch.Generator().manual_seed(hvd.rank())
 
@@ -108,8 +127,7 @@ def _broadcast_run(cls, options, codec):
     optimizer.step()
     checkpoint = io.BytesIO()
     if hvd.rank() == 0:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                   checkpoint)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint)
     model, optimizer = build()
     loaded = compression = None
     if hvd.rank() == 0:
@@ -136,6 +154,7 @@ def _resume_on_rank0(case):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     data = torch.Generator().manual_seed(hvd.rank())
     codec, adaptive = (case.split("+")[0], case.endswith("+adaptive"))
 
@@ -143,16 +162,18 @@ def _resume_on_rank0(case):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 500), torch.nn.Linear(500, 3))
         return model, hc.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
             compression=hc.CODECS[codec](min_size=100),
-            adaptive=hc.Adaptive(warmup_steps=2, every=2) if adaptive else False)
+            adaptive=hc.Adaptive(warmup_steps=2, every=2) if adaptive else False,
+        )
 
     def train(model, optimizer):
         for _ in range(RESUME_STEPS):
             optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(torch.randn(4, 6, generator=data)),
-                                              torch.randint(0, 3, (4,), generator=data)
-                                              ).backward()
+            torch.nn.functional.cross_entropy(
+                model(torch.randn(4, 6, generator=data)), torch.randint(0, 3, (4,), generator=data)
+            ).backward()
             optimizer.step()
 
     model, optimizer = build()
@@ -165,34 +186,46 @@ def _resume_on_rank0(case):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     train(model, optimizer)
-    return ([p.detach().clone() for p in model.parameters()],
-            optimizer.compression_stats()["step"])
+    return ([p.detach().clone() for p in model.parameters()], optimizer.compression_stats()["step"])
 
 
 def _parameter_names():
     """Horovod's own test of unnamed parameters (two groups, no ``named_parameters``), and
     named ones; returns the names in parameter order and in the map's order."""
     import hvd_compress.pt as hc
+
     model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
-    unnamed = hc.DistributedOptimizer(torch.optim.SGD(
-        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.001))
-    named = hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.001),
-                                    reversed(list(model.named_parameters())),
-                                    compression="terngrad")
-    return {which: ([optimizer._parameter_names[p] for p in model.parameters()],
-                    list(optimizer._parameter_names.values()))
-            for which, optimizer in (("unnamed", unnamed), ("named", named))}
+    unnamed = hc.DistributedOptimizer(
+        torch.optim.SGD(
+            [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.001
+        )
+    )
+    named = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.001),
+        reversed(list(model.named_parameters())),
+        compression="terngrad",
+    )
+    return {
+        which: (
+            [optimizer._parameter_names[p] for p in model.parameters()],
+            list(optimizer._parameter_names.values()),
+        )
+        for which, optimizer in (("unnamed", unnamed), ("named", named))
+    }
 
 
 def _dropin_job():
     import horovod.torch as hvd
+
     hvd.init()
     return {
         "sparse": [_sparse_run(*case) for case in SPARSE_CASES],
-        "broadcast": {(cls.__name__, index, codec): _broadcast_run(cls, options, codec)
-                      for cls, (index, options), codec in itertools.product(
-                          _broadcast_optimizers(), enumerate(BROADCAST_OPTIONS),
-                          BROADCAST_CODECS)},
+        "broadcast": {
+            (cls.__name__, index, codec): _broadcast_run(cls, options, codec)
+            for cls, (index, options), codec in itertools.product(
+                _broadcast_optimizers(), enumerate(BROADCAST_OPTIONS), BROADCAST_CODECS
+            )
+        },
         "names": _parameter_names(),
         "resume": {case: _resume_on_rank0(case) for case in RESUME_CASES},
     }
@@ -203,11 +236,13 @@ def job():
     return run_parallel(_dropin_job, 2, timeout=300)
 
 
-@pytest.mark.parametrize("case", range(len(SPARSE_CASES)),
-                         ids=[f"{c}/dense={d}/passes={p}/{o}" for c, d, p, o in SPARSE_CASES])
+@pytest.mark.parametrize(
+    "case",
+    range(len(SPARSE_CASES)),
+    ids=[f"{c}/dense={d}/passes={p}/{o}" for c, d, p, o in SPARSE_CASES],
+)
 def test_sparse_embedding_trains_with_and_without_sparse_as_dense(job, case):
-    (weights, sparse, (handed, whole)), (other_weights, *_) = \
-        (rank["sparse"][case] for rank in job)
+    (weights, sparse, (handed, whole)), (other_weights, *_) = (rank["sparse"][case] for rank in job)
     codec, dense = SPARSE_CASES[case][:2]
     if dense:
         # The embedding went by the dense allreduce, or compressed by the codec.
@@ -251,8 +286,9 @@ def _equal(a, b):
 def test_broadcast_after_rank0_loads_leaves_the_loaded_state_everywhere(job):
     broadcasts = job[0]["broadcast"]
     assert len(_broadcast_optimizers()) >= 12
-    assert len(broadcasts) == \
-        len(_broadcast_optimizers()) * len(BROADCAST_OPTIONS) * len(BROADCAST_CODECS)
+    assert len(broadcasts) == len(_broadcast_optimizers()) * len(BROADCAST_OPTIONS) * len(
+        BROADCAST_CODECS
+    )
     for key, (loaded, _, compression, compression_after) in broadcasts.items():
         for rank in job:
             after = rank["broadcast"][key][1]
@@ -266,8 +302,12 @@ def test_parameter_names_as_in_horovod(job):
     names = job[0]["names"]
     assert all(rank["names"] == names for rank in job)
     in_order, in_map = names["unnamed"]
-    assert in_order == ["allreduce.noname.0.0", "allreduce.noname.0.1",
-                        "allreduce.noname.1.0", "allreduce.noname.1.1"]
+    assert in_order == [
+        "allreduce.noname.0.0",
+        "allreduce.noname.0.1",
+        "allreduce.noname.1.0",
+        "allreduce.noname.1.1",
+    ]
     assert in_map == sorted(in_map)
     in_order, in_map = names["named"]
     assert in_order == ["0.weight", "0.bias", "1.weight", "1.bias"]

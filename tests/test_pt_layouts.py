@@ -3,6 +3,7 @@ in bfloat16 (Horovod's torch allreduce has no bfloat16) and a channels_last CNN 
 gradients are not contiguous, and Horovod takes contiguous tensors only). Every codec, and
 ``LocalClipSGD``, trains both for a few steps at N = 2 in one job; the parameters stay
 finite, keep their dtype and layout, and agree bitwise across the ranks."""
+
 import pytest
 import torch
 
@@ -13,8 +14,17 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 5
 # Every codec, compressing every tensor it can (min_size=0) so that the codec's own
 # collectives meet the dtype and the layout, not only the plain allreduce.
-CODECS = ("none", "fp16", "terngrad:min_size=0", "qsgd:min_size=0", "qsgd-inf:min_size=0",
-          "nuqsgd:min_size=0", "ef-sign:min_size=0", "adacomp:min_size=0", "clt-k:min_size=0")
+CODECS = (
+    "none",
+    "fp16",
+    "terngrad:min_size=0",
+    "qsgd:min_size=0",
+    "qsgd-inf:min_size=0",
+    "nuqsgd:min_size=0",
+    "ef-sign:min_size=0",
+    "adacomp:min_size=0",
+    "clt-k:min_size=0",
+)
 
 
 class ConvNet(torch.nn.Module):
@@ -48,31 +58,40 @@ def _train(kind, codec):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     # Built alike on every rank (Horovod's broadcast has no bfloat16 either).
     model = _model(kind)
     if codec == "local":
         # A round after the last step, so that the ranks agree at the end.
-        optimizer = hc.LocalClipSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                    clip=1.0, sync_every=STEPS)
+        optimizer = hc.LocalClipSGD(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, clip=1.0, sync_every=STEPS
+        )
     else:
         optimizer = hc.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            model.named_parameters(), compression=codec)
+            model.named_parameters(),
+            compression=codec,
+        )
     for step in range(STEPS):
         optimizer.zero_grad()
         x, y = _inputs(kind, hvd.rank(), step)
         torch.nn.functional.cross_entropy(model(x).float(), y).backward()
         optimizer.step()
-    return {"params": [p.detach().clone() for p in model.parameters()],
-            "channels_last": model.conv.weight.is_contiguous(
-                memory_format=torch.channels_last)}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "channels_last": model.conv.weight.is_contiguous(memory_format=torch.channels_last),
+    }
 
 
 def _runs():
     import horovod.torch as hvd
+
     hvd.init()
-    return {(kind, codec): _train(kind, codec) for kind in ("bfloat16", "channels_last")
-            for codec in CODECS + ("local",)}
+    return {
+        (kind, codec): _train(kind, codec)
+        for kind in ("bfloat16", "channels_last")
+        for codec in CODECS + ("local",)
+    }
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 """QSGD, QSGD-inf and NUQSGD against the numpy reference and the papers' bounds."""
+
 import numpy as np
 import pytest
 import torch
@@ -8,8 +9,13 @@ import hvd_compress.pt as hc
 from hvd_compress.qsgd import nuqsgd_variance_bound, qsgd_variance_bound
 from hvd_compress.seeding import stream_seed, uniforms
 
-CODECS = [("qsgd", {}), ("qsgd-inf", {}), ("nuqsgd", {"bucket_size": 2048}),
-          ("qsgd", {"bits": 2, "bucket_size": 128}), ("nuqsgd", {"bits": 5, "bucket_size": 100})]
+CODECS = [
+    ("qsgd", {}),
+    ("qsgd-inf", {}),
+    ("nuqsgd", {"bucket_size": 2048}),
+    ("qsgd", {"bits": 2, "bucket_size": 128}),
+    ("nuqsgd", {"bits": 5, "bucket_size": 100}),
+]
 
 
 def reference(name, **params):
@@ -44,17 +50,28 @@ def test_rounding_identity_and_port_agreement(name, params):
     values = ref.values(codes)
     np.testing.assert_array_equal(port.values(torch.from_numpy(codes)).numpy(), values)
     assert np.abs(values).max() <= ref.value_space.bound
-    np.testing.assert_array_equal(port.decode(torch.from_numpy(values), torch.from_numpy(scale),
-                                              2).numpy(), ref.decode(values, scale, 2))
+    np.testing.assert_array_equal(
+        port.decode(torch.from_numpy(values), torch.from_numpy(scale), 2).numpy(),
+        ref.decode(values, scale, 2),
+    )
 
 
 def _samples(codec, g, draws, seed):
     """Decoded messages of ``g`` with the draws of ``draws`` steps of the pipeline's
     streams (``seeding.uniforms``)."""
     scale = codec.local_scale(g)
-    return np.stack([codec.decode(codec.values(codec.encode(
-        g, scale, uniforms(stream_seed(seed, 0, step, 0), g.size))), scale, 1)
-        for step in range(draws)]).astype(np.float64)
+    return np.stack(
+        [
+            codec.decode(
+                codec.values(
+                    codec.encode(g, scale, uniforms(stream_seed(seed, 0, step, 0), g.size))
+                ),
+                scale,
+                1,
+            )
+            for step in range(draws)
+        ]
+    ).astype(np.float64)
 
 
 @pytest.mark.parametrize("name,params", CODECS[:3])
@@ -67,7 +84,7 @@ def test_unbiased_over_seeds(name, params):
     variance = samples.var(0)
     assert abs(error.sum()) <= 4 * np.sqrt(variance.sum() / draws)
     z = error[variance > 0] / np.sqrt(variance[variance > 0] / draws)
-    assert abs(np.mean(z ** 2) - 1) <= 4 * np.sqrt(2 / z.size) + 0.02
+    assert abs(np.mean(z**2) - 1) <= 4 * np.sqrt(2 / z.size) + 0.02
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "heavy-tailed"])
@@ -110,8 +127,9 @@ def test_one_level_qsgd_inf_is_terngrad_without_clipping():
     qsgd = reference("qsgd-inf", bits=2, bucket_size=5000)
     terngrad = hvd_compress.TernGrad(clip=0)
     np.testing.assert_array_equal(qsgd.local_scale(g), terngrad.local_scale(g))
-    np.testing.assert_array_equal(qsgd.encode(g, qsgd.local_scale(g), u),
-                                  terngrad.encode(g, terngrad.local_scale(g), u))
+    np.testing.assert_array_equal(
+        qsgd.encode(g, qsgd.local_scale(g), u), terngrad.encode(g, terngrad.local_scale(g), u)
+    )
 
 
 def test_non_finite_marks_the_tensor():
@@ -141,11 +159,18 @@ def test_bad_hyperparameters(name):
 
 def test_elias_round_trip_of_every_integer_up_to_a_million():
     from hvd_compress import elias
+
     values = np.arange(1, 1_000_001)
     code, length = elias.omega_codes(values)
     # Spot-check the bit patterns against the textbook definition ...
-    for k, want in {1: "0", 2: "100", 3: "110", 4: "101000", 16: "10100100000",
-                    1_000_000: "1010010011" + format(1_000_000, "b") + "0"}.items():
+    for k, want in {
+        1: "0",
+        2: "100",
+        3: "110",
+        4: "101000",
+        16: "10100100000",
+        1_000_000: "1010010011" + format(1_000_000, "b") + "0",
+    }.items():
         assert format(int(code[k - 1]), "b").zfill(int(length[k - 1])) == want
     # ... and decode all of them as one stream of levels (gap 1 each, positive).
     decoded = elias.decode(elias.encode(values), values.size)
@@ -156,6 +181,7 @@ def test_elias_round_trip_of_every_integer_up_to_a_million():
 def test_elias_round_trip_of_code_vectors_in_both_ports(density):
     from hvd_compress import elias
     from hvd_compress.pt import elias as pt_elias
+
     rng = np.random.default_rng(int(density * 100))
     codes = (rng.integers(-7, 8, 30_001) * (rng.random(30_001) < density)).astype(np.int8)
     data = elias.encode(codes)

@@ -6,6 +6,7 @@ The blocks are found by what makes them complete examples, not by their position
 PyTorch one imports torch and wraps an optimizer in ``DistributedOptimizer``, the Keras one
 calls ``model.fit``.
 """
+
 import os
 import re
 import sys
@@ -26,14 +27,28 @@ def readme_example(*markers):
     return found[0]
 
 
-@pytest.mark.parametrize("markers", [("import torch", "DistributedOptimizer("),
-                                     ("import keras", "model.fit(")],
-                         ids=["pytorch", "keras"])
+@pytest.mark.parametrize(
+    "markers",
+    [("import torch", "DistributedOptimizer("), ("import keras", "model.fit(")],
+    ids=["pytorch", "keras"],
+)
 def test_readme_example_runs_on_two_workers(tmp_path, markers):
     script = tmp_path / "train.py"
     script.write_text(readme_example(*markers))
-    output = run_job([os.path.join(BIN, "horovodrun"), "-np", "2", "-H", "localhost:2",
-                      "--gloo", sys.executable, str(script)],
-                     f"the README's {markers[0]} example", 300, cwd=tmp_path)
+    output = run_job(
+        [
+            os.path.join(BIN, "horovodrun"),
+            "-np",
+            "2",
+            "-H",
+            "localhost:2",
+            "--gloo",
+            sys.executable,
+            str(script),
+        ],
+        f"the README's {markers[0]} example",
+        300,
+        cwd=tmp_path,
+    )
     # Both ranks reach the example's last line, which reports the compression.
     assert len(re.findall(r"rank [01]: .*x fewer bytes", output)) == 2, output

@@ -1,5 +1,6 @@
 """ScaleCom's CLT-k: exact top-k selection (reference and PyTorch port), and real Horovod jobs
 where every rank uses the rotating leader's indices, against the numpy reference."""
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,11 @@ from .test_adacomp import assert_ranks_agree, train
 def test_top_k_is_exact_with_ties_and_nan(numel, k):
     reference, port = hvd_compress.CyclicLocalTopK(), hc.CyclicLocalTopK()
     rng = np.random.default_rng(numel + k)
-    for values in (rng.standard_normal(numel), np.round(rng.standard_normal(numel)),
-                   np.where(rng.random(numel) < 0.01, np.nan, rng.standard_normal(numel))):
+    for values in (
+        rng.standard_normal(numel),
+        np.round(rng.standard_normal(numel)),
+        np.where(rng.random(numel) < 0.01, np.nan, rng.standard_normal(numel)),
+    ):
         values = values.astype(np.float32)
         indices = reference.top_k(values, k)
         # Largest magnitudes first (NaN largest), ties to the lower index; sent ascending.
@@ -40,8 +44,9 @@ def test_bad_hyperparameters_and_misuse():
         hc.CyclicLocalTopK().compress(torch.ones(3))
     model = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="cannot travel by exchange='allgather'"):
-        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                compression="clt-k", exchange="allgather")
+        hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), compression="clt-k", exchange="allgather"
+        )
 
 
 def test_traffic_is_k_indices_and_k_values_whatever_the_world_size():
@@ -66,8 +71,10 @@ def _check_against_reference(results, codec):
         first = results[0]["records"][step]
         indices = {}
         for name in names:
-            compensated = [memory[rank, name] + r["records"][step]["local"][name].numpy().ravel()
-                           for rank, r in enumerate(results)]
+            compensated = [
+                memory[rank, name] + r["records"][step]["local"][name].numpy().ravel()
+                for rank, r in enumerate(results)
+            ]
             k = codec.k(compensated[0].size)
             index = codec.top_k(compensated[leader], k)
             indices[name] = [codec.top_k(p, k) for p in compensated]
@@ -76,13 +83,16 @@ def _check_against_reference(results, codec):
                 sent = np.zeros_like(p)
                 sent[index] = p[index]
                 total += sent
-                memory[rank, name] = (1 - codec.beta) * memory[rank, name] + \
-                    codec.beta * (p - sent)
+                memory[rank, name] = (1 - codec.beta) * memory[rank, name] + codec.beta * (p - sent)
             got = first["exchanged"][name].numpy().ravel()
             # The ring allreduce sums in another order than this loop: float32 rounding.
-            np.testing.assert_allclose(got, total / world, rtol=1e-5,
-                                       atol=1e-6 * np.abs(total).max(),
-                                       err_msg=f"{name} step {step}")
+            np.testing.assert_allclose(
+                got,
+                total / world,
+                rtol=1e-5,
+                atol=1e-6 * np.abs(total).max(),
+                err_msg=f"{name} step {step}",
+            )
             # Only the leader's indices carry values.
             assert set(np.flatnonzero(got)) <= set(index.tolist())
         chosen.append(indices)
@@ -90,8 +100,9 @@ def _check_against_reference(results, codec):
             assert r["records"][step]["bytes"] == r["records"][step]["expected"]
     for rank, r in enumerate(results):
         for name in names:
-            np.testing.assert_allclose(r["memory"][name].numpy().ravel(), memory[rank, name],
-                                       rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                r["memory"][name].numpy().ravel(), memory[rank, name], rtol=1e-5, atol=1e-6
+            )
     return chosen
 
 
@@ -105,8 +116,7 @@ def test_one_worker_is_top_k_with_error_feedback():
     for name, memory in results[0]["memory"].items():
         sent = sum(r["exchanged"][name] for r in records)
         total = sum(r["local"][name] for r in records)
-        torch.testing.assert_close(sent + memory.reshape(sent.shape), total, rtol=1e-5,
-                                   atol=1e-6)
+        torch.testing.assert_close(sent + memory.reshape(sent.shape), total, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.multiprocess
@@ -118,5 +128,7 @@ def test_ranks_use_the_rotating_leaders_indices(world):
     # The workers' own top-k differ, so whose indices were used is observable: the reference
     # above used the leader's (rank step mod N), and another choice would not have matched.
     for step, indices in enumerate(chosen):
-        assert any(not np.array_equal(own[step % world], own[(step + 1) % world])
-                   for own in indices.values())
+        assert any(
+            not np.array_equal(own[step % world], own[(step + 1) % world])
+            for own in indices.values()
+        )

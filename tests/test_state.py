@@ -1,5 +1,6 @@
 """State that survives: checkpoint and resume of every codec's compression state, and steps
 with non-finite gradients that leave no trace."""
+
 import pytest
 import torch
 
@@ -11,25 +12,34 @@ pytestmark = pytest.mark.multiprocess
 
 # (label, codec name, codec hyperparameters, error_feedback): every codec, and error feedback
 # on a one-way codec.
-CASES = [("none", "none", {}, None), ("fp16", "fp16", {}, None),
-         ("terngrad", "terngrad", {"min_size": 100}, None),
-         ("terngrad+ef", "terngrad", {"min_size": 100}, True),
-         ("qsgd", "qsgd", {"min_size": 100}, None),
-         ("qsgd-inf", "qsgd-inf", {"min_size": 100}, None),
-         ("nuqsgd-elias", "nuqsgd", {"min_size": 100, "wire": "elias"}, None),
-         ("ef-sign", "ef-sign", {"min_size": 0}, None),
-         ("adacomp", "adacomp", {}, None), ("clt-k", "clt-k", {}, None)]
+CASES = [
+    ("none", "none", {}, None),
+    ("fp16", "fp16", {}, None),
+    ("terngrad", "terngrad", {"min_size": 100}, None),
+    ("terngrad+ef", "terngrad", {"min_size": 100}, True),
+    ("qsgd", "qsgd", {"min_size": 100}, None),
+    ("qsgd-inf", "qsgd-inf", {"min_size": 100}, None),
+    ("nuqsgd-elias", "nuqsgd", {"min_size": 100, "wire": "elias"}, None),
+    ("ef-sign", "ef-sign", {"min_size": 0}, None),
+    ("adacomp", "adacomp", {}, None),
+    ("clt-k", "clt-k", {}, None),
+]
 
 
 def _setup(name, params, error_feedback, exchange="auto", device="cpu"):
     import hvd_compress.pt as hc
+
     torch.manual_seed(0)
     model = Net().to(rank_device(device))
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    optimizer = hc.DistributedOptimizer(base, model.named_parameters(),
-                                        compression=hc.CODECS[name](**params),
-                                        error_feedback=error_feedback, seed=3,
-                                        exchange=exchange)
+    optimizer = hc.DistributedOptimizer(
+        base,
+        model.named_parameters(),
+        compression=hc.CODECS[name](**params),
+        error_feedback=error_feedback,
+        seed=3,
+        exchange=exchange,
+    )
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     return model, optimizer, schedule
 
@@ -60,6 +70,7 @@ def _train_and_checkpoint(directory, steps, save_at, device):
     """Every case trains ``steps`` steps; each rank saves its own checkpoint at ``save_at``
     (worker residuals are per rank)."""
     import horovod.torch as hvd
+
     hvd.init()
     trajectories = {}
     for label, name, params, error_feedback in CASES:
@@ -68,9 +79,14 @@ def _train_and_checkpoint(directory, steps, save_at, device):
         trajectory = []
         for step in range(steps):
             if step == save_at:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "schedule": schedule.state_dict()},
-                           f"{directory}/{label}-rank{hvd.rank()}.pt")
+                torch.save(
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(),
+                    },
+                    f"{directory}/{label}-rank{hvd.rank()}.pt",
+                )
             _step(model, optimizer, schedule, step, hvd.rank())
             trajectory.append(_flat(model).cpu())
         trajectories[label] = trajectory
@@ -81,12 +97,14 @@ def _resume(directory, steps, save_at, device):
     """Resumes every case from its checkpoint, loaded the usual way: onto the CPU, whatever
     the device it was saved from (the state must follow the parameters to theirs)."""
     import horovod.torch as hvd
+
     hvd.init()
     trajectories = {}
     for label, name, params, error_feedback in CASES:
         model, optimizer, schedule = _setup(name, params, error_feedback, device=device)
-        checkpoint = torch.load(f"{directory}/{label}-rank{hvd.rank()}.pt", map_location="cpu",
-                                weights_only=True)
+        checkpoint = torch.load(
+            f"{directory}/{label}-rank{hvd.rank()}.pt", map_location="cpu", weights_only=True
+        )
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         schedule.load_state_dict(checkpoint["schedule"])
@@ -101,30 +119,41 @@ def _resume(directory, steps, save_at, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_resumed_runs_continue_bitwise_identically(tmp_path, device):
     steps, save_at = 12, 5  # the learning rate halves at steps 4 and 8
-    uninterrupted = run_parallel(_train_and_checkpoint, 2, str(tmp_path), steps, save_at,
-                                 device)
+    uninterrupted = run_parallel(_train_and_checkpoint, 2, str(tmp_path), steps, save_at, device)
     resumed = run_parallel(_resume, 2, str(tmp_path), steps, save_at, device)
     for rank in range(2):
         for label, *_ in CASES:
             for offset, params in enumerate(resumed[rank][label]):
-                assert torch.equal(params, uninterrupted[rank][label][save_at + offset]), \
-                    (label, rank, save_at + offset)
+                assert torch.equal(params, uninterrupted[rank][label][save_at + offset]), (
+                    label,
+                    rank,
+                    save_at + offset,
+                )
 
 
 def _poisoned_step(name, params, error_feedback, exchange, steps, poison_at):
     """Rank 1's loss is NaN at ``poison_at``; the usual GradScaler loop around our optimizer."""
     import horovod.torch as hvd
+
     hvd.init()
     model, optimizer, schedule = _setup(name, params, error_feedback, exchange)
     hvd.broadcast_parameters(model.state_dict(), 0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     records = []
     for step in range(steps):
-        _step(model, optimizer, schedule, step, hvd.rank(), scaler,
-              poison=step == poison_at and hvd.rank() == 1)
+        _step(
+            model,
+            optimizer,
+            schedule,
+            step,
+            hvd.rank(),
+            scaler,
+            poison=step == poison_at and hvd.rank() == 1,
+        )
         state = optimizer.state_dict()
-        records.append({"params": _flat(model), "compression": state["hvd_compress"],
-                        "sgd": state["state"]})
+        records.append(
+            {"params": _flat(model), "compression": state["hvd_compress"], "sgd": state["state"]}
+        )
     return records
 
 
@@ -133,36 +162,41 @@ def _flatten(state):
     if isinstance(state, torch.Tensor):
         return {"": state}
     if isinstance(state, dict):
-        return {f"{key}/{path}": tensor for key, value in state.items()
-                for path, tensor in _flatten(value).items()}
+        return {
+            f"{key}/{path}": tensor
+            for key, value in state.items()
+            for path, tensor in _flatten(value).items()
+        }
     return {}
 
 
 # ef-sign's servers know their result's finiteness from the server scales
 # (``_Exchange.finite``): the replicated one at N = 2 ("auto"), the sharded one.
-@pytest.mark.parametrize("label,name,params,error_feedback,exchange",
-                         [case + ("auto",) for case in CASES
-                          if case[0] in ("terngrad+ef", "ef-sign")] +
-                         [("ef-sign", "ef-sign", {"min_size": 0}, None, "sharded")])
-def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace(label, name, params,
-                                                                        error_feedback,
-                                                                        exchange):
+@pytest.mark.parametrize(
+    "label,name,params,error_feedback,exchange",
+    [case + ("auto",) for case in CASES if case[0] in ("terngrad+ef", "ef-sign")]
+    + [("ef-sign", "ef-sign", {"min_size": 0}, None, "sharded")],
+)
+def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace(
+    label, name, params, error_feedback, exchange
+):
     poison_at = 3
-    results = run_parallel(_poisoned_step, 2, name, params, error_feedback, exchange, 6,
-                           poison_at)
+    results = run_parallel(_poisoned_step, 2, name, params, error_feedback, exchange, 6, poison_at)
     for records in results:
         before, skipped = records[poison_at - 1], records[poison_at]
         assert torch.equal(skipped["params"], before["params"])
         # Residuals (worker and server), worker momentum and SGD buffers are untouched.
-        before_state, skipped_state = _flatten(before["compression"]), \
-            _flatten(skipped["compression"])
+        before_state, skipped_state = (
+            _flatten(before["compression"]),
+            _flatten(skipped["compression"]),
+        )
         assert before_state.keys() == skipped_state.keys() and before_state
         for path, tensor in before_state.items():
             assert torch.equal(tensor, skipped_state[path]), path
         for path, tensor in _flatten(before["sgd"]).items():
             assert torch.equal(tensor, _flatten(skipped["sgd"])[path]), path
         # Training goes on, finite and identical on every rank.
-        for later in records[poison_at + 1:]:
+        for later in records[poison_at + 1 :]:
             assert torch.isfinite(later["params"]).all()
             assert not torch.equal(later["params"], skipped["params"])
     for a, b in zip(*results):
@@ -173,12 +207,14 @@ def _mismatched(kind):
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
+
     hvd.init()
     model = Net() if kind != "parameters" or hvd.rank() == 0 else torch.nn.Linear(64, 10)
     codec = "terngrad" if kind != "codec" or hvd.rank() == 0 else "qsgd-inf"
     try:
-        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                model.named_parameters(), compression=codec)
+        hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=codec
+        )
     except ValueError as error:
         return str(error)
     return None

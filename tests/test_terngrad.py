@@ -1,4 +1,5 @@
 """TernGrad against the numpy reference and the paper's identities."""
+
 import numpy as np
 import pytest
 import torch
@@ -36,7 +37,8 @@ def test_torch_port_matches_reference(clip):
     total = np.stack([codes, -codes, codes]).sum(0)
     np.testing.assert_array_equal(
         port.decode(torch.from_numpy(total), torch.from_numpy(scale), 3).numpy(),
-        ref.decode(total, scale, 3))
+        ref.decode(total, scale, 3),
+    )
 
 
 def test_decoded_values_are_ternary():
@@ -53,8 +55,9 @@ def test_unbiasedness_identity_is_exact():
     g = gaussian(100_000, seed=3)
     ref = hvd_compress.TernGrad()
     s = ref.local_scale(g)
-    np.testing.assert_allclose(s * ref.probabilities(g, s), np.minimum(np.abs(g), s),
-                               rtol=1e-6, atol=0)
+    np.testing.assert_allclose(
+        s * ref.probabilities(g, s), np.minimum(np.abs(g), s), rtol=1e-6, atol=0
+    )
     port = hc.TernGrad()
     p = port.probabilities(torch.from_numpy(g), torch.from_numpy(s)).numpy()
     np.testing.assert_array_equal(p, ref.probabilities(g, s))
@@ -67,9 +70,12 @@ def test_empirical_mean_and_variance_over_seeds():
     clipped = np.clip(g, -s, s)
     draws = 4000
     # The pipeline's draws: the streams of ``draws`` steps.
-    samples = np.stack([ref.decode(ref.encode(g, s, uniforms(stream_seed(5, 0, step, 0),
-                                                              g.size)), s, 1)
-                        for step in range(draws)])
+    samples = np.stack(
+        [
+            ref.decode(ref.encode(g, s, uniforms(stream_seed(5, 0, step, 0), g.size)), s, 1)
+            for step in range(draws)
+        ]
+    )
     # Exact variance of each element: s * min(|g|, s) - min(|g|, s)^2.
     a = np.minimum(np.abs(g), s)
     variance = a * (s - a)
@@ -79,7 +85,7 @@ def test_empirical_mean_and_variance_over_seeds():
     # ... and the per-element z-scores have unit mean square (chi-square with 2000 degrees of
     # freedom: its mean is 1 +- 0.032), so no element is biased either.
     z = error[variance > 0] / np.sqrt(variance[variance > 0] / draws)
-    assert abs(np.mean(z ** 2) - 1) <= 4 * np.sqrt(2 / z.size)
+    assert abs(np.mean(z**2) - 1) <= 4 * np.sqrt(2 / z.size)
     # Variance identity, summed: sum_k |g_k| (s - |g_k|) (clipped elements contribute 0).
     total = np.sum(variance)
     measured = np.sum(samples.var(0))

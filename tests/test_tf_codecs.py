@@ -5,6 +5,7 @@ TensorFlow runs in a child process (``run_parallel(..., 1)``): this pytest proce
 imports neither framework at module level (the child imports it too). One child computes
 every case, eagerly and inside ``tf.function``; the comparisons happen here.
 """
+
 import numpy as np
 import pytest
 
@@ -16,17 +17,26 @@ from .harness import run_parallel
 
 pytestmark = pytest.mark.multiprocess
 
-CODECS = [hvd_compress.NoneCodec(), hvd_compress.FP16(), hvd_compress.TernGrad(),
-          hvd_compress.TernGrad(clip=0), hvd_compress.QSGD(), hvd_compress.QSGDInf(),
-          hvd_compress.QSGD(bits=2, bucket_size=128), hvd_compress.NUQSGD(bucket_size=2048),
-          hvd_compress.NUQSGD(bits=5, bucket_size=100), hvd_compress.NUQSGD(wire="elias"),
-          hvd_compress.QSGDInf(bits=2, bucket_size=128, wire="elias"),
-          hvd_compress.BlockSign(), hvd_compress.BlockSign(max_block_size=100)]
+CODECS = [
+    hvd_compress.NoneCodec(),
+    hvd_compress.FP16(),
+    hvd_compress.TernGrad(),
+    hvd_compress.TernGrad(clip=0),
+    hvd_compress.QSGD(),
+    hvd_compress.QSGDInf(),
+    hvd_compress.QSGD(bits=2, bucket_size=128),
+    hvd_compress.NUQSGD(bucket_size=2048),
+    hvd_compress.NUQSGD(bits=5, bucket_size=100),
+    hvd_compress.NUQSGD(wire="elias"),
+    hvd_compress.QSGDInf(bits=2, bucket_size=128, wire="elias"),
+    hvd_compress.BlockSign(),
+    hvd_compress.BlockSign(max_block_size=100),
+]
 NUMEL = 10_007
 PACKING = [(numel, bound) for numel in (0, 1, 5, 100_003) for bound in (1, 7, 100, 2048, 40000)]
 # (seed, rank, tensor index) of streams drawn at step STEP, a tensor in the traced step.
-STREAMS = [(0, 0, 0), (0, 3, 75), (-5, 1, 2), (2 ** 40, 2, 9)]
-STEP = 10 ** 6 + 3
+STREAMS = [(0, 0, 0), (0, 3, 75), (-5, 1, 2), (2**40, 2, 9)]
+STEP = 10**6 + 3
 
 
 def _inputs(index):
@@ -62,24 +72,34 @@ def _tf_cases(codecs, packing_cases):
             data = tf_packing.pack(codes[None], codec.code_space)
             unpacked = tf_packing.unpack(data, codec.code_space, NUMEL)[0]
             data = tf.reshape(tf.bitcast(data, tf.uint8) if data.dtype != tf.uint8 else data, [-1])
-        out = {"codes": codes, "data": data, "unpacked": unpacked,
-               "decoded": codec.decode(codec.values(codes)[None] * 2, scale, 2)[0]}
+        out = {
+            "codes": codes,
+            "data": data,
+            "unpacked": unpacked,
+            "decoded": codec.decode(codec.values(codes)[None] * 2, scale, 2)[0],
+        }
         if codec.scaled:
             out["scale"] = codec.local_scale(g)
         return out
 
     results = {"codecs": [], "packing": [], "errors": [], "uniforms": []}
-    misuse = [lambda: htf.TernGrad().compress(tf.zeros(3)),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="ef-sign",
-                                                  exchange="allreduce"),
-              lambda: htf.DistributedOptimizer(object(), compression="terngrad"),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="top-k"),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="ef-sign",
-                                                  error_feedback=False),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="adacomp",
-                                                  error_feedback=False),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="terngrad",
-                                                  adaptive=True)]
+    misuse = [
+        lambda: htf.TernGrad().compress(tf.zeros(3)),
+        lambda: htf.DistributedGradientTape(
+            tf.GradientTape(), compression="ef-sign", exchange="allreduce"
+        ),
+        lambda: htf.DistributedOptimizer(object(), compression="terngrad"),
+        lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="top-k"),
+        lambda: htf.DistributedGradientTape(
+            tf.GradientTape(), compression="ef-sign", error_feedback=False
+        ),
+        lambda: htf.DistributedGradientTape(
+            tf.GradientTape(), compression="adacomp", error_feedback=False
+        ),
+        lambda: htf.DistributedGradientTape(
+            tf.GradientTape(), compression="terngrad", adaptive=True
+        ),
+    ]
     for call in misuse:
         try:
             call()
@@ -90,23 +110,31 @@ def _tf_cases(codecs, packing_cases):
         codec = hvd_compress.resolve(reference, htf.CODECS)
         g, u = _inputs(index)
         scale = _scale(reference, g)
-        arguments = (tf.constant(g), None if scale is None else tf.constant(scale),
-                     tf.constant(u))
+        arguments = (tf.constant(g), None if scale is None else tf.constant(scale), tf.constant(u))
         traced = tf.function(lambda *args, codec=codec: run(codec, *args))
-        results["codecs"].append({
-            mode: {k: v.numpy() for k, v in outputs.items()}
-            for mode, outputs in (("eager", run(codec, *arguments)),
-                                  ("traced", traced(*arguments)))})
+        results["codecs"].append(
+            {
+                mode: {k: v.numpy() for k, v in outputs.items()}
+                for mode, outputs in (
+                    ("eager", run(codec, *arguments)),
+                    ("traced", traced(*arguments)),
+                )
+            }
+        )
     for numel, bound in packing_cases:
         space = IntCodes(bound)
         packed = tf_packing.pack(tf.constant(_rows(numel, bound)), space)
         unpacked = tf_packing.unpack(packed, space, numel)
         results["packing"].append((packed.numpy(), unpacked.numpy()))
     from hvd_compress.tf.pipeline import uniforms
+
     for jit_compile in (None, True):
-        draw = tf.function(lambda step: [uniforms(seed, rank, step, index, [97, 103])
-                                         for seed, rank, index in STREAMS],
-                           jit_compile=jit_compile)
+        draw = tf.function(
+            lambda step: [
+                uniforms(seed, rank, step, index, [97, 103]) for seed, rank, index in STREAMS
+            ],
+            jit_compile=jit_compile,
+        )
         results["uniforms"].append([u.numpy() for u in draw(tf.constant(STEP, tf.int64))])
     return results
 
@@ -137,13 +165,19 @@ def test_payload_bytes_equal_numpy_and_pytorch(tf_results, index):
             np.testing.assert_array_equal(got["codes"], g)
             continue
         codes = reference.encode(g, scale, u)
-        torch_codes = port.encode(torch.from_numpy(g), None if scale is None else
-                                  torch.from_numpy(scale), torch.from_numpy(u))
+        torch_codes = port.encode(
+            torch.from_numpy(g),
+            None if scale is None else torch.from_numpy(scale),
+            torch.from_numpy(u),
+        )
         if reference.wire == "elias":
             data, torch_data = elias.encode(codes), pt_elias.encode(torch_codes)
         else:
-            data = packing.pack(codes, reference.code_space) if reference.scaled or \
-                isinstance(reference.code_space, IntCodes) else codes
+            data = (
+                packing.pack(codes, reference.code_space)
+                if reference.scaled or isinstance(reference.code_space, IntCodes)
+                else codes
+            )
             torch_data = pt_packing.pack(torch_codes, reference.code_space)
         if reference.scaled:
             np.testing.assert_allclose(got["scale"], scale, rtol=1e-6, err_msg=mode)
@@ -168,6 +202,7 @@ def test_uniforms_are_the_references_in_graphs_and_xla(tf_results):
     """TensorFlow's draws, traced and compiled by XLA with the step a tensor, are
     ``seeding.uniforms`` of ``stream_seed``: those the PyTorch port draws."""
     from hvd_compress.seeding import stream_seed, uniforms
+
     for draws in tf_results["uniforms"]:
         for (seed, rank, index), got in zip(STREAMS, draws):
             want = uniforms(stream_seed(seed, rank, STEP, index), 97 * 103)

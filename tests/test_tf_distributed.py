@@ -5,6 +5,7 @@ every rank's local gradients and replayed random draws.
 
 Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
 """
+
 import numpy as np
 import pytest
 
@@ -46,16 +47,29 @@ def _tape_loop(configs, steps=3):
     for codec, exchange, traced in configs:
         records = []
         for t, (local, exchanged, variables, pipeline) in enumerate(
-                tape_steps(steps, traced, compression=codec, exchange=exchange)):
-            draws = {plan.name: uniforms(0, hvd.rank(), t, plan.index, [plan.numel]).numpy()
-                     for plan in pipeline.plans if plan.exchange != UNCOMPRESSED}
-            records.append({"local": [g.numpy() for g in local],
-                            "exchanged": [g.numpy() for g in exchanged],
-                            "params": np.concatenate([v.numpy().ravel() for v in variables]),
-                            "uniforms": draws,
-                            "bytes": int(pipeline.last_step_bytes.numpy())})
-        runs.append({"records": records, "expected_bytes": pipeline.expected_bytes(),
-                     "tensors": pipeline.compression_stats()["tensors"]})
+            tape_steps(steps, traced, compression=codec, exchange=exchange)
+        ):
+            draws = {
+                plan.name: uniforms(0, hvd.rank(), t, plan.index, [plan.numel]).numpy()
+                for plan in pipeline.plans
+                if plan.exchange != UNCOMPRESSED
+            }
+            records.append(
+                {
+                    "local": [g.numpy() for g in local],
+                    "exchanged": [g.numpy() for g in exchanged],
+                    "params": np.concatenate([v.numpy().ravel() for v in variables]),
+                    "uniforms": draws,
+                    "bytes": int(pipeline.last_step_bytes.numpy()),
+                }
+            )
+        runs.append(
+            {
+                "records": records,
+                "expected_bytes": pipeline.expected_bytes(),
+                "tensors": pipeline.compression_stats()["tensors"],
+            }
+        )
     return runs
 
 
@@ -99,18 +113,23 @@ def _check(codec, exchange, results):
         first = results[0]["records"][step]
         for other in results[1:]:
             record = other["records"][step]
-            np.testing.assert_array_equal(record["params"], first["params"],
-                                          err_msg=f"ranks differ at step {step}")
+            np.testing.assert_array_equal(
+                record["params"], first["params"], err_msg=f"ranks differ at step {step}"
+            )
             for got, want in zip(record["exchanged"], first["exchanged"]):
                 np.testing.assert_array_equal(got, want)
         if codec.two_way and exchange == "sharded":
             continue  # server blocks are cut at shard edges; ranks agreeing is the check
         for index, want in enumerate(_reference_step(codec, results, step, memory)):
             name, _, travel, _ = results[0]["tensors"][index]
-            tolerance = 1e-3 if codec.name == "fp16" or travel.startswith("allreduce (") \
-                else 1e-5
-            np.testing.assert_allclose(first["exchanged"][index], want, rtol=tolerance,
-                                       atol=1e-6, err_msg=f"{name} at step {step}")
+            tolerance = 1e-3 if codec.name == "fp16" or travel.startswith("allreduce (") else 1e-5
+            np.testing.assert_allclose(
+                first["exchanged"][index],
+                want,
+                rtol=tolerance,
+                atol=1e-6,
+                err_msg=f"{name} at step {step}",
+            )
         if codec.wire == "fixed":  # variable-length payloads have no formula
             for r in results:
                 assert r["records"][step]["bytes"] == r["expected_bytes"]

@@ -3,6 +3,7 @@
 
 Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
 """
+
 import numpy as np
 import pytest
 
@@ -14,14 +15,18 @@ from .test_validation import NOT_DEFAULT
 pytestmark = pytest.mark.multiprocess
 
 SMALL = {"min_size": 1000}
-CODECS = [hvd_compress.NoneCodec(), hvd_compress.FP16(),
-          hvd_compress.TernGrad(min_size=1000, compress_classifier=False),
-          hvd_compress.QSGD(bits=3, bucket_size=700, **SMALL),
-          hvd_compress.QSGDInf(bucket_size=512, **SMALL),
-          hvd_compress.NUQSGD(bucket_size=2048, **SMALL),
-          hvd_compress.NUQSGD(bucket_size=1000, wire="elias", **SMALL),
-          hvd_compress.BlockSign(min_size=0), hvd_compress.AdaComp(**SMALL),
-          hvd_compress.CyclicLocalTopK(**SMALL)]
+CODECS = [
+    hvd_compress.NoneCodec(),
+    hvd_compress.FP16(),
+    hvd_compress.TernGrad(min_size=1000, compress_classifier=False),
+    hvd_compress.QSGD(bits=3, bucket_size=700, **SMALL),
+    hvd_compress.QSGDInf(bucket_size=512, **SMALL),
+    hvd_compress.NUQSGD(bucket_size=2048, **SMALL),
+    hvd_compress.NUQSGD(bucket_size=1000, wire="elias", **SMALL),
+    hvd_compress.BlockSign(min_size=0),
+    hvd_compress.AdaComp(**SMALL),
+    hvd_compress.CyclicLocalTopK(**SMALL),
+]
 
 
 def _fit(codecs, batches=3, batch_size=8):
@@ -50,28 +55,50 @@ def _fit(codecs, batches=3, batch_size=8):
     runs = []
     for codec in codecs:
         keras.utils.set_random_seed(hvd.rank())
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(160, activation="relu"),
-                                  keras.layers.Dense(12, activation="relu"),
-                                  keras.layers.Dense(10)])
-        optimizer = htf.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                             compression=codec)
-        model.compile(optimizer=optimizer, jit_compile=False,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(160, activation="relu"),
+                keras.layers.Dense(12, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        optimizer = htf.DistributedOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9), compression=codec
+        )
+        model.compile(
+            optimizer=optimizer,
+            jit_compile=False,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         data = np.random.default_rng(100 + hvd.rank())
         x = data.standard_normal((batches * batch_size, 64)).astype(np.float32)
         y = data.integers(0, 10, batches * batch_size)
         recorder = Recorder()
-        history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
-                            callbacks=[BroadcastGlobalVariablesCallback(0),
-                                       MetricAverageCallback(), recorder])
+        history = model.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback(), recorder],
+        )
         stats = optimizer.compression_stats()
         path = tf.train.Checkpoint(optimizer=optimizer).write(
-            os.path.join(tempfile.mkdtemp(), "checkpoint"))
-        runs.append({"weights": recorder.weights, "loss": history.history["loss"],
-                     "bytes": stats["bytes_handed"], "step": stats["step"],
-                     "expected_bytes": optimizer._hvdc_pipeline.expected_bytes(),
-                     "tensors": stats["tensors"],
-                     "saved": [name for name, _ in tf.train.list_variables(path)]})
+            os.path.join(tempfile.mkdtemp(), "checkpoint")
+        )
+        runs.append(
+            {
+                "weights": recorder.weights,
+                "loss": history.history["loss"],
+                "bytes": stats["bytes_handed"],
+                "step": stats["step"],
+                "expected_bytes": optimizer._hvdc_pipeline.expected_bytes(),
+                "tensors": stats["tensors"],
+                "saved": [name for name, _ in tf.train.list_variables(path)],
+            }
+        )
     return runs
 
 
@@ -110,12 +137,15 @@ def _jit_compiled():
     import tensorflow as tf
 
     import hvd_compress.tf as htf
+
     hvd.init()
     x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    model.compile(optimizer=htf.DistributedOptimizer(keras.optimizers.SGD(0.1),
-                                                     compression="terngrad"),
-                  loss="mse", jit_compile=True)
+    model.compile(
+        optimizer=htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="terngrad"),
+        loss="mse",
+        jit_compile=True,
+    )
     errors = []
     try:
         model.fit(x, y, verbose=0)
@@ -127,6 +157,7 @@ def _jit_compiled():
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(model(x))
         return htf.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+
     try:
         step()
     except ValueError as error:
@@ -134,12 +165,24 @@ def _jit_compiled():
     # Horovod's keywords taken at their defaults only (test_validation checks each one).
     refusals = {}
     for wrapper, keywords in (
-            (lambda **k: htf.DistributedOptimizer(keras.optimizers.SGD(0.1), **k),
-             ("name", "device_dense", "device_sparse", "backward_passes_per_step",
-              "average_aggregated_gradients", "num_groups", "groups", "scale_local_gradients")),
-            (lambda **k: htf.DistributedGradientTape(tf.GradientTape(), **k),
-             ("device_dense", "device_sparse", "num_groups", "groups",
-              "scale_local_gradients"))):
+        (
+            lambda **k: htf.DistributedOptimizer(keras.optimizers.SGD(0.1), **k),
+            (
+                "name",
+                "device_dense",
+                "device_sparse",
+                "backward_passes_per_step",
+                "average_aggregated_gradients",
+                "num_groups",
+                "groups",
+                "scale_local_gradients",
+            ),
+        ),
+        (
+            lambda **k: htf.DistributedGradientTape(tf.GradientTape(), **k),
+            ("device_dense", "device_sparse", "num_groups", "groups", "scale_local_gradients"),
+        ),
+    ):
         wrapper()  # every default accepted
         for keyword in keywords:
             try:
@@ -159,9 +202,16 @@ def test_xla_compiled_steps_are_refused_with_the_remedy(tf_refusals):
 
 def test_horovod_keywords_other_than_their_defaults_are_refused(tf_refusals):
     _, refusals = tf_refusals
-    assert set(refusals) == {"name", "device_dense", "device_sparse", "backward_passes_per_step",
-                             "average_aggregated_gradients", "num_groups", "groups",
-                             "scale_local_gradients"}
+    assert set(refusals) == {
+        "name",
+        "device_dense",
+        "device_sparse",
+        "backward_passes_per_step",
+        "average_aggregated_gradients",
+        "num_groups",
+        "groups",
+        "scale_local_gradients",
+    }
     for keyword, error in refusals.items():
         assert f": {keyword}=" in error and "is not supported" in error
 

@@ -3,6 +3,7 @@ in real Horovod jobs; mirrors ``test_local_sgd``.
 
 Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
 """
+
 import numpy as np
 import pytest
 
@@ -24,15 +25,19 @@ def _model(keras, norm=False):
     layers = [keras.Input((64,)), keras.layers.Dense(160, activation="relu", name="hidden")]
     if norm:
         layers.append(keras.layers.BatchNormalization(name="norm"))
-    layers += [keras.layers.Dense(12, activation="relu", name="middle"),
-               keras.layers.Dense(10, name="out")]
+    layers += [
+        keras.layers.Dense(12, activation="relu", name="middle"),
+        keras.layers.Dense(10, name="out"),
+    ]
     return keras.Sequential(layers)
 
 
 def _batch(rank, step):
     data = np.random.default_rng(1000 * step + rank)
-    return (data.standard_normal((8, 64)).astype(np.float32),
-            data.integers(0, 10, 8).astype(np.int32))
+    return (
+        data.standard_normal((8, 64)).astype(np.float32),
+        data.integers(0, 10, 8).astype(np.int32),
+    )
 
 
 def _flat(variables):
@@ -48,9 +53,15 @@ def _train(hvd, keras, tf, sync_every, clipping, compression, norm=False, **opti
 
     keras.utils.set_random_seed(hvd.rank())  # different on every rank until the broadcast
     model = _model(keras, norm)
-    optimizer = htf.LocalClipSGD(keras.optimizers.SGD(LR), model, clip=CLIP,
-                                 sync_every=sync_every, clipping=clipping,
-                                 compression=compression, **options)
+    optimizer = htf.LocalClipSGD(
+        keras.optimizers.SGD(LR),
+        model,
+        clip=CLIP,
+        sync_every=sync_every,
+        clipping=clipping,
+        compression=compression,
+        **options,
+    )
     variables = model.trainable_variables
     hvd.broadcast_variables([v.value for v in model.variables], root_rank=0)
     calls, handed = {}, {}
@@ -60,6 +71,7 @@ def _train(hvd, keras, tf, sync_every, clipping, compression, norm=False, **opti
         calls[kwargs["name"]] = calls.get(kwargs["name"], 0) + 1
         handed[kwargs["name"]] = _flat(tensors)
         return real(tensors, **kwargs)
+
     hvd.grouped_allreduce = counted
     records = []
     try:
@@ -68,20 +80,33 @@ def _train(hvd, keras, tf, sync_every, clipping, compression, norm=False, **opti
             handed.clear()
             x, y = _batch(hvd.rank(), step)
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                    y, model(x, training=True), from_logits=True))
+                loss = tf.reduce_mean(
+                    keras.losses.sparse_categorical_crossentropy(
+                        y, model(x, training=True), from_logits=True
+                    )
+                )
             optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
             after = _flat(variables)
-            records.append({"before": before, "after": after,
-                            "local": handed.get("hvdc.local_sgd.parameters", after),
-                            "bytes": optimizer.last_step_bytes,
-                            "buffers": [np.asarray(b) for b in model.non_trainable_variables]})
+            records.append(
+                {
+                    "before": before,
+                    "after": after,
+                    "local": handed.get("hvdc.local_sgd.parameters", after),
+                    "bytes": optimizer.last_step_bytes,
+                    "buffers": [np.asarray(b) for b in model.non_trainable_variables],
+                }
+            )
     finally:
         hvd.grouped_allreduce = real
     stats = optimizer.compression_stats()
-    return {"records": records, "syncs": optimizer.syncs, "counts": calls,
-            "local_steps": optimizer.local_steps, "tensors": stats["tensors"],
-            "uncompressed": stats["bytes_uncompressed"]}
+    return {
+        "records": records,
+        "syncs": optimizer.syncs,
+        "counts": calls,
+        "local_steps": optimizer.local_steps,
+        "tensors": stats["tensors"],
+        "uncompressed": stats["bytes_uncompressed"],
+    }
 
 
 def _fit(hvd, keras, tf, sync_every=3, batches=7):
@@ -103,24 +128,47 @@ def _fit(hvd, keras, tf, sync_every=3, batches=7):
 
     keras.utils.set_random_seed(hvd.rank())
     model = _model(keras)
-    optimizer = htf.LocalClipSGD(keras.optimizers.SGD(LR, momentum=0.9), model, clip=CLIP,
-                                 sync_every=sync_every, clipping="max",
-                                 compression=hvd_compress.TernGrad(min_size=100))
-    model.compile(optimizer=optimizer, jit_compile=False,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    optimizer = htf.LocalClipSGD(
+        keras.optimizers.SGD(LR, momentum=0.9),
+        model,
+        clip=CLIP,
+        sync_every=sync_every,
+        clipping="max",
+        compression=hvd_compress.TernGrad(min_size=100),
+    )
+    model.compile(
+        optimizer=optimizer,
+        jit_compile=False,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     x = np.concatenate([_batch(hvd.rank(), t)[0] for t in range(batches)])
     y = np.concatenate([_batch(hvd.rank(), t)[1] for t in range(batches)])
     recorder = Recorder()
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-              callbacks=[BroadcastGlobalVariablesCallback(0), recorder])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[BroadcastGlobalVariablesCallback(0), recorder],
+    )
     path = tf.train.Checkpoint(optimizer=optimizer).write(
-        os.path.join(tempfile.mkdtemp(), "checkpoint"))
-    return {"weights": recorder.weights, "syncs": optimizer.syncs,
-            "saved": [name for name, _ in tf.train.list_variables(path)]}
+        os.path.join(tempfile.mkdtemp(), "checkpoint")
+    )
+    return {
+        "weights": recorder.weights,
+        "syncs": optimizer.syncs,
+        "saved": [name for name, _ in tf.train.list_variables(path)],
+    }
 
 
-UNCOMPRESSED = [(4, "local", "none"), (4, "max", "none"), (3, "global_average", "none"),
-                (1, "local", "none")]
+UNCOMPRESSED = [
+    (4, "local", "none"),
+    (4, "max", "none"),
+    (3, "global_average", "none"),
+    (1, "local", "none"),
+]
 COMPRESSED = [(2, "local", hvd_compress.TernGrad(min_size=100))]
 
 
@@ -128,6 +176,7 @@ def _train_many(configs):
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
+
     hvd.init()
     results = [_train(hvd, keras, tf, *config) for config in configs]
     results.append(_train(hvd, keras, tf, 2, "local", "none", norm=True))
@@ -199,8 +248,10 @@ def test_rounds_agree_steps_are_clipped_and_collectives_counted(world):
                 if is_round:
                     last_round = record["after"]
     tensors = runs[len(UNCOMPRESSED)][0]["tensors"]
-    assert {name.split("/", 1)[1] for name, _, _, reason in tensors if reason == "compressed"} \
-        >= {"hidden/kernel", "middle/kernel"}, tensors
+    assert {name.split("/", 1)[1] for name, _, _, reason in tensors if reason == "compressed"} >= {
+        "hidden/kernel",
+        "middle/kernel",
+    }, tensors
 
     # BatchNormalization's moving statistics are averaged at rounds unless
     # average_buffers=False.
@@ -211,13 +262,16 @@ def test_rounds_agree_steps_are_clipped_and_collectives_counted(world):
     # model.fit: rounds after batches 3 and 6 (compressed, "max" clipping, momentum).
     fits = [r[1] for r in per_rank]
     for batch in range(7):
-        same = all(np.array_equal(f["weights"][batch], fits[0]["weights"][batch])
-                   for f in fits[1:])
+        same = all(np.array_equal(f["weights"][batch], fits[0]["weights"][batch]) for f in fits[1:])
         assert same == ((batch + 1) % 3 == 0), batch
     assert all(f["syncs"] == 2 for f in fits)
     saved = " ".join(fits[0]["saved"])
-    for state in ("_hvdc_steps", "_hvdc_syncs", "_hvdc_anchors",
-                  "_hvdc_pipeline/worker_memory/residuals"):
+    for state in (
+        "_hvdc_steps",
+        "_hvdc_syncs",
+        "_hvdc_anchors",
+        "_hvdc_pipeline/worker_memory/residuals",
+    ):
         assert f"optimizer/{state}" in saved, (state, saved)
 
 
@@ -231,6 +285,7 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.21):
     import tensorflow as tf
 
     import hvd_compress.tf as htf
+
     hvd.init()
     settings = dict(momentum=0.9, weight_decay=1e-3)
     results = {}
@@ -239,8 +294,13 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.21):
         ours, theirs = _model(keras), _model(keras)
         theirs.set_weights(ours.get_weights())
         schedule = keras.optimizers.schedules.ExponentialDecay(lr, 4, 0.5, staircase=True)
-        opt_ours = htf.LocalClipSGD(keras.optimizers.SGD(schedule, **settings), ours,
-                                    clip=clip, sync_every=1, clipping=clipping)
+        opt_ours = htf.LocalClipSGD(
+            keras.optimizers.SGD(schedule, **settings),
+            ours,
+            clip=clip,
+            sync_every=1,
+            clipping=clipping,
+        )
         opt_theirs = keras.optimizers.SGD(lr, **settings)
         clipped = []
         for step in range(steps):
@@ -248,8 +308,9 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.21):
             grads = {}
             for model in (ours, theirs):
                 with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                        y, model(x), from_logits=True))
+                    loss = tf.reduce_mean(
+                        keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+                    )
                 grads[id(model)] = tape.gradient(loss, model.trainable_variables)
             eta = float(schedule(step))
             norm = float(tf.linalg.global_norm(grads[id(theirs)]))
@@ -262,14 +323,19 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.21):
 
     model = _model(keras)
     errors = []
-    for optimizer, options in [(None, {"clip": 0.0}), (None, {"clip": float("inf")}),
-                               (None, {"sync_every": 0}), (None, {"clipping": "global"}),
-                               (None, {"compression": "zip"}),
-                               (keras.optimizers.Adam(), {}),
-                               (keras.optimizers.SGD(0.0), {})]:
+    for optimizer, options in [
+        (None, {"clip": 0.0}),
+        (None, {"clip": float("inf")}),
+        (None, {"sync_every": 0}),
+        (None, {"clipping": "global"}),
+        (None, {"compression": "zip"}),
+        (keras.optimizers.Adam(), {}),
+        (keras.optimizers.SGD(0.0), {}),
+    ]:
         try:
-            htf.LocalClipSGD(optimizer or keras.optimizers.SGD(0.1), model,
-                             **{"clip": 1.0, **options})
+            htf.LocalClipSGD(
+                optimizer or keras.optimizers.SGD(0.1), model, **{"clip": 1.0, **options}
+            )
         except (TypeError, ValueError) as e:
             errors.append(str(e))
     return results, errors
@@ -277,15 +343,21 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.21):
 
 @pytest.mark.timeout(600)
 def test_one_worker_with_a_round_every_step_is_clipped_sgd():
-    (results, errors), = run_parallel(_against_clipped_sgd, 1, timeout=500)
+    ((results, errors),) = run_parallel(_against_clipped_sgd, 1, timeout=500)
     for clipping, (ours, theirs, clipped) in results.items():
         assert any(clipped) and not all(clipped)  # both branches of the min were taken
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6, err_msg=clipping)
     assert len(errors) == 7
-    for error, match in zip(errors, ["clip (gamma) must be > 0", "clip must be finite",
-                                     "sync_every must be >= 1, got 0",
-                                     "clipping must be one of 'local', 'global_average', "
-                                     "'max'; got 'global'", "compression must be one of",
-                                     "optimizer must be a keras.optimizers.SGD",
-                                     "the learning rate must be > 0"]):
+    for error, match in zip(
+        errors,
+        [
+            "clip (gamma) must be > 0",
+            "clip must be finite",
+            "sync_every must be >= 1, got 0",
+            "clipping must be one of 'local', 'global_average', 'max'; got 'global'",
+            "compression must be one of",
+            "optimizer must be a keras.optimizers.SGD",
+            "the learning rate must be > 0",
+        ],
+    ):
         assert match in error, (match, error)

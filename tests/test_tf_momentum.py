@@ -4,6 +4,7 @@ learning-rate drop, bitwise-equal ranks, and Keras SGD recovered with the identi
 
 Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
 """
+
 import numpy as np
 import pytest
 
@@ -15,16 +16,22 @@ MU = 0.9
 
 
 def _model(keras):
-    return keras.Sequential([keras.Input((64,)),
-                             keras.layers.Dense(160, activation="relu", name="hidden"),
-                             keras.layers.Dense(12, activation="relu", name="middle"),
-                             keras.layers.Dense(10, name="out")])
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(160, activation="relu", name="hidden"),
+            keras.layers.Dense(12, activation="relu", name="middle"),
+            keras.layers.Dense(10, name="out"),
+        ]
+    )
 
 
 def _batch(rank, step):
     data = np.random.default_rng(1000 * step + rank)
-    return (data.standard_normal((8, 64)).astype(np.float32),
-            data.integers(0, 10, 8).astype(np.int32))
+    return (
+        data.standard_normal((8, 64)).astype(np.float32),
+        data.integers(0, 10, 8).astype(np.int32),
+    )
 
 
 def _train_ef(exchange, steps=40, drop_at=20):
@@ -45,14 +52,17 @@ def _train_ef(exchange, steps=40, drop_at=20):
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([drop_at - 1], [0.05, 0.005])
     optimizer = htf.DistributedOptimizer(
         keras.optimizers.SGD(schedule, momentum=MU, nesterov=True),
-        compression=htf.BlockSign(min_size=0), exchange=exchange)
+        compression=htf.BlockSign(min_size=0),
+        exchange=exchange,
+    )
     assert optimizer._hvdc_worker_momentum  # on by default for ef-sign with momentum
 
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                y, model(x), from_logits=True))
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+            )
         grads = tape.gradient(loss, variables)
         optimizer.apply_gradients(zip(grads, variables))
         return grads
@@ -66,11 +76,16 @@ def _train_ef(exchange, steps=40, drop_at=20):
         grads.append([g.numpy().ravel() for g in step(*_batch(hvd.rank(), t))])
         params.append(flat())
     pipeline = optimizer._hvdc_pipeline
-    return {"x0": x0, "params": params, "grads": grads, "rates": rates,
-            "worker": {k: v.numpy() for k, v in pipeline.worker_memory.residuals.items()},
-            "server": {k: v.numpy() for k, v in pipeline.server_memory.residuals.items()},
-            "names": [plan.name for plan in pipeline.plans],
-            "reasons": [plan.reason for plan in pipeline.plans]}
+    return {
+        "x0": x0,
+        "params": params,
+        "grads": grads,
+        "rates": rates,
+        "worker": {k: v.numpy() for k, v in pipeline.worker_memory.residuals.items()},
+        "server": {k: v.numpy() for k, v in pipeline.server_memory.residuals.items()},
+        "names": [plan.name for plan in pipeline.plans],
+        "reasons": [plan.reason for plan in pipeline.plans],
+    }
 
 
 def _virtual_iterate_gap(results, exchange):
@@ -94,8 +109,8 @@ def _virtual_iterate_gap(results, exchange):
             server = np.concatenate([r["server"][name] for r in results]).astype(np.float64)
         else:
             server = first["server"][name].astype(np.float64)
-        x0 = first["x0"][offset:offset + size].astype(np.float64)
-        xT = first["params"][-1][offset:offset + size].astype(np.float64)
+        x0 = first["x0"][offset : offset + size].astype(np.float64)
+        xT = first["params"][-1][offset : offset + size].astype(np.float64)
         want = x0 - drift
         got = xT - last * (server + worker)
         gaps.append(float(np.abs(got - want).max() / np.abs(want).max()))
@@ -111,8 +126,11 @@ def test_worker_momentum_invariant_across_lr_drop_and_rank_consistency(world):
         assert set(results[0]["reasons"]) == {"compressed"}
         for step in range(len(results[0]["params"])):
             for r in results[1:]:
-                np.testing.assert_array_equal(r["params"][step], results[0]["params"][step],
-                                              err_msg=f"{exchange}: ranks differ at {step}")
+                np.testing.assert_array_equal(
+                    r["params"][step],
+                    results[0]["params"][step],
+                    err_msg=f"{exchange}: ranks differ at {step}",
+                )
         rates = results[0]["rates"]
         assert rates[0] == pytest.approx(10 * rates[-1])  # the drop happened
         assert _virtual_iterate_gap(results, exchange) < 1e-5, exchange
@@ -140,35 +158,48 @@ def _identity_against_sgd(steps=10):
         model = _model(keras)
         optimizer = keras.optimizers.SGD(**settings)
         if wrap:
-            optimizer = htf.DistributedOptimizer(optimizer, compression="none",
-                                                 worker_momentum=True)
+            optimizer = htf.DistributedOptimizer(
+                optimizer, compression="none", worker_momentum=True
+            )
             ours = optimizer
-        model.compile(optimizer=optimizer, jit_compile=False,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=optimizer,
+            jit_compile=False,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         weights.append(np.concatenate([w.ravel() for w in model.get_weights()]))
     path = tf.train.Checkpoint(optimizer=ours).write(os.path.join(tempfile.mkdtemp(), "ckpt"))
     saved = [name for name, _ in tf.train.list_variables(path)]
     try:
-        htf.DistributedOptimizer(keras.optimizers.Adam(), compression="ef-sign",
-                                 worker_momentum=True)
+        htf.DistributedOptimizer(
+            keras.optimizers.Adam(), compression="ef-sign", worker_momentum=True
+        )
         error = None
     except TypeError as e:
         error = str(e)
-    return {"ours": weights[0], "theirs": weights[1], "saved": saved, "error": error,
-            "default": htf.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=MU),
-                                                compression="ef-sign")._hvdc_worker_momentum,
-            "plain": htf.DistributedOptimizer(keras.optimizers.SGD(0.1),
-                                              compression="ef-sign")._hvdc_worker_momentum}
+    return {
+        "ours": weights[0],
+        "theirs": weights[1],
+        "saved": saved,
+        "error": error,
+        "default": htf.DistributedOptimizer(
+            keras.optimizers.SGD(0.1, momentum=MU), compression="ef-sign"
+        )._hvdc_worker_momentum,
+        "plain": htf.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), compression="ef-sign"
+        )._hvdc_worker_momentum,
+    }
 
 
 @pytest.mark.timeout(600)
 def test_identity_codec_at_one_worker_is_keras_nesterov_sgd_with_weight_decay():
     (r,) = run_parallel(_identity_against_sgd, 1, timeout=500)
     np.testing.assert_allclose(r["ours"], r["theirs"], rtol=1e-5, atol=1e-6)
-    assert any(name.startswith("optimizer/_hvdc_momentum/momentum/") and
-               "hidden.Skernel" in name for name in r["saved"]), r["saved"]
-    assert any(name.startswith("optimizer/_hvdc_momentum/learning_rate")
-               for name in r["saved"])
+    assert any(
+        name.startswith("optimizer/_hvdc_momentum/momentum/") and "hidden.Skernel" in name
+        for name in r["saved"]
+    ), r["saved"]
+    assert any(name.startswith("optimizer/_hvdc_momentum/learning_rate") for name in r["saved"])
     assert r["error"] == "worker_momentum needs a keras.optimizers.SGD, got Adam"
     assert r["default"] is True and r["plain"] is False

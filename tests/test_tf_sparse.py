@@ -7,6 +7,7 @@ the numpy reference replayed from every rank's local gradients.
 Every TensorFlow body runs in child processes only (see ``test_tf_codecs``): this module
 imports neither framework at module level, and the PyTorch side is imported inside the tests.
 """
+
 import numpy as np
 import pytest
 
@@ -18,8 +19,16 @@ from .tf_perceptron import tape_steps
 pytestmark = pytest.mark.multiprocess
 
 # (numel, L_T, step with a NaN or an Inf in the gradient or None); step 0 has zero bins.
-ADACOMP_CASES = [(1234, 50, None), (5000, 500, None), (7, 50, None), (1, 1, None),
-                 (100, 7, None), (512, 64, None), (3000, 9, 4), (777, 100, 2)]
+ADACOMP_CASES = [
+    (1234, 50, None),
+    (5000, 500, None),
+    (7, 50, None),
+    (1, 1, None),
+    (100, 7, None),
+    (512, 64, None),
+    (3000, 9, 4),
+    (777, 100, 2),
+]
 ADACOMP_STEPS = 8
 TOP_K_CASES = [(1000, 10), (1000, 1), (7, 7), (513, 100), (20_000, 400)]
 
@@ -37,15 +46,22 @@ def _gradients(numel, steps, seed, bad_step):
 
 
 def _adacomp_inputs():
-    return [(numel, bin_length, _gradients(numel, ADACOMP_STEPS, numel + bin_length, bad))
-            for numel, bin_length, bad in ADACOMP_CASES]
+    return [
+        (numel, bin_length, _gradients(numel, ADACOMP_STEPS, numel + bin_length, bad))
+        for numel, bin_length, bad in ADACOMP_CASES
+    ]
 
 
 def _top_k_inputs(numel, k):
     rng = np.random.default_rng(numel + k)
-    return [values.astype(np.float32) for values in (
-        rng.standard_normal(numel), np.round(rng.standard_normal(numel)),
-        np.where(rng.random(numel) < 0.01, np.nan, rng.standard_normal(numel)))]
+    return [
+        values.astype(np.float32)
+        for values in (
+            rng.standard_normal(numel),
+            np.round(rng.standard_normal(numel)),
+            np.where(rng.random(numel) < 0.01, np.nan, rng.standard_normal(numel)),
+        )
+    ]
 
 
 def _tf_cases(adacomp_inputs, top_k_cases):
@@ -61,6 +77,7 @@ def _tf_cases(adacomp_inputs, top_k_cases):
     codec, clt = htf.AdaComp(), htf.CyclicLocalTopK()
     results = {"adacomp": [], "top_k": [], "errors": []}
     for numel, bin_length, grads in adacomp_inputs:
+
         def step(compensated, grad, bin_length=bin_length, numel=numel):
             selected = codec.select(compensated, grad, bin_length)
             message = codec.encode_message(compensated, selected, bin_length)
@@ -78,24 +95,41 @@ def _tf_cases(adacomp_inputs, top_k_cases):
         results["adacomp"].append(runs)
     for numel, k in top_k_cases:
         traced = tf.function(lambda values, k=k: clt.top_k(values, k))
-        results["top_k"].append([{"eager": clt.top_k(tf.constant(v), k).numpy(),
-                                  "traced": traced(tf.constant(v)).numpy()}
-                                 for v in _top_k_inputs(numel, k)])
+        results["top_k"].append(
+            [
+                {
+                    "eager": clt.top_k(tf.constant(v), k).numpy(),
+                    "traced": traced(tf.constant(v)).numpy(),
+                }
+                for v in _top_k_inputs(numel, k)
+            ]
+        )
 
-    model = keras.Sequential([keras.Input((12,)), keras.layers.Embedding(30, 8),
-                              keras.layers.Conv1D(4, 3), keras.layers.GRU(6),
-                              keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [
+            keras.Input((12,)),
+            keras.layers.Embedding(30, 8),
+            keras.layers.Conv1D(4, 3),
+            keras.layers.GRU(6),
+            keras.layers.LayerNormalization(),
+            keras.layers.Dense(2),
+        ]
+    )
     adacomp = htf.AdaComp.for_model(model, min_size=0)
     optimizer = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=adacomp)
     optimizer.build(model.trainable_variables)
     results["kinds"] = adacomp.layers
     results["plans"] = {plan.name: plan.layer for plan in optimizer._hvdc_pipeline.plans}
-    misuse = [lambda: htf.AdaComp().compress(tf.zeros(3)),
-              lambda: htf.CyclicLocalTopK().compress(tf.zeros(3)),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="adacomp",
-                                                  error_feedback=False),
-              lambda: htf.DistributedGradientTape(tf.GradientTape(), compression="clt-k",
-                                                  exchange="allgather")]
+    misuse = [
+        lambda: htf.AdaComp().compress(tf.zeros(3)),
+        lambda: htf.CyclicLocalTopK().compress(tf.zeros(3)),
+        lambda: htf.DistributedGradientTape(
+            tf.GradientTape(), compression="adacomp", error_feedback=False
+        ),
+        lambda: htf.DistributedGradientTape(
+            tf.GradientTape(), compression="clt-k", exchange="allgather"
+        ),
+    ]
     for call in misuse:
         try:
             call()
@@ -109,8 +143,9 @@ def tf_results():
     return run_parallel(_tf_cases, 1, _adacomp_inputs(), TOP_K_CASES, timeout=600)[0]
 
 
-@pytest.mark.parametrize("case", range(len(ADACOMP_CASES)),
-                         ids=[f"{n}/{b}/{bad}" for n, b, bad in ADACOMP_CASES])
+@pytest.mark.parametrize(
+    "case", range(len(ADACOMP_CASES)), ids=[f"{n}/{b}/{bad}" for n, b, bad in ADACOMP_CASES]
+)
 def test_adacomp_messages_equal_numpy_and_pytorch(tf_results, case):
     import torch
 
@@ -126,7 +161,8 @@ def test_adacomp_messages_equal_numpy_and_pytorch(tf_results, case):
         grad = torch.from_numpy(grad)
         torch_compensated = residue + grad
         torch_message = port.encode_message(
-            torch_compensated, port.select(torch_compensated, grad, bin_length), bin_length)
+            torch_compensated, port.select(torch_compensated, grad, bin_length), bin_length
+        )
         residue = torch_compensated - port.decode_message(torch_message, numel, bin_length)
         np.testing.assert_array_equal(torch_message.numpy(), message)
         for mode, got in tf_results["adacomp"][case].items():
@@ -139,8 +175,7 @@ def test_adacomp_messages_equal_numpy_and_pytorch(tf_results, case):
         assert np.isnan(steps[-1][4]).all()
 
 
-@pytest.mark.parametrize("case", range(len(TOP_K_CASES)),
-                         ids=[f"{n}/{k}" for n, k in TOP_K_CASES])
+@pytest.mark.parametrize("case", range(len(TOP_K_CASES)), ids=[f"{n}/{k}" for n, k in TOP_K_CASES])
 def test_top_k_equals_numpy_and_pytorch(tf_results, case):
     import torch
 
@@ -161,8 +196,13 @@ def test_layer_kinds_of_a_keras_model_and_misuse(tf_results):
     by_layer = {}
     for name, kind in kinds.items():
         by_layer.setdefault(name.split("/")[1], set()).add(kind)
-    assert by_layer == {"embedding": {"embedding"}, "conv1d": {"conv"}, "gru": {"recurrent"},
-                        "layer_normalization": {"other"}, "dense": {"linear"}}, kinds
+    assert by_layer == {
+        "embedding": {"embedding"},
+        "conv1d": {"conv"},
+        "gru": {"recurrent"},
+        "layer_normalization": {"other"},
+        "dense": {"linear"},
+    }, kinds
     assert len(kinds) == 1 + 2 + 3 + 2 + 2
     # The names are those of the wrappers' plans, so the kinds reach them.
     assert tf_results["plans"] == kinds
@@ -175,8 +215,9 @@ def test_layer_kinds_of_a_keras_model_and_misuse(tf_results):
 
 # ----- real Horovod jobs -----
 
-ADACOMP = hvd_compress.AdaComp(named_bin_lengths={"middle/kernel:0": 64},
-                               bin_lengths={"other": 20}, min_size=0)
+ADACOMP = hvd_compress.AdaComp(
+    named_bin_lengths={"middle/kernel:0": 64}, bin_lengths={"other": 20}, min_size=0
+)
 CLT_K = hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, min_size=0)
 
 
@@ -191,29 +232,39 @@ def _tape_loop(codec, steps, traced):
     hvd.init()
     records = []
     for local, exchanged, variables, pipeline in tape_steps(
-            steps, traced, compression=codec,
-            uncompressed=("out/kernel", "out/bias") if traced else ()):
+        steps, traced, compression=codec, uncompressed=("out/kernel", "out/bias") if traced else ()
+    ):
         names = [variable_name(v) for v in variables]  # TensorFlow's: "hidden/kernel:0"
         stats = pipeline.compression_stats()
-        records.append({"local": {n: g.numpy() for n, g in zip(names, local)},
-                        "exchanged": {n: g.numpy() for n, g in zip(names, exchanged)},
-                        "params": np.concatenate([v.numpy().ravel() for v in variables]),
-                        "bytes": stats["bytes_handed"], "layers": stats["layers"],
-                        "expected": pipeline.expected_bytes()})
-    return {"records": records, "tensors": stats["tensors"],
-            "kinds": {plan.name: plan.layer for plan in pipeline.plans},
-            "memory": {name: r.numpy() for name, r in pipeline.worker_memory.residuals.items()}}
+        records.append(
+            {
+                "local": {n: g.numpy() for n, g in zip(names, local)},
+                "exchanged": {n: g.numpy() for n, g in zip(names, exchanged)},
+                "params": np.concatenate([v.numpy().ravel() for v in variables]),
+                "bytes": stats["bytes_handed"],
+                "layers": stats["layers"],
+                "expected": pipeline.expected_bytes(),
+            }
+        )
+    return {
+        "records": records,
+        "tensors": stats["tensors"],
+        "kinds": {plan.name: plan.layer for plan in pipeline.plans},
+        "memory": {name: r.numpy() for name, r in pipeline.worker_memory.residuals.items()},
+    }
 
 
 def _assert_ranks_agree(results):
     for step, first in enumerate(results[0]["records"]):
         for other in results[1:]:
             record = other["records"][step]
-            np.testing.assert_array_equal(record["params"], first["params"],
-                                          err_msg=f"ranks differ at step {step}")
+            np.testing.assert_array_equal(
+                record["params"], first["params"], err_msg=f"ranks differ at step {step}"
+            )
             for name, grad in record["exchanged"].items():
-                np.testing.assert_array_equal(grad, first["exchanged"][name],
-                                              err_msg=f"{name} at step {step}")
+                np.testing.assert_array_equal(
+                    grad, first["exchanged"][name], err_msg=f"{name} at step {step}"
+                )
 
 
 def _compressed(results):
@@ -228,13 +279,21 @@ def _check_adacomp(results):
     kinds = results[0]["kinds"]
     for name in _compressed(results):
         bin_length = ADACOMP.bin_length(name, kinds[name])
-        replays = [_run_reference(ADACOMP, [record["local"][name].ravel()
-                                            for record in r["records"]], bin_length)
-                   for r in results]
+        replays = [
+            _run_reference(
+                ADACOMP, [record["local"][name].ravel() for record in r["records"]], bin_length
+            )
+            for r in results
+        ]
         for step, first in enumerate(results[0]["records"]):
             total = sum(steps[step][4] for _, steps in replays)  # every rank's sent values
-            np.testing.assert_allclose(first["exchanged"][name].ravel(), total / len(results),
-                                       rtol=1e-6, atol=1e-9, err_msg=f"{name} step {step}")
+            np.testing.assert_allclose(
+                first["exchanged"][name].ravel(),
+                total / len(results),
+                rtol=1e-6,
+                atol=1e-9,
+                err_msg=f"{name} step {step}",
+            )
         for r, (residue, _) in zip(results, replays):
             np.testing.assert_allclose(r["memory"][name], residue, rtol=1e-6, atol=1e-9)
     for r in results:
@@ -253,19 +312,29 @@ def _check_clt_k(results):
     from .test_scalecom import _check_against_reference
 
     names = _compressed(results)
-    as_torch = [{"records": [{"local": {n: torch.from_numpy(record["local"][n]) for n in names},
-                              "exchanged": {n: torch.from_numpy(g)
-                                            for n, g in record["exchanged"].items()},
-                              "params": torch.from_numpy(record["params"]),
-                              "bytes": record["bytes"], "expected": record["expected"]}
-                             for record in r["records"]],
-                 "memory": {n: torch.from_numpy(r["memory"][n]) for n in names}}
-                for r in results]
+    as_torch = [
+        {
+            "records": [
+                {
+                    "local": {n: torch.from_numpy(record["local"][n]) for n in names},
+                    "exchanged": {n: torch.from_numpy(g) for n, g in record["exchanged"].items()},
+                    "params": torch.from_numpy(record["params"]),
+                    "bytes": record["bytes"],
+                    "expected": record["expected"],
+                }
+                for record in r["records"]
+            ],
+            "memory": {n: torch.from_numpy(r["memory"][n]) for n in names},
+        }
+        for r in results
+    ]
     world = len(results)
     chosen = _check_against_reference(as_torch, CLT_K)
     for step, indices in enumerate(chosen):
-        assert any(not np.array_equal(own[step % world], own[(step + 1) % world])
-                   for own in indices.values())
+        assert any(
+            not np.array_equal(own[step % world], own[(step + 1) % world])
+            for own in indices.values()
+        )
     for r in results:
         for record in r["records"]:
             assert record["layers"]["linear"]["density"] == pytest.approx(0.1, abs=0.01)
@@ -273,8 +342,9 @@ def _check_clt_k(results):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("codec,check", [(ADACOMP, _check_adacomp), (CLT_K, _check_clt_k)],
-                         ids=["adacomp", "clt-k"])
+@pytest.mark.parametrize(
+    "codec,check", [(ADACOMP, _check_adacomp), (CLT_K, _check_clt_k)], ids=["adacomp", "clt-k"]
+)
 def test_tape_loop_ranks_agree_and_match_reference(world, codec, check):
     for traced in (True, False) if world == 2 else (True,):
         results = run_parallel(_tape_loop, world, codec, 2 * world, traced, timeout=800)

@@ -4,6 +4,7 @@ for every codec of the TensorFlow port (step counters, random streams and residu
 
 Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
 """
+
 import numpy as np
 import pytest
 
@@ -15,15 +16,18 @@ pytestmark = pytest.mark.multiprocess
 
 SMALL = {"min_size": 100}
 # (label, codec, error_feedback): every codec, and error feedback on a one-way codec.
-CASES = [("none", hvd_compress.NoneCodec(), None), ("fp16", hvd_compress.FP16(), None),
-         ("terngrad", hvd_compress.TernGrad(**SMALL), None),
-         ("terngrad+ef", hvd_compress.TernGrad(**SMALL), True),
-         ("qsgd", hvd_compress.QSGD(**SMALL), None),
-         ("qsgd-inf", hvd_compress.QSGDInf(**SMALL), None),
-         ("nuqsgd-elias", hvd_compress.NUQSGD(wire="elias", **SMALL), None),
-         ("ef-sign", hvd_compress.BlockSign(min_size=0), None),
-         ("adacomp", hvd_compress.AdaComp(**SMALL), None),
-         ("clt-k", hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, **SMALL), None)]
+CASES = [
+    ("none", hvd_compress.NoneCodec(), None),
+    ("fp16", hvd_compress.FP16(), None),
+    ("terngrad", hvd_compress.TernGrad(**SMALL), None),
+    ("terngrad+ef", hvd_compress.TernGrad(**SMALL), True),
+    ("qsgd", hvd_compress.QSGD(**SMALL), None),
+    ("qsgd-inf", hvd_compress.QSGDInf(**SMALL), None),
+    ("nuqsgd-elias", hvd_compress.NUQSGD(wire="elias", **SMALL), None),
+    ("ef-sign", hvd_compress.BlockSign(min_size=0), None),
+    ("adacomp", hvd_compress.AdaComp(**SMALL), None),
+    ("clt-k", hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, **SMALL), None),
+]
 STEPS, SAVE_AT = 8, 4
 
 
@@ -40,12 +44,16 @@ def _train(directory, start):
     trajectories = {}
     for label, codec, error_feedback in CASES:
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                                  keras.layers.Dense(10)])
+        model = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
+        )
         schedule = keras.optimizers.schedules.PiecewiseConstantDecay([3, 6], [0.05, 0.025, 0.01])
         optimizer = htf.DistributedOptimizer(
-            keras.optimizers.SGD(schedule, momentum=0.9), compression=codec, seed=3,
-            error_feedback=error_feedback)
+            keras.optimizers.SGD(schedule, momentum=0.9),
+            compression=codec,
+            seed=3,
+            error_feedback=error_feedback,
+        )
         optimizer.build(model.trainable_variables)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
         path = f"{directory}/{label}-rank{hvd.rank()}"
@@ -59,8 +67,9 @@ def _train(directory, start):
             x = data.standard_normal((8, 64)).astype(np.float32)
             y = data.integers(0, 10, 8)
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                    y, model(x), from_logits=True))
+                loss = tf.reduce_mean(
+                    keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+                )
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             trajectory.append(np.concatenate([w.ravel() for w in model.get_weights()]))
@@ -101,7 +110,8 @@ def _mismatched(kind):
     messages = {}
     try:
         htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=codec).build(
-            model.trainable_variables)
+            model.trainable_variables
+        )
         messages["optimizer"] = None
     except ValueError as error:
         messages["optimizer"] = str(error)
@@ -109,7 +119,8 @@ def _mismatched(kind):
         loss = tf.reduce_sum(model(tf.ones((2, inputs))))
     try:
         htf.DistributedGradientTape(tape, compression=codec).gradient(
-            loss, model.trainable_variables)
+            loss, model.trainable_variables
+        )
         messages["tape"] = None
     except ValueError as error:
         messages["tape"] = str(error)

@@ -1,4 +1,5 @@
 """Bad input gets an error that names the parameter and what is allowed."""
+
 import re
 
 import pytest
@@ -19,8 +20,9 @@ def test_unknown_codec_name_lists_the_choices():
 def test_codec_specs_with_hyperparameters():
     assert resolve("ef-sign:max_block_size=256", hc.CODECS) == hc.BlockSign(max_block_size=256)
     assert resolve("qsgd:bits=2:wire='elias'") == hvd_compress.QSGD(bits=2, wire="elias")
-    with pytest.raises(ValueError, match="ef-sign has no hyperparameter blocks; it takes "
-                                         "max_block_size"):
+    with pytest.raises(
+        ValueError, match="ef-sign has no hyperparameter blocks; it takes max_block_size"
+    ):
         resolve("ef-sign:blocks=4")
     with pytest.raises(ValueError, match="name=value items .* got 'max_block_size'"):
         resolve("ef-sign:max_block_size")
@@ -32,6 +34,7 @@ def test_codec_specs_with_hyperparameters():
 
 def test_horovods_own_compressors_are_the_codecs_of_the_same_name():
     import horovod.torch as hvd
+
     assert resolve(hvd.Compression.none, hc.CODECS) == hc.NoneCodec()
     assert resolve(hvd.Compression.fp16, hc.CODECS) == hc.FP16()
     with pytest.raises(TypeError, match="codec instance or hvd.Compression.none / .fp16, got"):
@@ -62,10 +65,14 @@ def test_wrapping_something_that_is_not_an_optimizer():
 
 def test_two_way_codec_refuses_to_run_without_error_feedback():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="ef-sign compresses on the workers and again on the "
-                                         "server.*cannot run with error_feedback=False"):
-        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                compression="ef-sign", error_feedback=False)
+    with pytest.raises(
+        ValueError,
+        match="ef-sign compresses on the workers and again on the "
+        "server.*cannot run with error_feedback=False",
+    ):
+        hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), compression="ef-sign", error_feedback=False
+        )
 
 
 def test_codecs_are_rebuilt_across_ports_and_compare_by_value():
@@ -86,19 +93,28 @@ def test_every_hyperparameter_is_documented():
 
 # A value other than Horovod's default for every keyword of its wrappers that hvd_compress
 # takes at the default only.
-NOT_DEFAULT = {"num_groups": 2, "groups": [[]], "device_dense": "/gpu:0",
-               "device_sparse": "/cpu:0", "backward_passes_per_step": 2,
-               "average_aggregated_gradients": True, "scale_local_gradients": False,
-               "name": "mine"}
+NOT_DEFAULT = {
+    "num_groups": 2,
+    "groups": [[]],
+    "device_dense": "/gpu:0",
+    "device_sparse": "/cpu:0",
+    "backward_passes_per_step": 2,
+    "average_aggregated_gradients": True,
+    "scale_local_gradients": False,
+    "name": "mine",
+}
 
 
 @pytest.mark.parametrize("keyword", sorted(HOROVOD_DEFAULTS))
 def test_horovod_keywords_are_taken_at_their_default_and_refused_otherwise(keyword):
     default, why, instead = HOROVOD_DEFAULTS[keyword]
     check_horovod_defaults("Wrapper", **{keyword: default})
-    with pytest.raises(ValueError, match=rf"^Wrapper: {keyword}=.* is not supported "
-                                         rf"\({re.escape(why)}\); {re.escape(instead)}, or "
-                                         rf"leave it at"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^Wrapper: {keyword}=.* is not supported "
+        rf"\({re.escape(why)}\); {re.escape(instead)}, or "
+        rf"leave it at",
+    ):
         check_horovod_defaults("Wrapper", **{keyword: NOT_DEFAULT[keyword]})
 
 
@@ -106,5 +122,6 @@ def test_horovod_keywords_are_taken_at_their_default_and_refused_otherwise(keywo
 def test_pytorch_optimizer_refuses_grouping(keyword):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=f"DistributedOptimizer: {keyword}="):
-        hc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                **{keyword: NOT_DEFAULT[keyword]})
+        hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), **{keyword: NOT_DEFAULT[keyword]}
+        )

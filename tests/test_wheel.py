@@ -7,6 +7,7 @@ The fresh venv gets the project venv's site-packages through a ``.pth`` line, wh
 directory to ``sys.path`` without running the ``.pth`` files inside it, so the checkout's
 editable install (a finder started by such a file) cannot stand in for the wheel.
 """
+
 import glob
 import os
 import shutil
@@ -21,8 +22,16 @@ from .harness import REPO, job_env, run_job
 pytestmark = pytest.mark.multiprocess
 
 # What the wheel is built from: the package directories and the metadata's files.
-SOURCES = ["hvd_compress", "pt", "tf", "examples", "pyproject.toml", "setup.cfg", "README.md",
-           "LICENSE"]
+SOURCES = [
+    "hvd_compress",
+    "pt",
+    "tf",
+    "examples",
+    "pyproject.toml",
+    "setup.cfg",
+    "README.md",
+    "LICENSE",
+]
 
 
 def _fresh_venv(path):
@@ -30,19 +39,26 @@ def _fresh_venv(path):
     (torch, TensorFlow, Horovod, numba, mnist1d), and Horovod's ``horovodrun`` script in its
     ``bin/`` as installing Horovod there would write it. Returns its python and its
     site-packages."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
-                   timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120
+    )
     python = str(path / "bin" / "python")
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path("
-                              "'purelib'))"], check=True, capture_output=True, text=True,
-                             timeout=60).stdout.strip()
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
     with open(os.path.join(purelib, "project_venv.pth"), "w") as f:
         f.write("\n".join(site.getsitepackages()) + "\n")
     horovodrun = path / "bin" / "horovodrun"
     # With pip's guard: horovodrun's multiprocessing spawns children that import this file.
-    horovodrun.write_text(f"#!{python}\nimport sys\nfrom horovod.runner.launch import "
-                          "run_commandline\nif __name__ == '__main__':\n"
-                          "    sys.exit(run_commandline())\n")
+    horovodrun.write_text(
+        f"#!{python}\nimport sys\nfrom horovod.runner.launch import "
+        "run_commandline\nif __name__ == '__main__':\n"
+        "    sys.exit(run_commandline())\n"
+    )
     horovodrun.chmod(0o755)
     return python, purelib
 
@@ -56,32 +72,76 @@ def test_the_installed_wheel_runs_the_demo_outside_the_checkout(tmp_path):
     for name in SOURCES:
         origin = os.path.join(REPO, name)
         if os.path.isdir(origin):
-            shutil.copytree(origin, source / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            shutil.copytree(
+                origin, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
         else:
             shutil.copy2(origin, source / name)
     # No network: the build uses the project venv's setuptools.
-    run_job([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-             "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(source)],
-            "pip wheel", 180, cwd=tmp_path, env=env)
-    wheel, = glob.glob(str(tmp_path / "dist" / "hvd_compress-*.whl"))
+    run_job(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        "pip wheel",
+        180,
+        cwd=tmp_path,
+        env=env,
+    )
+    (wheel,) = glob.glob(str(tmp_path / "dist" / "hvd_compress-*.whl"))
     python, venv_site = _fresh_venv(tmp_path / "venv")
-    run_job([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps",
-             "--no-index", "--disable-pip-version-check", wheel],
-            "pip install", 180, cwd=tmp_path, env=env)
+    run_job(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            python,
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            wheel,
+        ],
+        "pip install",
+        180,
+        cwd=tmp_path,
+        env=env,
+    )
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    where = run_job([python, "-c", "import hvd_compress.examples as e, hvd_compress.pt as p; "
-                     "print(e.__file__); print(p.__file__)"],
-                    "import hvd_compress", 120, cwd=outside, env=env)
+    where = run_job(
+        [
+            python,
+            "-c",
+            "import hvd_compress.examples as e, hvd_compress.pt as p; "
+            "print(e.__file__); print(p.__file__)",
+        ],
+        "import hvd_compress",
+        120,
+        cwd=outside,
+        env=env,
+    )
     for line in where.split():
         assert line.startswith(venv_site), (line, venv_site)
 
     script = str(tmp_path / "venv" / "bin" / "hvd-compress")
-    assert "--full" in run_job([script, "demo", "--help"], "demo --help", 120, cwd=outside,
-                               env=env)
-    output = run_job([script, "demo", "--runs", "2:none,2:terngrad", "--steps", "50"],
-                     "a two-worker demo", 300, cwd=outside, env=env)
+    assert "--full" in run_job([script, "demo", "--help"], "demo --help", 120, cwd=outside, env=env)
+    output = run_job(
+        [script, "demo", "--runs", "2:none,2:terngrad", "--steps", "50"],
+        "a two-worker demo",
+        300,
+        cwd=outside,
+        env=env,
+    )
     assert "| model | workers | optimizer | codec | test accuracy |" in output, output
     assert "| PyTorch CNN | 2 | sgd | terngrad |" in output, output

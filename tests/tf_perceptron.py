@@ -1,10 +1,17 @@
 """The model of the TensorFlow tape tests: a 3-layer perceptron of plain variables trained by
 ``DistributedGradientTape`` on random data of each rank. Runs inside Horovod child processes
 only (it imports TensorFlow when called; see ``test_tf_codecs``)."""
+
 import numpy as np
 
-SHAPES = {"hidden/kernel": (64, 160), "hidden/bias": (160,), "middle/kernel": (160, 12),
-          "middle/bias": (12,), "out/kernel": (12, 10), "out/bias": (10,)}
+SHAPES = {
+    "hidden/kernel": (64, 160),
+    "hidden/bias": (160,),
+    "middle/kernel": (160, 12),
+    "middle/bias": (12,),
+    "out/kernel": (12, 10),
+    "out/bias": (10,),
+}
 LR = 0.1
 
 
@@ -20,8 +27,10 @@ def tape_steps(steps, traced, uncompressed=(), **tape_options):
     from hvd_compress.tf.pipeline import variable_name
 
     init = np.random.default_rng(hvd.rank())  # different on every rank until broadcast
-    variables = [tf.Variable(init.standard_normal(shape).astype(np.float32) * 0.3, name=name)
-                 for name, shape in SHAPES.items()]
+    variables = [
+        tf.Variable(init.standard_normal(shape).astype(np.float32) * 0.3, name=name)
+        for name, shape in SHAPES.items()
+    ]
     hvd.broadcast_variables(variables, root_rank=0)
     skipped = [variable_name(v) for v, key in zip(variables, SHAPES) if key in uncompressed]
 
@@ -44,6 +53,7 @@ def tape_steps(steps, traced, uncompressed=(), **tape_options):
         x = data.standard_normal((8, 64)).astype(np.float32)
         y = data.integers(0, 10, 8).astype(np.int32)
         local, exchanged = step(tf.constant(x), tf.constant(y))
-        pipeline = htf.tape._PIPELINES[next(k for k in htf.tape._PIPELINES
-                                            if k[0][0] == id(variables[0]))][1]
+        pipeline = htf.tape._PIPELINES[
+            next(k for k in htf.tape._PIPELINES if k[0][0] == id(variables[0]))
+        ][1]
         yield local, exchanged, variables, pipeline

@@ -1,6 +1,7 @@
 """TensorFlow port of hvd_compress: codecs as Horovod ``Compressor`` subclasses, and a
 ``DistributedGradientTape`` and a Keras ``DistributedOptimizer`` that exchange their codes
 through Horovod's TensorFlow collectives."""
+
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
@@ -8,13 +9,38 @@ from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
-CODECS = {cls.name: cls for cls in (NoneCodec, FP16, TernGrad, QSGD, QSGDInf, NUQSGD,
-                                    BlockSign, AdaComp, CyclicLocalTopK)}
+CODECS = {
+    cls.name: cls
+    for cls in (
+        NoneCodec,
+        FP16,
+        TernGrad,
+        QSGD,
+        QSGDInf,
+        NUQSGD,
+        BlockSign,
+        AdaComp,
+        CyclicLocalTopK,
+    )
+}
 
 from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 from .tape import DistributedGradientTape  # noqa: E402  (needs CODECS)
 
-__all__ = ["AdaComp", "BlockSign", "CODECS", "Codec", "CyclicLocalTopK",
-           "DistributedGradientTape", "DistributedOptimizer", "FP16", "LocalClipSGD", "NUQSGD",
-           "NoneCodec", "QSGD", "QSGDInf", "TernGrad"]
+__all__ = [
+    "AdaComp",
+    "BlockSign",
+    "CODECS",
+    "Codec",
+    "CyclicLocalTopK",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "FP16",
+    "LocalClipSGD",
+    "NUQSGD",
+    "NoneCodec",
+    "QSGD",
+    "QSGDInf",
+    "TernGrad",
+]

@@ -1,5 +1,6 @@
 """AdaComp in TensorFlow ops, and the layer kinds of a Keras model's variables; the algorithm,
 its wire format and the numpy reference are in ``hvd_compress.adacomp``."""
+
 import keras
 import tensorflow as tf
 
@@ -17,12 +18,30 @@ from .pipeline import variable_name
 # sublayer, so a layer of a listed class claims every variable it tracks, sublayers included
 # (the outermost listed layer wins).
 LAYER_KINDS = (
-    ((keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
-      keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
-      keras.layers.Conv3DTranspose), "conv"),
+    (
+        (
+            keras.layers.Conv1D,
+            keras.layers.Conv2D,
+            keras.layers.Conv3D,
+            keras.layers.Conv1DTranspose,
+            keras.layers.Conv2DTranspose,
+            keras.layers.Conv3DTranspose,
+        ),
+        "conv",
+    ),
     ((keras.layers.Dense,), "linear"),
-    ((keras.layers.GRU, keras.layers.LSTM, keras.layers.SimpleRNN, keras.layers.RNN,
-      keras.layers.GRUCell, keras.layers.LSTMCell, keras.layers.SimpleRNNCell), "recurrent"),
+    (
+        (
+            keras.layers.GRU,
+            keras.layers.LSTM,
+            keras.layers.SimpleRNN,
+            keras.layers.RNN,
+            keras.layers.GRUCell,
+            keras.layers.LSTMCell,
+            keras.layers.SimpleRNNCell,
+        ),
+        "recurrent",
+    ),
     ((keras.layers.Embedding,), "embedding"),
 )
 
@@ -32,13 +51,13 @@ def layer_kinds(model):
     the names the wrappers give it (``pipeline.variable_name``, the Keras path)."""
     kinds = {}
     for layer in model._flatten_layers(include_self=True, recursive=True):
-        kind = next((kind for classes, kind in LAYER_KINDS if isinstance(layer, classes)),
-                    None)
+        kind = next((kind for classes, kind in LAYER_KINDS if isinstance(layer, classes)), None)
         if kind is not None:
             for variable in layer.trainable_variables:
                 kinds.setdefault(variable_name(variable), kind)
-    return {variable_name(v): kinds.get(variable_name(v), "other")
-            for v in model.trainable_variables}
+    return {
+        variable_name(v): kinds.get(variable_name(v), "other") for v in model.trainable_variables
+    }
 
 
 class AdaComp(reference.AdaComp, Codec):
@@ -55,28 +74,36 @@ class AdaComp(reference.AdaComp, Codec):
             "AdaComp cannot run inside Horovod's own DistributedOptimizer: its messages hold "
             "a different selection of elements on every worker and depend on each worker's "
             "residue. Use hvd_compress.tf.DistributedOptimizer(optimizer, "
-            "compression='adacomp') instead.")
+            "compression='adacomp') instead."
+        )
 
     def select(self, compensated, grad, bin_length):
         residue = tf.reshape(compensated, [-1])
         threshold = residue + tf.reshape(grad, [-1])
         bin_max = reduce(tf.abs(residue), bin_length, "max")
-        return (tf.abs(threshold) >= expand(bin_max, residue.shape[0], bin_length)) & \
-            (residue != 0)
+        return (tf.abs(threshold) >= expand(bin_max, residue.shape[0], bin_length)) & (residue != 0)
 
     def encode_message(self, compensated, selected, bin_length):
         residue = tf.reshape(compensated, [-1])
         positions = tf.where(selected)[:, 0]
         sent = tf.gather(residue, positions)
         magnitudes = tf.cast(tf.abs(sent), tf.float64)
-        scale = tf.cast(tf.reduce_sum(magnitudes) /
-                        tf.cast(tf.maximum(tf.size(positions), 1), tf.float64), tf.float32)
+        scale = tf.cast(
+            tf.reduce_sum(magnitudes) / tf.cast(tf.maximum(tf.size(positions), 1), tf.float64),
+            tf.float32,
+        )
         scale = tf.where(tf.reduce_all(tf.math.is_finite(residue)), scale, float("nan"))
         fields = FieldCodes.holding(bin_length)
         counts = reduce(tf.cast(selected, tf.int64), bin_length, "sum")
-        return tf.concat([tf.reshape(tf.bitcast(scale, tf.uint8), [4]), pack(counts, fields),
-                          pack(positions % bin_length, fields), pack(sent, SignCodes())],
-                         axis=0)
+        return tf.concat(
+            [
+                tf.reshape(tf.bitcast(scale, tf.uint8), [4]),
+                pack(counts, fields),
+                pack(positions % bin_length, fields),
+                pack(sent, SignCodes()),
+            ],
+            axis=0,
+        )
 
     def decode_message(self, message, numel, bin_length):
         fields = FieldCodes.holding(bin_length)

@@ -1,5 +1,6 @@
 """BlockSign in TensorFlow ops; the algorithm and its reference are in
 ``hvd_compress.blocksign``."""
+
 import tensorflow as tf
 
 from hvd_compress import blocksign as reference

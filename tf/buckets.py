@@ -1,4 +1,5 @@
 """TensorFlow bucket helpers; mirrors ``hvd_compress.buckets``."""
+
 import tensorflow as tf
 
 from hvd_compress.buckets import count

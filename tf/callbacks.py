@@ -1,5 +1,6 @@
 """Keras callbacks for data-parallel training with ``hvd_compress.tf.DistributedOptimizer``:
 the same start on every rank, and metrics averaged over ranks."""
+
 import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
@@ -28,8 +29,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if self.broadcast_done:
             return
         optimizer = self.model.optimizer
-        variables = [v.value if isinstance(v, keras.Variable) else v
-                     for v in self.model.variables + optimizer.variables]
+        variables = [
+            v.value if isinstance(v, keras.Variable) else v
+            for v in self.model.variables + optimizer.variables
+        ]
         variables += getattr(optimizer, "compression_variables", [])
         hvd.broadcast_variables(variables, root_rank=self.root_rank)
         self.broadcast_done = True

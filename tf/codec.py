@@ -1,4 +1,5 @@
 """Horovod's ``Compressor`` interface for every TensorFlow codec, and the stateless codecs."""
+
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
@@ -32,7 +33,8 @@ class Codec(Compressor):
                 f"or DistributedGradientTape: its codes are only summable after the workers "
                 f"agree on a scale, which Horovod's compression hook cannot do. Use "
                 f"hvd_compress.tf.DistributedOptimizer(optimizer, compression={self.name!r}) "
-                f"or hvd_compress.tf.DistributedGradientTape(tape, compression={self.name!r}).")
+                f"or hvd_compress.tf.DistributedGradientTape(tape, compression={self.name!r})."
+            )
         return self.encode(tensor, None, None), tensor.dtype
 
     def decompress(self, tensor, ctx):

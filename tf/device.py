@@ -1,5 +1,6 @@
 """The device a Horovod rank trains on, as the examples and a GPU job pick it. Mirrors
 ``hvd_compress.pt.device``."""
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 

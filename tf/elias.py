@@ -1,6 +1,7 @@
 """Elias omega coding in TensorFlow ops; mirrors ``hvd_compress.elias`` (format and method are
 documented there). Runs on any device, eagerly and inside ``tf.function``: only shifts,
 prefix sums, searches and gathers, with no shape known before the codes are seen."""
+
 import tensorflow as tf
 
 from hvd_compress.elias import CHUNK, MAX_DEPTH
@@ -14,10 +15,12 @@ def _bit_length(values):
 
 def omega_codes(values):
     values = tf.cast(values, tf.int64)
-    tf.debugging.assert_greater_equal(values, tf.constant(1, tf.int64),
-                                      message="Elias omega codes integers in [1, 2^32)")
-    tf.debugging.assert_less(values, tf.constant(2 ** 32, tf.int64),
-                             message="Elias omega codes integers in [1, 2^32)")
+    tf.debugging.assert_greater_equal(
+        values, tf.constant(1, tf.int64), message="Elias omega codes integers in [1, 2^32)"
+    )
+    tf.debugging.assert_less(
+        values, tf.constant(2**32, tf.int64), message="Elias omega codes integers in [1, 2^32)"
+    )
     groups = [values]
     for _ in range(MAX_DEPTH - 1):
         groups.append(tf.maximum(_bit_length(groups[-1]) - 1, 1))
@@ -25,8 +28,9 @@ def omega_codes(values):
     length = tf.zeros_like(values)
     for group in reversed(groups):
         width = tf.where(group > 1, _bit_length(group), 0)
-        code = tf.where(group > 1, tf.bitwise.bitwise_or(tf.bitwise.left_shift(code, width),
-                                                         group), code)
+        code = tf.where(
+            group > 1, tf.bitwise.bitwise_or(tf.bitwise.left_shift(code, width), group), code
+        )
         length += width
     return tf.bitwise.left_shift(code, 1), length + 1
 
@@ -34,8 +38,9 @@ def omega_codes(values):
 def _packbits(bits):
     padded = tf.pad(bits, [[0, -tf.size(bits) % 8]])
     shifts = tf.range(7, -1, -1, dtype=tf.int64)
-    return tf.cast(tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(padded, [-1, 8]), shifts),
-                                 axis=1), tf.uint8)
+    return tf.cast(
+        tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(padded, [-1, 8]), shifts), axis=1), tf.uint8
+    )
 
 
 def encode(codes):
@@ -55,7 +60,7 @@ def encode(codes):
     owner = tf.searchsorted(ends, position, side="right", out_type=tf.int64)
     shift = tf.gather(lengths, owner) - 1 - (position - tf.gather(starts, owner))
     bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.gather(symbols, owner), shift), 1)
-    offsets = starts[3 * CHUNK::3 * CHUNK]
+    offsets = starts[3 * CHUNK :: 3 * CHUNK]
     header = tf.cast(tf.concat([[tf.size(where, out_type=tf.int64)], offsets], axis=0), tf.int32)
     return tf.concat([tf.reshape(tf.bitcast(header, tf.uint8), [-1]), _packbits(bits)], axis=0)
 
@@ -65,7 +70,7 @@ def _windows(stream):
     length = tf.size(stream) - 4
     window = tf.zeros([length], tf.int64)
     for j in range(5):
-        window = tf.bitwise.bitwise_or(tf.bitwise.left_shift(window, 8), stream[j:j + length])
+        window = tf.bitwise.bitwise_or(tf.bitwise.left_shift(window, 8), stream[j : j + length])
     return window
 
 
@@ -97,6 +102,7 @@ def _records(windows, cursor):
 
     A ``tf.function`` with a fixed signature, traced once per process: run eagerly, the
     CHUNK sequential steps would cost tens of thousands of separate op dispatches."""
+
     def record(i, cursor, records):
         gap, cursor = _omega(windows, cursor)
         sign = _bits(windows, cursor, tf.ones_like(cursor))

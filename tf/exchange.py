@@ -19,6 +19,7 @@ Sparse codecs (AdaComp, CLT-k) have exchanges of their own, ``SparseAllgather`` 
 compensate -> select -> update on the worker's memory (passed in, not kept) around their
 collectives.
 """
+
 import contextlib
 
 import horovod.tensorflow as hvd
@@ -76,7 +77,8 @@ def refuse_xla(owner):
         raise ValueError(
             f"{owner}: XLA cannot compile Horovod's collectives; compile the model with "
             f"model.compile(..., jit_compile=False) (Keras 3 turns XLA on by default when a "
-            f"GPU is present), or call it from a tf.function without jit_compile=True")
+            f"GPU is present), or call it from a tf.function without jit_compile=True"
+        )
 
 
 def _floats(rows):
@@ -170,11 +172,11 @@ class Allgather(_Exchange):
     def _codes(self, gathered):
         """Each worker's codes (rows) and own scales, from the gathered payloads."""
         if self.elias:
-            codes = tf.stack([elias.decode(c[self.scale_bytes:], self.numel) for c in gathered])
-            heads = tf.stack([c[:self.scale_bytes] for c in gathered])
+            codes = tf.stack([elias.decode(c[self.scale_bytes :], self.numel) for c in gathered])
+            heads = tf.stack([c[: self.scale_bytes] for c in gathered])
         else:
-            codes = unpack(gathered[:, self.scale_bytes:], self.codec.code_space, self.numel)
-            heads = gathered[:, :self.scale_bytes]
+            codes = unpack(gathered[:, self.scale_bytes :], self.codec.code_space, self.numel)
+            heads = gathered[:, : self.scale_bytes]
         return codes, _floats(heads) if self.own_scale else None
 
     def finish(self, pending):
@@ -187,8 +189,9 @@ class Allgather(_Exchange):
             return tf.reduce_sum(self.codec.decode(values, own_scales, self.count), axis=0)
         # Replicated server: every rank runs the same server step on every worker's message,
         # averaged as the sharded server averages its shard (sum, then divide).
-        average = divide(tf.reduce_sum(self.codec.decode(values, own_scales, 1), axis=0),
-                         self.count)
+        average = divide(
+            tf.reduce_sum(self.codec.decode(values, own_scales, 1), axis=0), self.count
+        )
         return self.server(self.codec, average)[2]
 
 
@@ -219,9 +222,10 @@ class Sharded(_Exchange):
         values = self.codec.values(unpack(received, self.codec.code_space, self.length))
         payload = self.meter.hand(pack(_sum_rows(values), self.total_space))
         rows = _gather_rows(payload, f"{name}.sum")
-        total = tf.reshape(unpack(rows, self.total_space, self.length), [-1])[:self.numel]
-        return self.codec.decode(tf.cast(total, tf.float32 if total.dtype.is_floating
-                                         else tf.int32), scale, self.count)
+        total = tf.reshape(unpack(rows, self.total_space, self.length), [-1])[: self.numel]
+        return self.codec.decode(
+            tf.cast(total, tf.float32 if total.dtype.is_floating else tf.int32), scale, self.count
+        )
 
 
 class ShardedServer(_Exchange):
@@ -245,8 +249,7 @@ class ShardedServer(_Exchange):
 
     def start(self, codes, scale, name):
         # Padding codes are +1 (sign bit 0), as in the PyTorch port, so the bytes agree.
-        padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]],
-                        constant_values=1)
+        padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]], constant_values=1)
         shards = pack(tf.reshape(padded, [self.world_size, self.length]), self.codec.code_space)
         heads = tf.tile(_bytes(scale)[None], [self.world_size, 1])
         return self.fusion.send(name, self.meter.hand(tf.concat([heads, shards], axis=1))), name
@@ -255,25 +258,40 @@ class ShardedServer(_Exchange):
         fusion, name = pending
         received = fusion.receive(name)
         rank = hvd.rank()
-        scales = _floats(received[:, :self.scale_bytes])
-        signs = unpack(received[:, self.scale_bytes:], self.codec.code_space, self.length)
+        scales = _floats(received[:, : self.scale_bytes])
+        signs = unpack(received[:, self.scale_bytes :], self.codec.code_space, self.length)
         start, valid = rank * self.length, self.valid(rank)
         # Every worker's scales of the blocks this shard's elements are in: N x numel / N
         # of them, not every block's scale expanded over the whole tensor (N x numel).
         blocks = tf.range(start, start + valid) // self.codec.bucket_length(self.numel)
-        average = divide(tf.reduce_sum(tf.cast(signs[:, :valid], tf.float32) *
-                                       tf.gather(scales, blocks, axis=1), axis=0), self.count)
+        average = divide(
+            tf.reduce_sum(
+                tf.cast(signs[:, :valid], tf.float32) * tf.gather(scales, blocks, axis=1), axis=0
+            ),
+            self.count,
+        )
         codes, server_scale, _ = self.server(self.codec, average)
-        padded_scale = tf.pad(server_scale, [[0, self.server_scale_bytes // 4 -
-                                              self.codec.buckets(valid)]])
+        padded_scale = tf.pad(
+            server_scale, [[0, self.server_scale_bytes // 4 - self.codec.buckets(valid)]]
+        )
         padded_codes = tf.pad(codes, [[0, self.length - valid]], constant_values=1)
-        message = tf.concat([_bytes(padded_scale), tf.reshape(
-            pack(padded_codes[None], self.codec.code_space), [-1])], axis=0)
+        message = tf.concat(
+            [
+                _bytes(padded_scale),
+                tf.reshape(pack(padded_codes[None], self.codec.code_space), [-1]),
+            ],
+            axis=0,
+        )
         rows = _gather_rows(self.meter.hand(message), f"{name}.server")
-        server_scales = _floats(rows[:, :self.server_scale_bytes])
-        signs = unpack(rows[:, self.server_scale_bytes:], self.codec.code_space, self.length)
-        return tf.concat([self.codec.decode(signs[k, :self.valid(k)], server_scales[k], 1)
-                          for k in range(self.world_size)], axis=0)
+        server_scales = _floats(rows[:, : self.server_scale_bytes])
+        signs = unpack(rows[:, self.server_scale_bytes :], self.codec.code_space, self.length)
+        return tf.concat(
+            [
+                self.codec.decode(signs[k, : self.valid(k)], server_scales[k], 1)
+                for k in range(self.world_size)
+            ],
+            axis=0,
+        )
 
     def server_numel(self, rank):
         return self.valid(rank)
@@ -308,8 +326,10 @@ class SparseAllgather(_Exchange):
         sent = self.codec.decode_message(message, self.numel, self.bin_length)
         self.memory.update(self.key, compensated, sent)
         self.sent_elements = tf.reduce_sum(tf.cast(selected, tf.int64))
-        values = [self.codec.decode_message(chunk, self.numel, self.bin_length)
-                  for chunk in _gather_with_sizes(message, name, self.meter)]
+        values = [
+            self.codec.decode_message(chunk, self.numel, self.bin_length)
+            for chunk in _gather_with_sizes(message, name, self.meter)
+        ]
         return divide(tf.reduce_sum(tf.stack(values), axis=0), self.count)
 
 
@@ -335,27 +355,34 @@ class LeaderAllreduce(_Exchange):
         compensated = self.memory.compensate(self.key, grad, ratio)
         k = self.sent_elements
         leader = tf.cast(self.codec.leader(self.step, self.world_size), tf.int32)
-        indices = tf.cond(tf.equal(leader, hvd.rank()),
-                          lambda: self.codec.top_k(compensated, k),
-                          lambda: tf.zeros([k], tf.int32))
+        indices = tf.cond(
+            tf.equal(leader, hvd.rank()),
+            lambda: self.codec.top_k(compensated, k),
+            lambda: tf.zeros([k], tf.int32),
+        )
         self.meter.hand(indices)
         # Horovod's broadcast takes its root as a Python int, and inside a tf.function the
         # leader is a tensor (it follows the step variable): one branch per possible root,
         # the same on every rank, so exactly one broadcast runs. An allreduce of the
         # leader's indices (zeros elsewhere) would need no branches but would put twice the
         # bytes on the wire and break the cost model's broadcast.
-        indices = tf.switch_case(leader, [
-            lambda root=root: hvd.broadcast(indices, root_rank=root, name=f"{name}.indices",
-                                            ignore_name_scope=True)
-            for root in range(self.world_size)])
+        indices = tf.switch_case(
+            leader,
+            [
+                lambda root=root: hvd.broadcast(
+                    indices, root_rank=root, name=f"{name}.indices", ignore_name_scope=True
+                )
+                for root in range(self.world_size)
+            ],
+        )
         indices = tf.reshape(tf.cast(indices, tf.int64), [k, 1])
         values = tf.gather_nd(compensated, indices)
         sent = tf.scatter_nd(indices, values, [self.numel])
         self.memory.update(self.key, compensated, sent, self.codec.beta)
-        total = hvd.allreduce(self.meter.hand(values), op=hvd.Sum, name=name,
-                              ignore_name_scope=True)
-        return tf.scatter_nd(indices, divide(tf.cast(total, tf.float32), self.count),
-                             [self.numel])
+        total = hvd.allreduce(
+            self.meter.hand(values), op=hvd.Sum, name=name, ignore_name_scope=True
+        )
+        return tf.scatter_nd(indices, divide(tf.cast(total, tf.float32), self.count), [self.numel])
 
 
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
@@ -370,5 +397,4 @@ def make_exchange(name, codec, numel, world_size, meter, count, server=None, fus
 
 def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step):
     """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``."""
-    return SPARSE_EXCHANGES[name](codec, plan.numel, world_size, meter, count, memory, plan,
-                                  step)
+    return SPARSE_EXCHANGES[name](codec, plan.numel, world_size, meter, count, memory, plan, step)

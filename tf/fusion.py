@@ -1,6 +1,7 @@
 """One alltoall for the rows of several sharded exchanges (``hvd_compress.fusion``).
 
 Mirrors ``hvd_compress.pt.fusion``."""
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 

@@ -24,6 +24,7 @@ The step counter, the round counter and the other state are ``tf.Variable``\\ s,
 rounds run inside ``model.fit``'s ``tf.function`` (as ``tf.cond`` branches that every rank
 takes alike) and ``tf.train.Checkpoint(optimizer=...)`` saves them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,9 +62,15 @@ class _LocalClipSGD:
         # Attributes of the optimizer (set outside Keras's untracked build), so
         # tf.train.Checkpoint(optimizer=...) saves them.
         self._hvdc_named = [(variable_name(v), v) for v in variables]
-        self._hvdc_buffers = [v for v in self._hvdc_model.non_trainable_variables
-                              if tf.as_dtype(v.dtype).is_floating] \
-            if self._hvdc_average_buffers else []
+        self._hvdc_buffers = (
+            [
+                v
+                for v in self._hvdc_model.non_trainable_variables
+                if tf.as_dtype(v.dtype).is_floating
+            ]
+            if self._hvdc_average_buffers
+            else []
+        )
         self._hvdc_steps = _state("local_steps")
         self._hvdc_syncs = _state("syncs")
         self._hvdc_last_step_bytes = _state("last_step_bytes")
@@ -75,13 +82,24 @@ class _LocalClipSGD:
         self._hvdc_anchors = {}
         if self._hvdc_codec.code_space is not None:
             self._hvdc_pipeline = make_pipeline(
-                "LocalClipSGD", self._hvdc_named, self._hvdc_codec, (),
-                dict(exchange="auto", average=True, seed=self._hvdc_seed, prescale_factor=1.0,
-                     postscale_factor=1.0, error_feedback=True))
+                "LocalClipSGD",
+                self._hvdc_named,
+                self._hvdc_codec,
+                (),
+                dict(
+                    exchange="auto",
+                    average=True,
+                    seed=self._hvdc_seed,
+                    prescale_factor=1.0,
+                    postscale_factor=1.0,
+                    error_feedback=True,
+                ),
+            )
             with tf.init_scope():
-                self._hvdc_anchors = {name: tf.Variable(tf.zeros(v.shape, v.dtype),
-                                                        trainable=False, name="anchor")
-                                      for name, v in self._hvdc_named}
+                self._hvdc_anchors = {
+                    name: tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="anchor")
+                    for name, v in self._hvdc_named
+                }
 
     @property
     def local_steps(self):
@@ -117,13 +135,19 @@ class _LocalClipSGD:
         if self._hvdc_pipeline is not None:
             tf.cond(starts_period, self._hvdc_take_anchors, lambda: None)
         if self._hvdc_clipping != "local":
-            handed += tf.cond(starts_period, lambda: self._hvdc_averaged_gradient_norm(ordered),
-                              lambda: tf.constant(0, tf.int64))
+            handed += tf.cond(
+                starts_period,
+                lambda: self._hvdc_averaged_gradient_norm(ordered),
+                lambda: tf.constant(0, tf.int64),
+            )
         with self._hvdc_clipped_rates(self._hvdc_clipping_norm(ordered)):
             self._hvdc_base.apply(self, grads, trainable_variables)
         self._hvdc_steps.assign_add(1)
-        handed += tf.cond(tf.equal(self._hvdc_steps % self._hvdc_sync_every, 0),
-                          self._hvdc_average, lambda: tf.constant(0, tf.int64))
+        handed += tf.cond(
+            tf.equal(self._hvdc_steps % self._hvdc_sync_every, 0),
+            self._hvdc_average,
+            lambda: tf.constant(0, tf.int64),
+        )
         self._hvdc_last_step_bytes.assign(handed)
 
     def _hvdc_clipping_norm(self, grads):
@@ -140,8 +164,10 @@ class _LocalClipSGD:
         allreduce); returns the bytes handed."""
         meter = Meter()
         # Every rank must hand over the same tensors, also for variables without a gradient.
-        dense = [meter.hand(tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g))
-                 for (_, v), g in zip(self._hvdc_named, grads)]
+        dense = [
+            meter.hand(tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g))
+            for (_, v), g in zip(self._hvdc_named, grads)
+        ]
         averaged = hvd.grouped_allreduce(dense, op=hvd.Average, name="hvdc.local_sgd.gradients")
         self._hvdc_average_grad_norm.assign(tf.linalg.global_norm(averaged))
         return meter.take()
@@ -174,15 +200,25 @@ class _LocalClipSGD:
         handed = tf.constant(0, tf.int64)
         if self._hvdc_pipeline is None:
             parameters = [v for _, v in self._hvdc_named]
-            self._hvdc_assign(parameters, hvd.grouped_allreduce(
-                [meter.hand(tf.convert_to_tensor(v)) for v in parameters], op=hvd.Average,
-                name="hvdc.local_sgd.parameters"))
+            self._hvdc_assign(
+                parameters,
+                hvd.grouped_allreduce(
+                    [meter.hand(tf.convert_to_tensor(v)) for v in parameters],
+                    op=hvd.Average,
+                    name="hvdc.local_sgd.parameters",
+                ),
+            )
         else:
             handed += self._hvdc_exchange_moves()
         if self._hvdc_buffers:
-            self._hvdc_assign(self._hvdc_buffers, hvd.grouped_allreduce(
-                [meter.hand(tf.convert_to_tensor(b)) for b in self._hvdc_buffers],
-                op=hvd.Average, name="hvdc.local_sgd.buffers"))
+            self._hvdc_assign(
+                self._hvdc_buffers,
+                hvd.grouped_allreduce(
+                    [meter.hand(tf.convert_to_tensor(b)) for b in self._hvdc_buffers],
+                    op=hvd.Average,
+                    name="hvdc.local_sgd.buffers",
+                ),
+            )
         self._hvdc_syncs.assign_add(1)
         return handed + meter.take()
 
@@ -198,8 +234,9 @@ class _LocalClipSGD:
         learning-rate changes need no rescaling). Every rank adds the same average to the
         same anchor, so all end bitwise equal. Returns the bytes handed."""
         pipeline, anchors = self._hvdc_pipeline, self._hvdc_anchors
-        moves = pipeline.reduce([tf.convert_to_tensor(v) - anchors[name]
-                                 for name, v in self._hvdc_named])
+        moves = pipeline.reduce(
+            [tf.convert_to_tensor(v) - anchors[name] for name, v in self._hvdc_named]
+        )
         for (name, v), move in zip(self._hvdc_named, moves):
             v.assign(anchors[name].assign_add(move))
         return pipeline.last_step_bytes.read_value()
@@ -208,8 +245,13 @@ class _LocalClipSGD:
     def compression_variables(self):
         """The state of the local steps and rounds (``tf.Variable``\\ s), to broadcast with
         the model's."""
-        state = [self._hvdc_steps, self._hvdc_syncs, self._hvdc_last_step_bytes,
-                 self._hvdc_average_grad_norm, *self._hvdc_anchors.values()]
+        state = [
+            self._hvdc_steps,
+            self._hvdc_syncs,
+            self._hvdc_last_step_bytes,
+            self._hvdc_average_grad_norm,
+            *self._hvdc_anchors.values(),
+        ]
         if self._hvdc_pipeline is not None:
             state += list(self._hvdc_pipeline.variables)
         return state
@@ -218,26 +260,44 @@ class _LocalClipSGD:
         """What the last step handed to Horovod, and how each tensor travels at a round."""
         pipeline = self._hvdc_pipeline
         if pipeline is None:
-            tensors = [(name, tf.TensorShape(v.shape).num_elements(), "grouped allreduce",
-                        "parameters averaged whole") for name, v in self._hvdc_named]
+            tensors = [
+                (
+                    name,
+                    tf.TensorShape(v.shape).num_elements(),
+                    "grouped allreduce",
+                    "parameters averaged whole",
+                )
+                for name, v in self._hvdc_named
+            ]
         else:
-            tensors = [(plan.name, plan.numel, plan.exchange, plan.reason)
-                       for plan in pipeline.plans]
+            tensors = [
+                (plan.name, plan.numel, plan.exchange, plan.reason) for plan in pipeline.plans
+            ]
         return {
             "codec": repr(self._hvdc_codec),
             "step": self.local_steps,
             "syncs": self.syncs,
             "bytes_handed": self.last_step_bytes,
             # What synchronous SGD's plain allreduce of every gradient hands each step.
-            "bytes_uncompressed": sum(tf.TensorShape(v.shape).num_elements() *
-                                      tf.as_dtype(v.dtype).size for _, v in self._hvdc_named),
+            "bytes_uncompressed": sum(
+                tf.TensorShape(v.shape).num_elements() * tf.as_dtype(v.dtype).size
+                for _, v in self._hvdc_named
+            ),
             "tensors": tensors,
         }
 
 
-def LocalClipSGD(optimizer: keras.optimizers.SGD, model: keras.Model, *, clip: float,
-                 sync_every: int = 8, clipping: str = "local", average_buffers: bool = True,
-                 compression: Compression = "none", seed: int = 0) -> keras.optimizers.SGD:
+def LocalClipSGD(
+    optimizer: keras.optimizers.SGD,
+    model: keras.Model,
+    *,
+    clip: float,
+    sync_every: int = 8,
+    clipping: str = "local",
+    average_buffers: bool = True,
+    compression: Compression = "none",
+    seed: int = 0,
+) -> keras.optimizers.SGD:
     """Wraps a ``keras.optimizers.SGD`` so that every Horovod rank trains locally with
     clipped steps and the ranks average their models every ``sync_every`` steps (CELGC).
 
@@ -297,35 +357,49 @@ def LocalClipSGD(optimizer: keras.optimizers.SGD, model: keras.Model, *, clip: f
     """
     owner = "LocalClipSGD"
     if not isinstance(optimizer, keras.optimizers.SGD):
-        raise TypeError(f"{owner}: optimizer must be a keras.optimizers.SGD (CELGC clips SGD "
-                        f"steps), got {type(optimizer).__name__}")
+        raise TypeError(
+            f"{owner}: optimizer must be a keras.optimizers.SGD (CELGC clips SGD "
+            f"steps), got {type(optimizer).__name__}"
+        )
     if not isinstance(model, keras.Model):
-        raise TypeError(f"{owner}: model must be the keras.Model whose variables the "
-                        f"optimizer trains, got {type(model).__name__}")
+        raise TypeError(
+            f"{owner}: model must be the keras.Model whose variables the "
+            f"optimizer trains, got {type(model).__name__}"
+        )
     if optimizer.gradient_accumulation_steps:
-        raise ValueError(f"{owner}: the optimizer's gradient_accumulation_steps is not "
-                         f"supported; every apply() is a local step")
+        raise ValueError(
+            f"{owner}: the optimizer's gradient_accumulation_steps is not "
+            f"supported; every apply() is a local step"
+        )
     clip = check_float(owner, "clip", clip)
     if clip <= 0:
         raise ValueError(f"{owner}: clip (gamma) must be > 0, got {clip!r}")
     sync_every = check_int(owner, "sync_every", sync_every, low=1)
     check_choice(owner, "clipping", clipping, CLIPPINGS)
     if not isinstance(average_buffers, bool):
-        raise TypeError(f"{owner}: average_buffers must be True or False, got "
-                        f"{average_buffers!r}")
+        raise TypeError(f"{owner}: average_buffers must be True or False, got {average_buffers!r}")
     codec = resolve(compression, CODECS)
     seed = check_int(owner, "seed", seed, low=0)
     rate = float(optimizer.learning_rate)
     if not rate > 0:
-        raise ValueError(f"{owner}: the learning rate must be > 0 (the clip threshold is "
-                         f"gamma / eta_0), got {rate!r}")
+        raise ValueError(
+            f"{owner}: the learning rate must be > 0 (the clip threshold is "
+            f"gamma / eta_0), got {rate!r}"
+        )
 
     wrapped = wrap_in_subclass(optimizer, _LocalClipSGD)
     # Outside Keras's attribute tracking: the model is not the optimizer's to save.
-    wrapped.__dict__.update(_hvdc_base=optimizer.__class__, _hvdc_model=model, _hvdc_codec=codec,
-                            _hvdc_seed=seed, _hvdc_sync_every=sync_every,
-                            _hvdc_clipping=clipping, _hvdc_average_buffers=average_buffers,
-                            _hvdc_max_grad_norm=clip / rate, _hvdc_rate_factor=None)
+    wrapped.__dict__.update(
+        _hvdc_base=optimizer.__class__,
+        _hvdc_model=model,
+        _hvdc_codec=codec,
+        _hvdc_seed=seed,
+        _hvdc_sync_every=sync_every,
+        _hvdc_clipping=clipping,
+        _hvdc_average_buffers=average_buffers,
+        _hvdc_max_grad_norm=clip / rate,
+        _hvdc_rate_factor=None,
+    )
     if optimizer.built:
         wrapped._hvdc_attach(optimizer._trainable_variables)
     return wrapped

@@ -1,4 +1,5 @@
 """Error-feedback memory: what a compressed message did not carry, kept for the next one."""
+
 import tensorflow as tf
 
 
@@ -31,9 +32,10 @@ class ErrorFeedback(tf.Module):
     def __init__(self, sizes, name=None):
         super().__init__(name=name)
         with tf.init_scope():
-            self.residuals = {key: tf.Variable(tf.zeros([numel]), trainable=False,
-                                               name="residual")
-                              for key, numel in sizes.items()}
+            self.residuals = {
+                key: tf.Variable(tf.zeros([numel]), trainable=False, name="residual")
+                for key, numel in sizes.items()
+            }
         self.proposed = {}
 
     def compensate(self, name, vector, ratio=1.0):

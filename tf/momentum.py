@@ -15,6 +15,7 @@ instead keeps a second momentum buffer for it, because ``torch.optim.SGD`` puts 
 its momentum. The base step runs with momentum switched off, so no momentum is applied twice.
 Learning-rate schedules are seen through ``optimizer.learning_rate``.
 """
+
 import contextlib
 
 import keras
@@ -29,10 +30,10 @@ class WorkerMomentum(tf.Module):
     def __init__(self, pipeline):
         super().__init__(name="worker_momentum")
         with tf.init_scope():
-            self.momentum = {plan.name: tf.Variable(tf.zeros(shape, dtype), trainable=False,
-                                                    name="momentum")
-                             for plan, shape, dtype
-                             in zip(pipeline.plans, pipeline.shapes, pipeline.dtypes)}
+            self.momentum = {
+                plan.name: tf.Variable(tf.zeros(shape, dtype), trainable=False, name="momentum")
+                for plan, shape, dtype in zip(pipeline.plans, pipeline.shapes, pipeline.dtypes)
+            }
             # 0 until the first exchange, which has no earlier rate to rescale from.
             self.learning_rate = tf.Variable(0.0, trainable=False, name="learning_rate")
         self.names = [plan.name for plan in pipeline.plans]
@@ -44,8 +45,9 @@ class WorkerMomentum(tf.Module):
     @staticmethod
     def check(optimizer):
         if not isinstance(optimizer, keras.optimizers.SGD):
-            raise TypeError(f"worker_momentum needs a keras.optimizers.SGD, got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"worker_momentum needs a keras.optimizers.SGD, got {type(optimizer).__name__}"
+            )
 
     def before_exchange(self, optimizer, grads):
         """The momentum directions u for ``grads`` (in the pipeline's order; None stays None),
@@ -67,8 +69,9 @@ class WorkerMomentum(tf.Module):
     def commit(self, keep):
         for name, buffer in self.proposed["momentum"].items():
             self.momentum[name].assign(tf.where(keep, buffer, self.momentum[name]))
-        self.learning_rate.assign(tf.where(keep, self.proposed["learning_rate"],
-                                           self.learning_rate))
+        self.learning_rate.assign(
+            tf.where(keep, self.proposed["learning_rate"], self.learning_rate)
+        )
         self.proposed = {}
 
     @staticmethod

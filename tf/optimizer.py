@@ -7,6 +7,7 @@ custom loops alike.
 ``apply_gradients``), so under Keras 3 it trains without averaging. This wrapper exchanges
 in ``apply``, which ``apply_gradients`` and every Keras 3 training path go through.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -35,12 +36,18 @@ class _DistributedOptimizer:
 
     def _hvdc_attach(self, variables):
         named = [(variable_name(v), v) for v in variables]
-        self._hvdc_pipeline = make_pipeline("DistributedOptimizer", named, self._hvdc_codec,
-                                            self._hvdc_uncompressed, self._hvdc_options)
+        self._hvdc_pipeline = make_pipeline(
+            "DistributedOptimizer",
+            named,
+            self._hvdc_codec,
+            self._hvdc_uncompressed,
+            self._hvdc_options,
+        )
         # An attribute of the optimizer (set outside Keras's untracked build), the pipeline's
         # step counter and residuals are saved by tf.train.Checkpoint(optimizer=...).
-        self._hvdc_momentum = WorkerMomentum(self._hvdc_pipeline) \
-            if self._hvdc_worker_momentum else None
+        self._hvdc_momentum = (
+            WorkerMomentum(self._hvdc_pipeline) if self._hvdc_worker_momentum else None
+        )
         self._hvdc_keys = [self._var_key(v) for v in variables]
 
     def apply(self, grads, trainable_variables=None):
@@ -52,8 +59,9 @@ class _DistributedOptimizer:
                 self.build(variables)
         grads = list(grads)
         if self._hvdc_sparse_as_dense:
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                     for g in grads]
+            grads = [
+                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
+            ]
         by_key = {self._var_key(v): g for v, g in zip(variables, grads)}
         # Variables without a gradient exchange zeros (every rank must take part in the same
         # collectives) and still reach the base optimizer without one.
@@ -61,8 +69,7 @@ class _DistributedOptimizer:
         if self._hvdc_momentum is not None:
             ordered, ratio = self._hvdc_momentum.before_exchange(self, ordered)
         reduced = dict(zip(self._hvdc_keys, self._hvdc_pipeline.reduce(ordered, ratio)))
-        grads = [None if g is None else reduced[self._var_key(v)]
-                 for v, g in zip(variables, grads)]
+        grads = [None if g is None else reduced[self._var_key(v)] for v, g in zip(variables, grads)]
         if self._hvdc_momentum is None:
             return self._hvdc_base.apply(self, grads, trainable_variables)
         with self._hvdc_momentum.applied_by_worker(self):
@@ -79,19 +86,29 @@ class _DistributedOptimizer:
         return list(self._hvdc_pipeline.variables)
 
 
-def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
-                         compression: Compression = "none", op: int = hvd.Average,
-                         gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                         process_set: hvd.ProcessSet = hvd.global_process_set, *,
-                         exchange: str = "auto", seed: int = 0,
-                         uncompressed: Iterable[str] = (), error_feedback: bool | None = None,
-                         worker_momentum: bool | None = None,
-                         adaptive: bool | Adaptive = False, name: str | None = None,
-                         device_dense: str = "", device_sparse: str = "",
-                         backward_passes_per_step: int = 1,
-                         average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups: Any = None, scale_local_gradients: bool = True
-                         ) -> keras.optimizers.Optimizer:
+def DistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    compression: Compression = "none",
+    op: int = hvd.Average,
+    gradient_predivide_factor: float = 1.0,
+    sparse_as_dense: bool = False,
+    process_set: hvd.ProcessSet = hvd.global_process_set,
+    *,
+    exchange: str = "auto",
+    seed: int = 0,
+    uncompressed: Iterable[str] = (),
+    error_feedback: bool | None = None,
+    worker_momentum: bool | None = None,
+    adaptive: bool | Adaptive = False,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
     """Wraps a Keras 3 optimizer so that gradients are compressed, exchanged across all
     Horovod ranks and averaged before every update, in ``model.fit`` and in
     ``optimizer.apply_gradients``.
@@ -135,30 +152,52 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,
             why).
     """
     check_horovod_defaults(
-        "DistributedOptimizer", name=name, device_dense=device_dense, device_sparse=device_sparse,
+        "DistributedOptimizer",
+        name=name,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
         backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-        groups=groups, scale_local_gradients=scale_local_gradients)
+        average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups,
+        groups=groups,
+        scale_local_gradients=scale_local_gradients,
+    )
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}"
+        )
     if optimizer.gradient_accumulation_steps:
-        raise ValueError("DistributedOptimizer: the optimizer's gradient_accumulation_steps "
-                         "is not supported; exchanges happen on every apply()")
+        raise ValueError(
+            "DistributedOptimizer: the optimizer's gradient_accumulation_steps "
+            "is not supported; exchanges happen on every apply()"
+        )
     codec, options = check_options(
-        "DistributedOptimizer", compression, CODECS, op=op,
-        gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
-        exchange=exchange, seed=seed, error_feedback=error_feedback, adaptive=adaptive)
+        "DistributedOptimizer",
+        compression,
+        CODECS,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        process_set=process_set,
+        exchange=exchange,
+        seed=seed,
+        error_feedback=error_feedback,
+        adaptive=adaptive,
+    )
     if worker_momentum is None:
-        worker_momentum = codec.two_way and isinstance(optimizer, keras.optimizers.SGD) and \
-            optimizer.momentum > 0
+        worker_momentum = (
+            codec.two_way and isinstance(optimizer, keras.optimizers.SGD) and optimizer.momentum > 0
+        )
     if worker_momentum:
         WorkerMomentum.check(optimizer)
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer)
-    wrapped.__dict__.update(_hvdc_base=optimizer.__class__, _hvdc_codec=codec,
-                            _hvdc_options=options, _hvdc_uncompressed=frozenset(uncompressed),
-                            _hvdc_sparse_as_dense=sparse_as_dense,
-                            _hvdc_worker_momentum=bool(worker_momentum))
+    wrapped.__dict__.update(
+        _hvdc_base=optimizer.__class__,
+        _hvdc_codec=codec,
+        _hvdc_options=options,
+        _hvdc_uncompressed=frozenset(uncompressed),
+        _hvdc_sparse_as_dense=sparse_as_dense,
+        _hvdc_worker_momentum=bool(worker_momentum),
+    )
     if optimizer.built:
         wrapped._hvdc_attach(optimizer._trainable_variables)
     return wrapped

@@ -4,6 +4,7 @@ Only shifts, masks and sums of integer tensors: the same code runs on CPU and GP
 and inside ``tf.function``. The number of codes per row (the last axis) may be known only at
 run time (a sparse codec's selection inside a ``tf.function``).
 """
+
 import tensorflow as tf
 
 from hvd_compress.codes import WIDTHS, FieldCodes, FloatCodes, IntCodes, SignCodes
@@ -68,8 +69,9 @@ def _unpack_unsigned(packed, width, numel):
         unsigned = tf.reduce_sum(tf.bitwise.left_shift(fields, shifts), axis=-1)
     else:
         shifts = tf.range(8 // width, dtype=tf.int64) * width
-        fields = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[..., None], shifts),
-                                        (1 << width) - 1)
+        fields = tf.bitwise.bitwise_and(
+            tf.bitwise.right_shift(packed[..., None], shifts), (1 << width) - 1
+        )
         unsigned = _rows(fields, packed, [-1])
     return unsigned[..., :numel]
 
@@ -78,7 +80,8 @@ def _pack_bits(unsigned, width):
     """Fields of any width as one little-endian bit stream per row (``codes.FieldCodes``):
     each field's bits, lowest first, packed as fields of one bit."""
     bits = tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(unsigned[..., None], tf.range(width, dtype=tf.int64)), 1)
+        tf.bitwise.right_shift(unsigned[..., None], tf.range(width, dtype=tf.int64)), 1
+    )
     return _pack_unsigned(_rows(bits, unsigned, [-1]), 1, pad=0)
 
 

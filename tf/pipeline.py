@@ -6,6 +6,7 @@ wrappers so that ``DistributedGradientTape``, the Keras ``DistributedOptimizer``
 drive the same code. It is a ``tf.Module``: its step counter and error-feedback residuals
 are variables, so it runs inside ``tf.function`` and ``tf.train.Checkpoint`` saves it.
 """
+
 import collections
 import dataclasses
 import re
@@ -30,11 +31,12 @@ UNCOMPRESSED = "allreduce (uncompressed)"
 @dataclasses.dataclass
 class TensorPlan:
     """How one variable's gradient travels; fixed at construction."""
+
     name: str
     index: int
     numel: int
     exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
-    reason: str    # why it is, or is not, compressed
+    reason: str  # why it is, or is not, compressed
     layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
 
 
@@ -72,9 +74,19 @@ class CompressionPipeline(tf.Module):
             Two-way codecs also keep a server residual per tensor (or shard).
     """
 
-    def __init__(self, named_variables, codec, *, exchange="auto", average=True, seed=0,
-                 uncompressed=(), prescale_factor=1.0, postscale_factor=1.0,
-                 error_feedback=False):
+    def __init__(
+        self,
+        named_variables,
+        codec,
+        *,
+        exchange="auto",
+        average=True,
+        seed=0,
+        uncompressed=(),
+        prescale_factor=1.0,
+        postscale_factor=1.0,
+        error_feedback=False,
+    ):
         super().__init__(name="hvd_compress")
         self.codec = codec
         self.average = average
@@ -87,53 +99,96 @@ class CompressionPipeline(tf.Module):
         # Keras 3 variables give their shape as a tuple and their dtype as a string.
         self.shapes = [tf.TensorShape(variable.shape) for _, variable in named_variables]
         self.dtypes = [tf.as_dtype(variable.dtype) for _, variable in named_variables]
-        self.plans = [dataclasses.replace(
-            self._plan(name, index, shape, dtype, exchange, name in uncompressed),
-            layer=codec.layer_kind(name, tuple(shape)))
-            for index, ((name, _), shape, dtype)
-            in enumerate(zip(named_variables, self.shapes, self.dtypes))]
+        self.plans = [
+            dataclasses.replace(
+                self._plan(name, index, shape, dtype, exchange, name in uncompressed),
+                layer=codec.layer_kind(name, tuple(shape)),
+            )
+            for index, ((name, _), shape, dtype) in enumerate(
+                zip(named_variables, self.shapes, self.dtypes)
+            )
+        ]
         # Before any collective: ranks built differently would hang in them. Eagerly (the
         # pipeline may be built while a tf.function traces), as allgather_object needs.
         with tf.init_scope():
-            problem = agreement.disagreement(hvd.allgather_object(agreement.describe(
-                codec, exchange, average, [(plan.name, shape, dtype.name) for plan, shape, dtype
-                                           in zip(self.plans, self.shapes, self.dtypes)])))
+            problem = agreement.disagreement(
+                hvd.allgather_object(
+                    agreement.describe(
+                        codec,
+                        exchange,
+                        average,
+                        [
+                            (plan.name, shape, dtype.name)
+                            for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
+                        ],
+                    )
+                )
+            )
         if problem:
             raise ValueError(problem)
         if exchange == "auto":
             # Chosen together: sharded tensors share alltoalls (``cost.choose_exchanges``).
             chosen = [plan for plan in self.plans if plan.reason == "compressed"]
-            for plan, name in zip(chosen, cost.choose_exchanges(
-                    codec, [plan.numel for plan in chosen], self.world_size,
-                    TF_ALLREDUCE_DTYPES)):
+            for plan, name in zip(
+                chosen,
+                cost.choose_exchanges(
+                    codec, [plan.numel for plan in chosen], self.world_size, TF_ALLREDUCE_DTYPES
+                ),
+            ):
                 plan.exchange = name
         count = self.world_size if average else 1
         compressed = [plan for plan in self.plans if plan.exchange != UNCOMPRESSED]
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-            self.last_step_bytes = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                               name="last_step_bytes")
+            self.last_step_bytes = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="last_step_bytes"
+            )
             # Per variable, in the order of ``plans``: the last step's bytes handed to
             # Horovod and the elements this worker sent (``layer_stats``).
-            self.last_tensor_bytes = tf.Variable(tf.zeros([len(self.plans)], tf.int64),
-                                                 trainable=False, name="last_tensor_bytes")
-            self.last_sent_elements = tf.Variable(tf.zeros([len(self.plans)], tf.int64),
-                                                  trainable=False, name="last_sent_elements")
-        self.worker_memory = ErrorFeedback(
-            {plan.name: plan.numel for plan in compressed},
-            name="worker") if error_feedback else None
+            self.last_tensor_bytes = tf.Variable(
+                tf.zeros([len(self.plans)], tf.int64), trainable=False, name="last_tensor_bytes"
+            )
+            self.last_sent_elements = tf.Variable(
+                tf.zeros([len(self.plans)], tf.int64), trainable=False, name="last_sent_elements"
+            )
+        self.worker_memory = (
+            ErrorFeedback({plan.name: plan.numel for plan in compressed}, name="worker")
+            if error_feedback
+            else None
+        )
         if codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
-            self.exchanges = {plan.name: make_sparse_exchange(
-                plan.exchange, codec, plan, self.world_size, self.meter, count,
-                self.worker_memory, self.step) for plan in compressed}
+            self.exchanges = {
+                plan.name: make_sparse_exchange(
+                    plan.exchange,
+                    codec,
+                    plan,
+                    self.world_size,
+                    self.meter,
+                    count,
+                    self.worker_memory,
+                    self.step,
+                )
+                for plan in compressed
+            }
         else:
-            self.exchanges = {plan.name: make_exchange(plan.exchange, codec, plan.numel,
-                                                       self.world_size, self.meter, count)
-                              for plan in compressed}
-        self.server_memory = ErrorFeedback(
-            {name: exchange.server_numel(self.rank) for name, exchange in self.exchanges.items()},
-            name="server") if codec.two_way else None
+            self.exchanges = {
+                plan.name: make_exchange(
+                    plan.exchange, codec, plan.numel, self.world_size, self.meter, count
+                )
+                for plan in compressed
+            }
+        self.server_memory = (
+            ErrorFeedback(
+                {
+                    name: exchange.server_numel(self.rank)
+                    for name, exchange in self.exchanges.items()
+                },
+                name="server",
+            )
+            if codec.two_way
+            else None
+        )
         # State changed by a step only if its exchanged gradients are all finite: objects
         # with ``commit(keep)``; wrappers add their own (worker momentum).
         self.step_state = [m for m in (self.worker_memory, self.server_memory) if m is not None]
@@ -147,8 +202,9 @@ class CompressionPipeline(tf.Module):
         if self.codec.code_space is None:
             return TensorPlan(name, index, numel, UNCOMPRESSED, f"codec {self.codec.name}")
         if not self.codec.compresses(numel):
-            return TensorPlan(name, index, numel, UNCOMPRESSED,
-                              f"{numel} < min_size {self.codec.min_size}")
+            return TensorPlan(
+                name, index, numel, UNCOMPRESSED, f"{numel} < min_size {self.codec.min_size}"
+            )
         return TensorPlan(name, index, numel, exchange, "compressed")
 
     # ----- one step -----
@@ -160,15 +216,17 @@ class CompressionPipeline(tf.Module):
         ``ratio`` (eta_{t-1} / eta_t, may be a tensor) rescales residuals kept in gradient
         units."""
         if len(grads) != len(self.plans):
-            raise ValueError(f"CompressionPipeline: got {len(grads)} gradients for "
-                             f"{len(self.plans)} variables")
+            raise ValueError(
+                f"CompressionPipeline: got {len(grads)} gradients for {len(self.plans)} variables"
+            )
         refuse_xla("hvd_compress")
         fusions = self._fusion_groups()
         outputs = [None] * len(self.plans)
         sent_elements = [plan.numel for plan in self.plans]
         started = {}  # index -> (what the exchange's ``finish`` takes, the gradient's dtype)
-        for index, (plan, shape, dtype, grad) in enumerate(zip(self.plans, self.shapes,
-                                                               self.dtypes, grads)):
+        for index, (plan, shape, dtype, grad) in enumerate(
+            zip(self.plans, self.shapes, self.dtypes, grads)
+        ):
             if grad is None:
                 grad = tf.zeros(shape, dtype)
             with self.meter.charging(plan.name):
@@ -182,8 +240,10 @@ class CompressionPipeline(tf.Module):
                     outputs[index] = self._sparse(plan, grad, ratio)
                     sent_elements[index] = self.exchanges[plan.name].sent_elements
                 else:
-                    started[index] = (self._start(plan, grad, ratio, fusions.get(plan.name)),
-                                      grad.dtype)
+                    started[index] = (
+                        self._start(plan, grad, ratio, fusions.get(plan.name)),
+                        grad.dtype,
+                    )
         for index, (pending, dtype) in started.items():
             plan = self.plans[index]
             with self.meter.charging(plan.name):
@@ -193,8 +253,11 @@ class CompressionPipeline(tf.Module):
             keep = self.all_finite(outputs)
             for state in self.step_state:
                 state.commit(keep)
-        self.last_tensor_bytes.assign(tf.stack(
-            [tf.cast(self.meter.by_tensor.get(plan.name, 0), tf.int64) for plan in self.plans]))
+        self.last_tensor_bytes.assign(
+            tf.stack(
+                [tf.cast(self.meter.by_tensor.get(plan.name, 0), tf.int64) for plan in self.plans]
+            )
+        )
         self.last_sent_elements.assign(tf.stack([tf.cast(n, tf.int64) for n in sent_elements]))
         self.last_step_bytes.assign(self.meter.take())
         self.step.assign_add(1)
@@ -204,28 +267,37 @@ class CompressionPipeline(tf.Module):
     def all_finite(grads):
         """Whether every exchanged gradient of this step is finite, as a boolean tensor; the
         same answer on every rank, since they all hold the same averages."""
-        checks = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices)
-                                                  else g))
-                  for g in grads if g.dtype.is_floating]
+        checks = [
+            tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+            for g in grads
+            if g.dtype.is_floating
+        ]
         return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
     def _plain(self, plan, grad):
         if not isinstance(grad, tf.IndexedSlices):
             self.meter.hand(grad)
-        return hvd.allreduce(grad, op=hvd.Average if self.average else hvd.Sum,
-                             prescale_factor=self.prescale_factor,
-                             postscale_factor=self.postscale_factor,
-                             name=collective_name(plan), ignore_name_scope=True)
+        return hvd.allreduce(
+            grad,
+            op=hvd.Average if self.average else hvd.Sum,
+            prescale_factor=self.prescale_factor,
+            postscale_factor=self.postscale_factor,
+            name=collective_name(plan),
+            ignore_name_scope=True,
+        )
 
     def _fusion_groups(self):
         """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``)."""
         plans = {plan.name: plan for plan in self.plans if plan.exchange == "sharded"}
         groups = {}
-        for index, members in enumerate(fusion.alltoall_groups(
-                self.codec, [(name, plan.numel) for name, plan in plans.items()],
-                self.world_size)):
-            group = AlltoallFusion([_codes_name(plans[m]) for m in members],
-                                   f"hvdc.alltoall.{index}")
+        for index, members in enumerate(
+            fusion.alltoall_groups(
+                self.codec, [(name, plan.numel) for name, plan in plans.items()], self.world_size
+            )
+        ):
+            group = AlltoallFusion(
+                [_codes_name(plans[m]) for m in members], f"hvdc.alltoall.{index}"
+            )
             groups.update(dict.fromkeys(members, group))
         return groups
 
@@ -249,8 +321,9 @@ class CompressionPipeline(tf.Module):
         if self.codec.scaled:
             scale = self.codec.local_scale(vector)
             if self.codec.shares_scale(plan.exchange):
-                scale = hvd.allreduce(self.meter.hand(scale), op=hvd.Max, name=f"{name}.scale",
-                                      ignore_name_scope=True)
+                scale = hvd.allreduce(
+                    self.meter.hand(scale), op=hvd.Max, name=f"{name}.scale", ignore_name_scope=True
+                )
         draws = None
         if self.codec.stochastic:
             draws = uniforms(self.seed, self.rank, self.step, plan.index, [plan.numel])
@@ -272,12 +345,15 @@ class CompressionPipeline(tf.Module):
             elif self.codec.sparse and not self.codec.summable:
                 # Variable-length messages: the formula of the last step's message sizes.
                 nbytes = self.codec.message_nbytes(
-                    plan.numel, self.codec.bin_length(plan.name, plan.layer),
-                    int(sent_elements[plan.index]))
+                    plan.numel,
+                    self.codec.bin_length(plan.name, plan.layer),
+                    int(sent_elements[plan.index]),
+                )
                 total += cost.allgather_with_sizes_traffic(nbytes, self.world_size).handed
             else:
-                total += cost.compressed_traffic(self.codec, plan.numel, self.world_size,
-                                                 plan.exchange, TF_ALLREDUCE_DTYPES).handed
+                total += cost.compressed_traffic(
+                    self.codec, plan.numel, self.world_size, plan.exchange, TF_ALLREDUCE_DTYPES
+                ).handed
         return total
 
     def uncompressed_bytes(self):
@@ -294,8 +370,7 @@ class CompressionPipeline(tf.Module):
             "bytes_handed": sent,
             "bytes_uncompressed": uncompressed,
             "compression_ratio": uncompressed / sent if sent else float("nan"),
-            "tensors": [(plan.name, plan.numel, plan.exchange, plan.reason)
-                        for plan in self.plans],
+            "tensors": [(plan.name, plan.numel, plan.exchange, plan.reason) for plan in self.plans],
             "layers": self.layer_stats(),
         }
 
@@ -312,12 +387,17 @@ class CompressionPipeline(tf.Module):
             kind["bytes_uncompressed"] += plan.numel * dtype.size
             kind["elements"] += plan.numel
             kind["sent"] += int(sent_elements[plan.index])
-        return {layer: {"bytes_handed": t["bytes_handed"],
-                        "bytes_uncompressed": t["bytes_uncompressed"],
-                        "compression_ratio": t["bytes_uncompressed"] / t["bytes_handed"]
-                        if t["bytes_handed"] else float("nan"),
-                        "density": t["sent"] / t["elements"] if t["elements"] else float("nan")}
-                for layer, t in totals.items()}
+        return {
+            layer: {
+                "bytes_handed": t["bytes_handed"],
+                "bytes_uncompressed": t["bytes_uncompressed"],
+                "compression_ratio": t["bytes_uncompressed"] / t["bytes_handed"]
+                if t["bytes_handed"]
+                else float("nan"),
+                "density": t["sent"] / t["elements"] if t["elements"] else float("nan"),
+            }
+            for layer, t in totals.items()
+        }
 
 
 def variable_name(variable):
@@ -325,8 +405,19 @@ def variable_name(variable):
     return getattr(variable, "path", None) or variable.name
 
 
-def check_options(owner, compression, classes, *, op, gradient_predivide_factor, process_set,
-                  exchange, seed, error_feedback, adaptive):
+def check_options(
+    owner,
+    compression,
+    classes,
+    *,
+    op,
+    gradient_predivide_factor,
+    process_set,
+    exchange,
+    seed,
+    error_feedback,
+    adaptive,
+):
     """The codec and the ``CompressionPipeline`` keyword arguments for the user-facing
     arguments of a wrapper (``owner`` names it in error messages), checked like
     ``hvd_compress.pt``'s."""
@@ -334,13 +425,16 @@ def check_options(owner, compression, classes, *, op, gradient_predivide_factor,
     if Adaptive.of(adaptive) is not None:
         # Its model needs each gradient's arrival and codec time, which the PyTorch hooks
         # give and a graph that receives every gradient of the tape at once does not.
-        raise ValueError(f"{owner}: adaptive is not available in the TensorFlow port; "
-                         f"leave it False (the PyTorch DistributedOptimizer has it)")
+        raise ValueError(
+            f"{owner}: adaptive is not available in the TensorFlow port; "
+            f"leave it False (the PyTorch DistributedOptimizer has it)"
+        )
     if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(f"{owner}: op must be hvd.Average or hvd.Sum (Adasum does not "
-                         f"compose with compressed codes)")
-    predivide = check_float(owner, "gradient_predivide_factor", gradient_predivide_factor,
-                            low=0.0)
+        raise ValueError(
+            f"{owner}: op must be hvd.Average or hvd.Sum (Adasum does not "
+            f"compose with compressed codes)"
+        )
+    predivide = check_float(owner, "gradient_predivide_factor", gradient_predivide_factor, low=0.0)
     if predivide == 0:
         raise ValueError(f"{owner}: gradient_predivide_factor must be > 0")
     if predivide != 1.0 and op != hvd.Average:
@@ -348,14 +442,23 @@ def check_options(owner, compression, classes, *, op, gradient_predivide_factor,
     if process_set is not hvd.global_process_set:
         raise ValueError(f"{owner}: only hvd.global_process_set is supported")
     check_choice(owner, "exchange", exchange, ("auto",) + cost.EXCHANGES)
-    if exchange != "auto" and codec.code_space is not None and \
-            exchange not in cost.exchanges_for(codec):
-        raise ValueError(f"{owner}: {codec.name} codes cannot travel by exchange={exchange!r}; "
-                         f"they can by {cost.exchanges_for(codec)} or 'auto'")
-    return codec, dict(exchange=exchange, average=op == hvd.Average,
-                       seed=check_int(owner, "seed", seed, low=0),
-                       prescale_factor=1.0 / predivide, postscale_factor=predivide,
-                       error_feedback=check_error_feedback(owner, codec, error_feedback))
+    if (
+        exchange != "auto"
+        and codec.code_space is not None
+        and exchange not in cost.exchanges_for(codec)
+    ):
+        raise ValueError(
+            f"{owner}: {codec.name} codes cannot travel by exchange={exchange!r}; "
+            f"they can by {cost.exchanges_for(codec)} or 'auto'"
+        )
+    return codec, dict(
+        exchange=exchange,
+        average=op == hvd.Average,
+        seed=check_int(owner, "seed", seed, low=0),
+        prescale_factor=1.0 / predivide,
+        postscale_factor=predivide,
+        error_feedback=check_error_feedback(owner, codec, error_feedback),
+    )
 
 
 def make_pipeline(owner, named_variables, codec, uncompressed, options):

@@ -1,4 +1,5 @@
 """QSGD, QSGD-inf and NUQSGD in TensorFlow ops; see ``hvd_compress.qsgd``."""
+
 import tensorflow as tf
 
 from hvd_compress import qsgd as reference
@@ -69,5 +70,4 @@ class NUQSGD(reference.NUQSGD, Codec):
         return tf.sign(tf.cast(codes, tf.int32)) * magnitude
 
     def decode(self, total, scale, count):
-        return rescale(total, scale, self.bucket_length(total.shape[-1]),
-                       2 ** self.exponent * count)
+        return rescale(total, scale, self.bucket_length(total.shape[-1]), 2**self.exponent * count)

@@ -1,4 +1,5 @@
 """The uniform stochastic quantizer in TensorFlow ops; see ``hvd_compress.quantizer``."""
+
 import tensorflow as tf
 
 from hvd_compress import quantizer as reference

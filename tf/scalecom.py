@@ -1,4 +1,5 @@
 """CLT-k in TensorFlow ops; the algorithm and its reference are in ``hvd_compress.scalecom``."""
+
 import tensorflow as tf
 
 from hvd_compress import scalecom as reference
@@ -13,7 +14,8 @@ class CyclicLocalTopK(reference.CyclicLocalTopK, Codec):
         raise TypeError(
             "CyclicLocalTopK cannot run inside Horovod's own DistributedOptimizer: it needs "
             "the leader's indices and each worker's memory. Use "
-            "hvd_compress.tf.DistributedOptimizer(optimizer, compression='clt-k') instead.")
+            "hvd_compress.tf.DistributedOptimizer(optimizer, compression='clt-k') instead."
+        )
 
     def top_k(self, compensated, k):
         magnitude = tf.abs(tf.cast(tf.reshape(compensated, [-1]), tf.float32))
@@ -21,7 +23,9 @@ class CyclicLocalTopK(reference.CyclicLocalTopK, Codec):
         threshold = tf.reduce_min(tf.math.top_k(magnitude, k, sorted=False).values)
         above = magnitude > threshold
         tied = magnitude == threshold
-        take = above | (tied & (tf.cumsum(tf.cast(tied, tf.int32)) <=
-                                k - tf.reduce_sum(tf.cast(above, tf.int32))))
+        take = above | (
+            tied
+            & (tf.cumsum(tf.cast(tied, tf.int32)) <= k - tf.reduce_sum(tf.cast(above, tf.int32)))
+        )
         # Exactly k by construction; the static length lets the collectives' shapes be known.
         return tf.reshape(tf.cast(tf.where(take)[:, 0], tf.int32), [k])

@@ -5,6 +5,7 @@ port draw.
 int64 tensors hold the words: sums and products wrap modulo 2^64 (on CPU, GPU and in XLA),
 and a logical right shift is the arithmetic one masked to the bits that remain.
 """
+
 import tensorflow as tf
 
 from hvd_compress.seeding import _LOWBIAS32, _MASK, _MASK32, _splitmix64
@@ -53,7 +54,8 @@ def _lowbias32(x):
 @tf.function(jit_compile=True)
 def uniforms(key: tf.Tensor, numel: int) -> tf.Tensor:
     """Draws 0 .. numel - 1 of the stream ``key`` (an int64 tensor), float32."""
-    x = tf.bitwise.bitwise_xor(tf.range(numel, dtype=tf.int64),
-                               tf.bitwise.bitwise_and(key, _MASK32))
+    x = tf.bitwise.bitwise_xor(
+        tf.range(numel, dtype=tf.int64), tf.bitwise.bitwise_and(key, _MASK32)
+    )
     x = _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(x), tf.bitwise.right_shift(key, 32)))
-    return tf.cast(tf.bitwise.right_shift(x, 8), tf.float32) * 2.0 ** -24
+    return tf.cast(tf.bitwise.right_shift(x, 8), tf.float32) * 2.0**-24

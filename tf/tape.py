@@ -1,5 +1,6 @@
 """``DistributedGradientTape``: a drop-in for ``horovod.tensorflow.DistributedGradientTape``
 that compresses gradients with any codec of ``hvd_compress``."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -57,45 +58,79 @@ class DistributedGradientTape:
             taken at their defaults only (``validation.HOROVOD_DEFAULTS`` says why).
     """
 
-    def __init__(self, gradtape: tf.GradientTape, compression: Compression = "none",
-                 op: int = hvd.Average, gradient_predivide_factor: float = 1.0,
-                 sparse_as_dense: bool = False,
-                 process_set: hvd.ProcessSet = hvd.global_process_set, *,
-                 exchange: str = "auto", seed: int = 0, uncompressed: Iterable[str] = (),
-                 error_feedback: bool | None = None, adaptive: bool | Adaptive = False,
-                 device_dense: str = "", device_sparse: str = "", num_groups: int = 0,
-                 groups: Any = None, scale_local_gradients: bool = True) -> None:
+    def __init__(
+        self,
+        gradtape: tf.GradientTape,
+        compression: Compression = "none",
+        op: int = hvd.Average,
+        gradient_predivide_factor: float = 1.0,
+        sparse_as_dense: bool = False,
+        process_set: hvd.ProcessSet = hvd.global_process_set,
+        *,
+        exchange: str = "auto",
+        seed: int = 0,
+        uncompressed: Iterable[str] = (),
+        error_feedback: bool | None = None,
+        adaptive: bool | Adaptive = False,
+        device_dense: str = "",
+        device_sparse: str = "",
+        num_groups: int = 0,
+        groups: Any = None,
+        scale_local_gradients: bool = True,
+    ) -> None:
         check_horovod_defaults(
-            "DistributedGradientTape", device_dense=device_dense, device_sparse=device_sparse,
-            num_groups=num_groups, groups=groups, scale_local_gradients=scale_local_gradients)
+            "DistributedGradientTape",
+            device_dense=device_dense,
+            device_sparse=device_sparse,
+            num_groups=num_groups,
+            groups=groups,
+            scale_local_gradients=scale_local_gradients,
+        )
         self._tape = gradtape
         self._sparse_as_dense = sparse_as_dense
         self._codec, self._options = check_options(
-            "DistributedGradientTape", compression, CODECS, op=op,
-            gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
-            exchange=exchange, seed=seed, error_feedback=error_feedback, adaptive=adaptive)
+            "DistributedGradientTape",
+            compression,
+            CODECS,
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            process_set=process_set,
+            exchange=exchange,
+            seed=seed,
+            error_feedback=error_feedback,
+            adaptive=adaptive,
+        )
         self._uncompressed = frozenset(uncompressed)
         self.pipeline = None
 
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+    def gradient(
+        self,
+        target,
+        sources,
+        output_gradients=None,
+        unconnected_gradients=tf.UnconnectedGradients.NONE,
+    ):
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
         variables = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads)
         if self._sparse_as_dense:
-            flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                    for g in flat]
+            flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in flat]
         self.pipeline = self._pipeline(variables)
         return tf.nest.pack_sequence_as(grads, self.pipeline.reduce(flat))
 
     def _pipeline(self, variables):
-        key = (tuple(id(v) for v in variables), self._codec, self._uncompressed,
-               tuple(sorted(self._options.items())))
+        key = (
+            tuple(id(v) for v in variables),
+            self._codec,
+            self._uncompressed,
+            tuple(sorted(self._options.items())),
+        )
         entry = _PIPELINES.get(key)
         if entry is None:
             named = [(variable_name(v), v) for v in variables]
-            pipeline = make_pipeline("DistributedGradientTape", named, self._codec,
-                                     self._uncompressed, self._options)
+            pipeline = make_pipeline(
+                "DistributedGradientTape", named, self._codec, self._uncompressed, self._options
+            )
             # The variables are kept with their pipeline so that their ids are never reused.
             entry = _PIPELINES[key] = (variables, pipeline)
         return entry[1]

@@ -1,4 +1,5 @@
 """TernGrad in TensorFlow ops; the algorithm and its reference are in ``hvd_compress.terngrad``."""
+
 import tensorflow as tf
 
 from hvd_compress import terngrad as reference
