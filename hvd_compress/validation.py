@@ -3,6 +3,8 @@
 import math
 import numbers
 
+from .cost import EXCHANGES, exchanges_for
+
 
 def check_int(owner, name, value, *, low=None, high=None):
     """Returns ``value`` if it is an integer in [low, high]; raises otherwise."""
@@ -38,6 +40,34 @@ def _check_range(owner, name, value, low, high):
         else:
             allowed = f"in [{low}, {high}]"
         raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}")
+
+
+def check_reduction(owner, op, gradient_predivide_factor, *, average, sum_):
+    """Horovod's ``op`` and ``gradient_predivide_factor`` checked; returns whether the op
+    averages and the (prescale, postscale) factors of the uncompressed allreduces.
+    ``average``, ``sum_``: the port's ``hvd.Average`` and ``hvd.Sum``."""
+    if op not in (average, sum_):
+        raise ValueError(
+            f"{owner}: op must be hvd.Average or hvd.Sum (Adasum does not compose with "
+            f"compressed codes)"
+        )
+    predivide = check_float(owner, "gradient_predivide_factor", gradient_predivide_factor, low=0.0)
+    if predivide == 0:
+        raise ValueError(f"{owner}: gradient_predivide_factor must be > 0")
+    if predivide != 1.0 and op != average:
+        raise ValueError(f"{owner}: gradient_predivide_factor needs op=hvd.Average")
+    return op == average, (1.0 / predivide, predivide)
+
+
+def check_exchange(owner, codec, exchange):
+    """``exchange`` checked: ``"auto"`` or an exchange that ``codec``'s codes can take."""
+    check_choice(owner, "exchange", exchange, ("auto",) + EXCHANGES)
+    if exchange != "auto" and codec.code_space is not None and exchange not in exchanges_for(codec):
+        raise ValueError(
+            f"{owner}: {codec.name} codes cannot travel by exchange={exchange!r}; they can "
+            f"by {exchanges_for(codec)} or 'auto'"
+        )
+    return exchange
 
 
 def check_error_feedback(owner, codec, error_feedback):

@@ -63,11 +63,11 @@ def allreducible(tensor):
     return tensor.contiguous()
 
 
-def grouped_allreduce_in_place(tensors, op, name, meter):
-    """Horovod's grouped allreduce of ``tensors`` into them, whatever their dtype and
-    layout (through ``allreducible`` copies where needed); waits for it."""
-    carried = [allreducible(t) for t in tensors]
-    wait(hvd.grouped_allreduce_async_([meter.hand(c) for c in carried], op=op, name=name))
+def grouped_allreduce_in_place(tensors, op, name, meter, process_set=hvd.global_process_set):
+    """Horovod's grouped allreduce of ``tensors`` into them among ``process_set``, whatever
+    their dtype and layout (through ``allreducible`` copies where needed); waits for it."""
+    carried = [meter.hand(allreducible(t)) for t in tensors]
+    wait(hvd.grouped_allreduce_async_(carried, op=op, name=name, process_set=process_set))
     for tensor, result in zip(tensors, carried):
         if result is not tensor:
             tensor.copy_(result)
@@ -106,7 +106,7 @@ def _floats(rows):
     return flat.view(torch.float32).reshape(rows.shape[0], rows.shape[1] // 4)
 
 
-def _allgather_with_sizes(payload, name, meter):
+def _allgather_with_sizes(payload, name, meter, process_set):
     """Starts allgathers of a flat byte payload whose length differs between workers, and
     of its length (so the gathered bytes can be split apart). The lengths travel as a CPU
     tensor whatever the payload's device: the split needs them on the host, where a CPU
@@ -114,8 +114,8 @@ def _allgather_with_sizes(payload, name, meter):
     one to read the gathered lengths back)."""
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     return [
-        hvd.allgather_async(meter.hand(payload), name=name),
-        hvd.allgather_async(meter.hand(size), name=f"{name}.size"),
+        hvd.allgather_async(meter.hand(payload), name=name, process_set=process_set),
+        hvd.allgather_async(meter.hand(size), name=f"{name}.size", process_set=process_set),
     ]
 
 
@@ -136,9 +136,22 @@ class _Exchange:
     # without reading the result; None where it does not.
     finite = None
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+    def __init__(
+        self,
+        codec,
+        numel,
+        world_size,
+        meter,
+        count,
+        server=None,
+        fusion=None,
+        *,
+        process_set=hvd.global_process_set,
+    ):
         self.codec, self.numel, self.world_size = codec, numel, world_size
         self.meter, self.count, self.server = meter, count, server
+        # The ranks that exchange: ``world_size`` of them, ranked within the set.
+        self.process_set = process_set
         # The ``AlltoallFusion`` that carries the alltoall of a sharded exchange.
         self.fusion = fusion
         # Elements this worker sends (a tensor, for sparse codecs: known once it selected).
@@ -174,8 +187,8 @@ class Allreduce(_Exchange):
 
     name = "allreduce"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
         self.carrier = getattr(
             torch, codec.value_space.allreduce_carrier(world_size, TORCH_ALLREDUCE_DTYPES)
         )
@@ -189,7 +202,10 @@ class Allreduce(_Exchange):
 
     def start_packed(self, payload, scale, name):
         """``start`` for values already in the carrier (``fused``)."""
-        return hvd.allreduce_async(self.meter.hand(payload), op=hvd.Sum, name=name), scale
+        handle = hvd.allreduce_async(
+            self.meter.hand(payload), op=hvd.Sum, name=name, process_set=self.process_set
+        )
+        return handle, scale
 
     def finish(self, pending):
         handle, scale = pending
@@ -210,8 +226,8 @@ class Allgather(_Exchange):
 
     name = "allgather"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
         self.own_scale = codec.scaled and not codec.shares_scale(self.name)
         self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
         self.elias = codec.wire == "elias"
@@ -229,9 +245,10 @@ class Allgather(_Exchange):
         if self.own_scale:
             payload = torch.cat([scale.to(torch.float32).reshape(-1).view(torch.uint8), payload])
         if self.elias:
-            return _allgather_with_sizes(payload, name, self.meter), scale
+            return _allgather_with_sizes(payload, name, self.meter, self.process_set), scale
         # Equal lengths: gathered as rows.
-        return [hvd.allgather_async(self.meter.hand(payload.reshape(1, -1)), name=name)], scale
+        payload = self.meter.hand(payload.reshape(1, -1))
+        return [hvd.allgather_async(payload, name=name, process_set=self.process_set)], scale
 
     def _codes(self, gathered):
         """Each worker's codes and own scales, one worker at a time in rank order, from
@@ -309,8 +326,8 @@ class Sharded(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
@@ -339,7 +356,7 @@ class Sharded(_Exchange):
             values = self.codec.values(unpack(received, self.codec.code_space, self.length))
             payload = pack(_sum_rows(values), self.total_space)
         payload = self.meter.hand(payload.reshape(1, -1))
-        return hvd.allgather_async(payload, name=f"{name}.sum"), scale
+        return hvd.allgather_async(payload, name=f"{name}.sum", process_set=self.process_set), scale
 
     def finish(self, pending):
         handle, scale = pending
@@ -365,8 +382,8 @@ class ShardedServer(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
         self.length = shard_length(numel, world_size, codec.code_space)
         self.scale_bytes = 4 * codec.buckets(numel)
         self.server_scale_bytes = 4 * codec.buckets(self.length)
@@ -384,7 +401,7 @@ class ShardedServer(_Exchange):
     def advance(self, pending):
         fusion, name = pending
         received = fusion.receive(name)
-        rank = hvd.rank()
+        rank = self.process_set.rank()
         scales = _floats(received[:, : self.scale_bytes])
         shard = self.shard(rank)
         valid = shard.stop - shard.start
@@ -411,7 +428,8 @@ class ShardedServer(_Exchange):
         padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
         padded_scale[: server_scale.numel()] = server_scale
         payload = torch.cat([padded_scale.view(torch.uint8), self._shards(packed, 1).reshape(-1)])
-        return hvd.allgather_async(self.meter.hand(payload.reshape(1, -1)), name=f"{name}.server")
+        payload = self.meter.hand(payload.reshape(1, -1))
+        return hvd.allgather_async(payload, name=f"{name}.server", process_set=self.process_set)
 
     def finish(self, handle):
         rows = wait(handle)
@@ -457,8 +475,8 @@ class SparseAllgather(_Exchange):
 
     name = "allgather"
 
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step):
-        super().__init__(codec, numel, world_size, meter, count)
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
+        super().__init__(codec, numel, world_size, meter, count, **options)
         self.memory, self.key = memory, plan.name
         self.bin_length = codec.bin_length(plan.name, plan.layer)
 
@@ -469,7 +487,7 @@ class SparseAllgather(_Exchange):
         sent = self.codec.decode_message(message, self.numel, self.bin_length)
         self.memory.update(self.key, compensated, sent)
         self.sent_elements = selected.sum()
-        return _allgather_with_sizes(message, name, self.meter)
+        return _allgather_with_sizes(message, name, self.meter, self.process_set)
 
     def finish(self, handles):
         values = [
@@ -492,20 +510,24 @@ class LeaderAllreduce(_Exchange):
 
     name = "allreduce"
 
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step):
-        super().__init__(codec, numel, world_size, meter, count)
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
+        super().__init__(codec, numel, world_size, meter, count, **options)
         self.memory, self.key = memory, plan.name
         self.leader = codec.leader(step, world_size)
         self.sent_elements = codec.k(numel)
 
     def start(self, grad, ratio, name):
         compensated = self.memory.compensate(self.key, grad, ratio)
-        if hvd.rank() == self.leader:
+        if self.process_set.rank() == self.leader:
             indices = self.codec.top_k(compensated, self.sent_elements)
         else:
             indices = torch.zeros(self.sent_elements, dtype=torch.int32, device=grad.device)
+        # Horovod's broadcasts take the root's global rank, in a process set too.
         handle = hvd.broadcast_async(
-            self.meter.hand(indices), root_rank=self.leader, name=f"{name}.indices"
+            self.meter.hand(indices),
+            root_rank=self.process_set.ranks[self.leader],
+            name=f"{name}.indices",
+            process_set=self.process_set,
         )
         return handle, compensated, name
 
@@ -516,9 +538,13 @@ class LeaderAllreduce(_Exchange):
         sent = torch.zeros_like(compensated)
         sent[indices] = values
         self.memory.update(self.key, compensated, sent, self.codec.beta)
-        return hvd.allreduce_async(
-            self.meter.hand(allreducible(values)), op=hvd.Sum, name=name
-        ), indices
+        handle = hvd.allreduce_async(
+            self.meter.hand(allreducible(values)),
+            op=hvd.Sum,
+            name=name,
+            process_set=self.process_set,
+        )
+        return handle, indices
 
     def finish(self, pending):
         handle, indices = pending
@@ -532,12 +558,16 @@ EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
 SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
 
 
-def make_exchange(name, codec, numel, world_size, meter, count, server=None, fusion=None):
-    """The exchange called ``name`` for ``codec``; a sharded one sends through ``fusion``."""
+def make_exchange(
+    name, codec, numel, world_size, meter, count, server=None, fusion=None, **options
+):
+    """The exchange called ``name`` for ``codec``; a sharded one sends through ``fusion``.
+    ``options``: ``process_set``, the ranks that exchange (all by default)."""
     cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
-    return cls(codec, numel, world_size, meter, count, server, fusion)
+    return cls(codec, numel, world_size, meter, count, server, fusion, **options)
 
 
-def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step):
+def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step, **options):
     """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``."""
-    return SPARSE_EXCHANGES[name](codec, plan.numel, world_size, meter, count, memory, plan, step)
+    cls = SPARSE_EXCHANGES[name]
+    return cls(codec, plan.numel, world_size, meter, count, memory, plan, step, **options)

@@ -21,5 +21,10 @@ class AlltoallFusion(FusionGroup):
             self.received, _ = wait(self.handle)
         return self.received[:, self.columns[member]]
 
+    def __init__(self, members, name, process_set=hvd.global_process_set):
+        super().__init__(members, name)
+        self.process_set = process_set  # the ranks of the alltoall
+
     def _alltoall(self, rows):
-        self.handle = hvd.alltoall_async(torch.cat(rows, dim=1), name=self.name)
+        rows = torch.cat(rows, dim=1)
+        self.handle = hvd.alltoall_async(rows, name=self.name, process_set=self.process_set)

@@ -12,14 +12,13 @@ import horovod.torch.optimizer as horovod_optimizer
 import torch
 
 from hvd_compress.adaptive import Adaptive
-from hvd_compress.cost import EXCHANGES, exchanges_for
 from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import (
-    check_choice,
     check_error_feedback,
-    check_float,
+    check_exchange,
     check_horovod_defaults,
     check_int,
+    check_reduction,
 )
 
 from . import CODECS
@@ -47,6 +46,8 @@ class _DistributedOptimizer:
         }
         self._hvdc_sparse_as_dense = sparse_as_dense
         self._hvdc_densified = {}  # parameter -> sparse_dim of the gradient it densified
+        # A rank outside the process set steps on its own gradients, momentum and all.
+        worker_momentum = worker_momentum and pipeline.included
         self._hvdc_momentum = WorkerMomentum(self, pipeline) if worker_momentum else None
         self._hvdc_passes = backward_passes_per_step
         self._hvdc_delay = {p: backward_passes_per_step for p in pipeline.plans}
@@ -56,7 +57,7 @@ class _DistributedOptimizer:
         self._hvdc_hooks = [
             p.register_post_accumulate_grad_hook(self._hvdc_on_grad)
             for p in pipeline.plans
-            if p.requires_grad
+            if p.requires_grad and pipeline.included
         ]
 
     def _hvdc_on_grad(self, param):
@@ -91,7 +92,11 @@ class _DistributedOptimizer:
     def synchronize(self) -> None:
         """Waits for every gradient exchange of this step and writes the averaged
         gradients into ``.grad``. Call it before gradient clipping, then ``step()`` inside
-        ``skip_synchronize()``."""
+        ``skip_synchronize()``. On a rank outside the process set the gradients stay its
+        own, as with Horovod's optimizer."""
+        if not self._hvdc_pipeline.included:
+            self._hvdc_synchronized = True
+            return
         missing = [
             p for p in self._hvdc_pipeline.plans if p.requires_grad and p not in self._hvdc_launched
         ]
@@ -200,7 +205,7 @@ def DistributedOptimizer(
     adaptive: bool | Adaptive = False,
 ) -> torch.optim.Optimizer:
     """Wraps a ``torch.optim.Optimizer`` so that gradients are compressed, exchanged across
-    all Horovod ranks and averaged before every ``step()``.
+    the Horovod ranks of ``process_set`` and averaged before every ``step()``.
 
     The signature and behaviour follow ``horovod.torch.DistributedOptimizer``: gradient hooks
     start the exchange during the backward pass, ``step()`` waits for it; ``synchronize()``
@@ -228,7 +233,10 @@ def DistributedOptimizer(
         sparse_as_dense: densify sparse gradients (sparse embeddings) when they are read for
             the exchange, so they can be compressed; the optimizer gets the average as a
             sparse gradient again, as in Horovod.
-        process_set: only the global process set is supported.
+        process_set: the Horovod process set whose ranks average together (each
+            data-parallel group of a model- or pipeline-parallel job); every collective,
+            shared scale, shard and agreement check stays inside it. Ranks outside it step
+            on their own gradients, as with Horovod's optimizer.
         exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
             ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
         seed: base seed of the random streams of stochastic codecs; each (rank, step,
@@ -261,27 +269,11 @@ def DistributedOptimizer(
     passes = check_int(
         "DistributedOptimizer", "backward_passes_per_step", backward_passes_per_step, low=1
     )
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(
-            "DistributedOptimizer: op must be hvd.Average or hvd.Sum (Adasum "
-            "does not compose with compressed codes)"
-        )
-    predivide = check_float(
-        "DistributedOptimizer", "gradient_predivide_factor", gradient_predivide_factor, low=0.0
+    average, (prescale, postscale) = check_reduction(
+        "DistributedOptimizer", op, gradient_predivide_factor, average=hvd.Average, sum_=hvd.Sum
     )
-    if predivide == 0:
-        raise ValueError("DistributedOptimizer: gradient_predivide_factor must be > 0")
-    if predivide != 1.0 and op != hvd.Average:
-        raise ValueError("DistributedOptimizer: gradient_predivide_factor needs op=hvd.Average")
     check_horovod_defaults("DistributedOptimizer", num_groups=num_groups, groups=groups)
-    if process_set is not hvd.global_process_set:
-        raise ValueError("DistributedOptimizer: only hvd.global_process_set is supported")
-    check_choice("DistributedOptimizer", "exchange", exchange, ("auto",) + EXCHANGES)
-    if exchange != "auto" and codec.code_space is not None and exchange not in exchanges_for(codec):
-        raise ValueError(
-            f"DistributedOptimizer: {codec.name} codes cannot travel by "
-            f"exchange={exchange!r}; they can by {exchanges_for(codec)} or 'auto'"
-        )
+    check_exchange("DistributedOptimizer", codec, exchange)
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
     adaptive = Adaptive.of(adaptive)
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)
@@ -313,13 +305,14 @@ def DistributedOptimizer(
         named,
         codec,
         exchange=exchange,
-        average=op == hvd.Average,
+        average=average,
         seed=seed,
         uncompressed=whole,
-        prescale_factor=1.0 / predivide,
-        postscale_factor=predivide,
+        prescale_factor=prescale,
+        postscale_factor=postscale,
         error_feedback=error_feedback,
         adaptive=adaptive,
+        process_set=process_set,
     )
 
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, local_step=_local_step)

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import pickle
 import time
 
 import horovod.torch as hvd
@@ -83,10 +84,22 @@ def _codes_name(name):
     return f"hvdc.{name}.codes"
 
 
-def _max_over_ranks(values, name, dtype=torch.float64):
-    """The element-wise largest of ``values`` (a list of numbers) over every rank, by one
-    blocking Max-allreduce of a CPU tensor: how the ranks agree on what each measured."""
-    return hvd.allreduce(torch.tensor(values, dtype=dtype), op=hvd.Max, name=name).tolist()
+def _max_over_ranks(values, name, process_set, dtype=torch.float64):
+    """The element-wise largest of ``values`` (a list of numbers) over the ranks of
+    ``process_set``, by one blocking Max-allreduce of a CPU tensor: how the ranks agree on
+    what each measured."""
+    values = torch.tensor(values, dtype=dtype)
+    return hvd.allreduce(values, op=hvd.Max, name=name, process_set=process_set).tolist()
+
+
+def _allgather_object(value, name, process_set):
+    """Every rank's picklable ``value``, in the rank order of ``process_set``
+    (``hvd.allgather_object`` of horovod.torch takes no process set)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = hvd.allgather(size, name=f"{name}.size", process_set=process_set).tolist()
+    data = hvd.allgather(payload, name=name, process_set=process_set)
+    return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(data, sizes)]
 
 
 def _write_grad(param, decoded):
@@ -101,7 +114,8 @@ def _write_grad(param, decoded):
 
 
 class CompressionPipeline:
-    """Compressed averaging (or summing) of gradients across all Horovod ranks.
+    """Compressed averaging (or summing) of gradients across the ranks of a Horovod
+    process set.
 
     Args:
         named_parameters: (name, parameter) pairs, in a fixed order shared by all ranks.
@@ -116,6 +130,10 @@ class CompressionPipeline:
         adaptive: an ``hvd_compress.Adaptive``: each compressed tensor goes by the codec,
             an fp16 or an fp32 allreduce, whichever the model of ``hvd_compress.adaptive``
             predicts fastest from measurements of this job. None: always by the codec.
+        process_set: the Horovod process set whose ranks average together: every
+            collective, shard, scale and decision is theirs, and their world size and ranks
+            are the set's. On a rank outside it the pipeline exchanges nothing
+            (``included`` is False) and only keeps its plans.
     """
 
     def __init__(
@@ -131,6 +149,7 @@ class CompressionPipeline:
         postscale_factor=1.0,
         error_feedback=False,
         adaptive=None,
+        process_set=hvd.global_process_set,
     ):
         self.codec = codec
         self.worker_memory = ErrorFeedback() if error_feedback else None
@@ -140,8 +159,10 @@ class CompressionPipeline:
         self.step_state = [m for m in (self.worker_memory, self.server_memory) if m is not None]
         self.average = average
         self.seed = seed
-        self.world_size = hvd.size()
-        self.rank = hvd.rank()
+        self.process_set = process_set
+        self.included = bool(process_set.included())
+        self.world_size = process_set.size()
+        self.rank = process_set.rank() if self.included else None
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
         self.exchange = exchange
         self.step = 0
@@ -172,15 +193,16 @@ class CompressionPipeline:
         self._step_agreed = False  # whether every rank has taken the same step counter
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
+        if not self.included:
+            return
+        description = agreement.describe(
+            codec,
+            exchange,
+            average,
+            [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()],
+        )
         problem = agreement.disagreement(
-            hvd.allgather_object(
-                agreement.describe(
-                    codec,
-                    exchange,
-                    average,
-                    [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()],
-                )
-            )
+            _allgather_object(description, "hvdc.agreement", process_set)
         )
         if problem:
             raise ValueError(problem)
@@ -289,6 +311,7 @@ class CompressionPipeline:
                 count,
                 self.worker_memory,
                 self.step,
+                process_set=self.process_set,
             )
             flight.handle = flight.exchange.start(grad.reshape(-1), ratio, _codes_name(plan.name))
             self._in_flight[param] = flight
@@ -318,13 +341,17 @@ class CompressionPipeline:
                 count,
                 server,
                 self._fusions.get(plan.name),
+                process_set=self.process_set,
             )
             if self.codec.scaled:
                 if not flight.fused:
                     flight.scale = self.codec.local_scale(flight.vector)
                 if self.codec.shares_scale(plan.exchange):
                     flight.handle = hvd.allreduce_async(
-                        self.meter.hand(flight.scale), op=hvd.Max, name=f"hvdc.{plan.name}.scale"
+                        self.meter.hand(flight.scale),
+                        op=hvd.Max,
+                        name=f"hvdc.{plan.name}.scale",
+                        process_set=self.process_set,
                     )
             self._in_flight[param] = flight
 
@@ -337,7 +364,9 @@ class CompressionPipeline:
         for index, members in enumerate(
             fusion.alltoall_groups(self.codec, sharded, self.world_size)
         ):
-            group = AlltoallFusion([_codes_name(m) for m in members], f"hvdc.alltoall.{index}")
+            group = AlltoallFusion(
+                [_codes_name(m) for m in members], f"hvdc.alltoall.{index}", self.process_set
+            )
             groups.update(dict.fromkeys(members, group))
         return groups
 
@@ -348,7 +377,7 @@ class CompressionPipeline:
         name = f"hvdc.{plan.name}"
         op = hvd.Average if self.average else hvd.Sum
         if grad.is_sparse:
-            return hvd.sparse_allreduce_async(grad, name=name, op=op)
+            return hvd.sparse_allreduce_async(grad, name=name, op=op, process_set=self.process_set)
         if self.worker_memory is not None and plan.name in self.worker_memory.residuals:
             grad = self.worker_memory.flush(plan.name, grad.reshape(-1), ratio).view(grad.shape)
         grad = allreducible(grad.to(torch.float16) if half else grad)
@@ -359,6 +388,7 @@ class CompressionPipeline:
             op=op,
             prescale_factor=self.prescale_factor,
             postscale_factor=self.postscale_factor,
+            process_set=self.process_set,
         )
 
     def _start_ready_codes(self, block=False):
@@ -476,7 +506,7 @@ class CompressionPipeline:
         the optimizer's state (which does not carry this pipeline's), the other ranks would
         count from 0; the counter chooses CLT-k's leader and the adaptive mode's decision
         steps, which every rank must take alike or hang."""
-        [self.step] = _max_over_ranks([self.step], "hvdc.step", torch.int64)
+        [self.step] = _max_over_ranks([self.step], "hvdc.step", self.process_set, torch.int64)
         self._step_agreed = True
         if self.planner is not None:
             self.planner.restart(self.step)
@@ -492,7 +522,7 @@ class CompressionPipeline:
         N' at that shard's positions. A rank that left takes its own residuals with it.
         ``exchange="auto"`` is decided again for N'.
         """
-        size, rank = hvd.size(), hvd.rank()
+        size, rank = self.process_set.size(), self.process_set.rank()
         if (size, rank) == (self.world_size, self.rank):
             return
         if self.worker_memory is not None:
@@ -561,7 +591,9 @@ class CompressionPipeline:
                 self.planner.record(name, "fp16", "before", middle - start)
                 self.planner.record(name, "fp16", "after", time.thread_time() - middle)
         links = self._probe_links(next(iter(self.plans)).device)
-        agreed = _max_over_ranks(self.planner.measurements(), "hvdc.adaptive.measurements")
+        agreed = _max_over_ranks(
+            self.planner.measurements(), "hvdc.adaptive.measurements", self.process_set
+        )
         traffic = {
             name: path_traffic(
                 self.codec, plan.numel, self.world_size, plan.exchange, param.element_size()
@@ -580,7 +612,8 @@ class CompressionPipeline:
         reverts it (``adaptive.Planner.judge``); called between steps, on every rank at
         the same step."""
         self.planner.judge(
-            self.step, _max_over_ranks(self.planner.trial_seconds(), "hvdc.adaptive.trial")
+            self.step,
+            _max_over_ranks(self.planner.trial_seconds(), "hvdc.adaptive.trial", self.process_set),
         )
         self._follow_planner()
         if self.rank == 0:
@@ -619,16 +652,18 @@ class CompressionPipeline:
         dtype = getattr(torch, dtype)
         tensor = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=device)
         name = f"hvdc.adaptive.{carrier}.{nbytes}"
-        hvd.allreduce_(torch.zeros(1, device=device), op=hvd.Sum, name="hvdc.adaptive.arrive")
+        ranks = self.process_set
+        arrive = torch.zeros(1, device=device)
+        hvd.allreduce_(arrive, op=hvd.Sum, name="hvdc.adaptive.arrive", process_set=ranks)
         best = float("inf")
         for _ in range(_PROBE_REPEATS):
             start = time.perf_counter()
             if collective == "allgather":
-                hvd.allgather(tensor, name=name)
+                hvd.allgather(tensor, name=name, process_set=ranks)
             else:
-                hvd.allreduce_(tensor, op=hvd.Sum, name=name)
+                hvd.allreduce_(tensor, op=hvd.Sum, name=name, process_set=ranks)
             best = min(best, time.perf_counter() - start)
-        return _max_over_ranks([best], f"{name}.seconds")[0]
+        return _max_over_ranks([best], f"{name}.seconds", ranks)[0]
 
     # ----- state -----
 
@@ -644,7 +679,8 @@ class CompressionPipeline:
     def load_state_dict(self, state):
         self.step = int(state["step"])
         self.world_size = int(state.get("world_size", self.world_size))
-        self.rank = int(state.get("rank", self.rank))
+        rank = state.get("rank", self.rank)
+        self.rank = None if rank is None else int(rank)
         for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
             if memory is not None and role in state:
                 memory.load_state_dict(self.placed(state[role]))

@@ -9,6 +9,7 @@ import hvd_compress
 import hvd_compress.pt as hc
 from hvd_compress.codes import FieldCodes
 
+from . import process_sets
 from .harness import run_parallel
 from .test_pt_distributed import Net, _flat
 
@@ -205,13 +206,14 @@ CODEC = hvd_compress.AdaComp(
 )
 
 
-def train(codec, steps=6):
-    """Trains ``Net`` on random data of this rank with a sparse codec; records, each step,
-    the local gradients, the exchanged gradients, the parameters and the byte accounting,
-    and at the end the worker memory."""
+def train(codec, steps=6, layout=None):
+    """Trains ``Net`` on random data of this rank with a sparse codec, averaged in its
+    process set of ``layout`` (``tests.process_sets``); records, each step, the local
+    gradients, the exchanged gradients, the parameters and the byte accounting, and at the
+    end the worker memory."""
     import horovod.torch as hvd
 
-    hvd.init()
+    process_set = process_sets.join(hvd, layout)
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -224,6 +226,7 @@ def train(codec, steps=6):
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         model.named_parameters(),
         compression=codec,
+        process_set=process_set,
     )
     data = torch.Generator().manual_seed(100 + hvd.rank())
     records = []

@@ -8,6 +8,7 @@ import torch
 import hvd_compress
 from hvd_compress import cost
 
+from . import process_sets
 from .harness import run_parallel
 from .test_pt_distributed import Net, _flat, train_side_by_side
 
@@ -62,15 +63,23 @@ def test_port_scales_match_the_float64_reference(block):
 
 
 def _train_ef(
-    exchange, steps=50, drop_at=25, codec=None, momentum=0.9, nesterov=True, weight_decay=0.0
+    exchange,
+    steps=50,
+    drop_at=25,
+    codec=None,
+    momentum=0.9,
+    nesterov=True,
+    weight_decay=0.0,
+    layout=None,
 ):
     """Momentum SGD with error feedback on random data (by default dist-EF-blockSGDM with
-    every tensor compressed); records what the invariant needs."""
+    every tensor compressed), averaged in this rank's process set of ``layout``
+    (``tests.process_sets``); records what the invariant needs."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
 
-    hvd.init()
+    process_set = process_sets.join(hvd, layout)
     if codec is None:
         codec = hc.BlockSign(min_size=0)
     torch.manual_seed(0)
@@ -91,6 +100,7 @@ def _train_ef(
         exchange=exchange,
         error_feedback=True,
         worker_momentum=True,
+        process_set=process_set,
     )
     schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, [drop_at], gamma=0.1)
     data = torch.Generator().manual_seed(100 + hvd.rank())

@@ -8,6 +8,7 @@ import hvd_compress
 from hvd_compress import seeding, simulate
 from hvd_compress.seeding import stream_seed
 
+from . import process_sets
 from .devices import rank_device
 from .harness import run_parallel
 
@@ -42,14 +43,16 @@ def _train(
     nan_at=None,
     op="average",
     error_feedback=None,
+    layout=None,
 ):
-    """Trains ``Net`` on random data of this rank; records, each step, the local gradient,
-    the exchanged gradient and the parameters."""
+    """Trains ``Net`` on random data of this rank (averaged in its process set of
+    ``layout``, ``tests.process_sets``); records, each step, the local gradient, the
+    exchanged gradient and the parameters."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
 
-    hvd.init()
+    process_set = process_sets.join(hvd, layout)
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -76,6 +79,7 @@ def _train(
         backward_passes_per_step=passes,
         op=hvd.Average if op == "average" else hvd.Sum,
         error_feedback=error_feedback,
+        process_set=process_set,
     )
     data = torch.Generator().manual_seed(100 + hvd.rank())
     for _ in range(steps):

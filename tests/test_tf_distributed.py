@@ -12,6 +12,7 @@ import pytest
 import hvd_compress
 from hvd_compress import simulate
 
+from . import process_sets
 from .harness import run_parallel
 from .tf_perceptron import tape_steps
 
@@ -35,22 +36,23 @@ CONFIGS = [
 ]
 
 
-def _tape_loop(configs, steps=3):
-    """Trains the perceptron once per config; records per step the local gradients, the
+def _tape_loop(configs, steps=3, layout=None):
+    """Trains the perceptron once per config, averaged in this rank's process set of
+    ``layout`` (``tests.process_sets``); records per step the local gradients, the
     exchanged ones, the weights and the uniforms drawn."""
     import horovod.tensorflow as hvd
 
     from hvd_compress.tf.pipeline import UNCOMPRESSED, uniforms
 
-    hvd.init()
+    process_set = process_sets.join(hvd, layout)
     runs = []
     for codec, exchange, traced in configs:
         records = []
         for t, (local, exchanged, variables, pipeline) in enumerate(
-            tape_steps(steps, traced, compression=codec, exchange=exchange)
+            tape_steps(steps, traced, compression=codec, exchange=exchange, process_set=process_set)
         ):
             draws = {
-                plan.name: uniforms(0, hvd.rank(), t, plan.index, [plan.numel]).numpy()
+                plan.name: uniforms(0, pipeline.rank, t, plan.index, [plan.numel]).numpy()
                 for plan in pipeline.plans
                 if plan.exchange != UNCOMPRESSED
             }

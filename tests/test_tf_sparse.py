@@ -13,6 +13,7 @@ import pytest
 
 import hvd_compress
 
+from . import process_sets
 from .harness import run_parallel
 from .tf_perceptron import tape_steps
 
@@ -221,18 +222,23 @@ ADACOMP = hvd_compress.AdaComp(
 CLT_K = hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, min_size=0)
 
 
-def _tape_loop(codec, steps, traced):
-    """Trains the perceptron with ``codec`` (its output layer sent whole when ``traced``);
-    records per step the local gradients, the exchanged ones, the weights and the byte
-    accounting, and at the end the worker memory."""
+def _tape_loop(codec, steps, traced, layout=None):
+    """Trains the perceptron with ``codec`` (its output layer sent whole when ``traced``),
+    averaged in this rank's process set of ``layout`` (``tests.process_sets``); records per
+    step the local gradients, the exchanged ones, the weights and the byte accounting, and
+    at the end the worker memory."""
     import horovod.tensorflow as hvd
 
     from hvd_compress.tf.pipeline import variable_name
 
-    hvd.init()
+    process_set = process_sets.join(hvd, layout)
     records = []
     for local, exchanged, variables, pipeline in tape_steps(
-        steps, traced, compression=codec, uncompressed=("out/kernel", "out/bias") if traced else ()
+        steps,
+        traced,
+        compression=codec,
+        uncompressed=("out/kernel", "out/bias") if traced else (),
+        process_set=process_set,
     ):
         names = [variable_name(v) for v in variables]  # TensorFlow's: "hidden/kernel:0"
         stats = pipeline.compression_stats()

@@ -91,20 +91,25 @@ def _bytes(floats):
     return tf.reshape(tf.bitcast(tf.cast(floats, tf.float32), tf.uint8), [-1])
 
 
-def _gather_rows(row, name):
-    """Every worker's ``row`` (one per rank, all of the same static length), as rows."""
-    rows = hvd.allgather(row[None], name=name, ignore_name_scope=True)
+def _gather_rows(row, name, process_set):
+    """Every worker's ``row`` (one per rank of ``process_set``, all of the same static
+    length), as rows."""
+    rows = hvd.allgather(row[None], name=name, ignore_name_scope=True, process_set=process_set)
     # Horovod's shape function leaves the gathered axes unknown; the codes need them.
-    return tf.reshape(rows, [hvd.size(), row.shape[0]])
+    return tf.reshape(rows, [process_set.size(), row.shape[0]])
 
 
-def _gather_with_sizes(payload, name, meter):
+def _gather_with_sizes(payload, name, meter, process_set):
     """Every worker's flat byte ``payload``, whose length differs between workers, in rank
     order: one allgather of the payloads and one of their lengths to split them apart."""
-    data = hvd.allgather(meter.hand(payload), name=name, ignore_name_scope=True)
+    data = hvd.allgather(
+        meter.hand(payload), name=name, ignore_name_scope=True, process_set=process_set
+    )
     size = meter.hand(tf.size(payload, out_type=tf.int64)[None])
-    sizes = hvd.allgather(size, name=f"{name}.size", ignore_name_scope=True)
-    return tf.split(data, sizes, num=hvd.size())
+    sizes = hvd.allgather(
+        size, name=f"{name}.size", ignore_name_scope=True, process_set=process_set
+    )
+    return tf.split(data, sizes, num=process_set.size())
 
 
 def _sum_rows(rows):
@@ -113,9 +118,22 @@ def _sum_rows(rows):
 
 
 class _Exchange:
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
+    def __init__(
+        self,
+        codec,
+        numel,
+        world_size,
+        meter,
+        count,
+        server=None,
+        fusion=None,
+        *,
+        process_set=hvd.global_process_set,
+    ):
         self.codec, self.numel, self.world_size = codec, numel, world_size
         self.meter, self.count, self.server = meter, count, server
+        # The ranks that exchange: ``world_size`` of them, ranked within the set.
+        self.process_set = process_set
         # The ``AlltoallFusion`` that carries the alltoall of a sharded exchange.
         self.fusion = fusion
         # Elements this worker sends (a tensor, for sparse codecs: known once it selected).
@@ -134,7 +152,10 @@ class Allreduce(_Exchange):
     def start(self, codes, scale, name):
         carrier = self.codec.value_space.allreduce_carrier(self.world_size, TF_ALLREDUCE_DTYPES)
         payload = self.meter.hand(tf.cast(self.codec.values(codes), carrier))
-        return hvd.allreduce(payload, op=hvd.Sum, name=name, ignore_name_scope=True), scale
+        total = hvd.allreduce(
+            payload, op=hvd.Sum, name=name, ignore_name_scope=True, process_set=self.process_set
+        )
+        return total, scale
 
     def finish(self, pending):
         total, scale = pending
@@ -152,8 +173,8 @@ class Allgather(_Exchange):
 
     name = "allgather"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
         self.own_scale = codec.scaled and not codec.shares_scale(self.name)
         self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
         self.elias = codec.wire == "elias"
@@ -166,8 +187,8 @@ class Allgather(_Exchange):
         if self.own_scale:
             payload = tf.concat([_bytes(scale), payload], axis=0)
         if self.elias:
-            return _gather_with_sizes(payload, name, self.meter), scale
-        return _gather_rows(self.meter.hand(payload), name), scale
+            return _gather_with_sizes(payload, name, self.meter, self.process_set), scale
+        return _gather_rows(self.meter.hand(payload), name, self.process_set), scale
 
     def _codes(self, gathered):
         """Each worker's codes (rows) and own scales, from the gathered payloads."""
@@ -206,8 +227,8 @@ class Sharded(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
@@ -221,7 +242,7 @@ class Sharded(_Exchange):
         received = fusion.receive(name)
         values = self.codec.values(unpack(received, self.codec.code_space, self.length))
         payload = self.meter.hand(pack(_sum_rows(values), self.total_space))
-        rows = _gather_rows(payload, f"{name}.sum")
+        rows = _gather_rows(payload, f"{name}.sum", self.process_set)
         total = tf.reshape(unpack(rows, self.total_space, self.length), [-1])[: self.numel]
         return self.codec.decode(
             tf.cast(total, tf.float32 if total.dtype.is_floating else tf.int32), scale, self.count
@@ -241,8 +262,8 @@ class ShardedServer(_Exchange):
 
     name = "sharded"
 
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion)
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
         self.length = shard_length(numel, world_size, codec.code_space)
         self.scale_bytes = 4 * codec.buckets(numel)
         self.server_scale_bytes = 4 * codec.buckets(self.length)
@@ -257,7 +278,7 @@ class ShardedServer(_Exchange):
     def finish(self, pending):
         fusion, name = pending
         received = fusion.receive(name)
-        rank = hvd.rank()
+        rank = self.process_set.rank()
         scales = _floats(received[:, : self.scale_bytes])
         signs = unpack(received[:, self.scale_bytes :], self.codec.code_space, self.length)
         start, valid = rank * self.length, self.valid(rank)
@@ -282,7 +303,7 @@ class ShardedServer(_Exchange):
             ],
             axis=0,
         )
-        rows = _gather_rows(self.meter.hand(message), f"{name}.server")
+        rows = _gather_rows(self.meter.hand(message), f"{name}.server", self.process_set)
         server_scales = _floats(rows[:, : self.server_scale_bytes])
         signs = unpack(rows[:, self.server_scale_bytes :], self.codec.code_space, self.length)
         return tf.concat(
@@ -314,8 +335,8 @@ class SparseAllgather(_Exchange):
 
     name = "allgather"
 
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step):
-        super().__init__(codec, numel, world_size, meter, count)
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
+        super().__init__(codec, numel, world_size, meter, count, **options)
         self.memory, self.key = memory, plan.name
         self.bin_length = codec.bin_length(plan.name, plan.layer)
 
@@ -328,7 +349,7 @@ class SparseAllgather(_Exchange):
         self.sent_elements = tf.reduce_sum(tf.cast(selected, tf.int64))
         values = [
             self.codec.decode_message(chunk, self.numel, self.bin_length)
-            for chunk in _gather_with_sizes(message, name, self.meter)
+            for chunk in _gather_with_sizes(message, name, self.meter, self.process_set)
         ]
         return divide(tf.reduce_sum(tf.stack(values), axis=0), self.count)
 
@@ -346,8 +367,8 @@ class LeaderAllreduce(_Exchange):
 
     name = "allreduce"
 
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step):
-        super().__init__(codec, numel, world_size, meter, count)
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
+        super().__init__(codec, numel, world_size, meter, count, **options)
         self.memory, self.key, self.step = memory, plan.name, step
         self.sent_elements = codec.k(numel)
 
@@ -356,7 +377,7 @@ class LeaderAllreduce(_Exchange):
         k = self.sent_elements
         leader = tf.cast(self.codec.leader(self.step, self.world_size), tf.int32)
         indices = tf.cond(
-            tf.equal(leader, hvd.rank()),
+            tf.equal(leader, self.process_set.rank()),
             lambda: self.codec.top_k(compensated, k),
             lambda: tf.zeros([k], tf.int32),
         )
@@ -369,8 +390,13 @@ class LeaderAllreduce(_Exchange):
         indices = tf.switch_case(
             leader,
             [
+                # Horovod's broadcasts take the root's global rank, in a process set too.
                 lambda root=root: hvd.broadcast(
-                    indices, root_rank=root, name=f"{name}.indices", ignore_name_scope=True
+                    indices,
+                    root_rank=self.process_set.ranks[root],
+                    name=f"{name}.indices",
+                    ignore_name_scope=True,
+                    process_set=self.process_set,
                 )
                 for root in range(self.world_size)
             ],
@@ -380,7 +406,11 @@ class LeaderAllreduce(_Exchange):
         sent = tf.scatter_nd(indices, values, [self.numel])
         self.memory.update(self.key, compensated, sent, self.codec.beta)
         total = hvd.allreduce(
-            self.meter.hand(values), op=hvd.Sum, name=name, ignore_name_scope=True
+            self.meter.hand(values),
+            op=hvd.Sum,
+            name=name,
+            ignore_name_scope=True,
+            process_set=self.process_set,
         )
         return tf.scatter_nd(indices, divide(tf.cast(total, tf.float32), self.count), [self.numel])
 
@@ -389,12 +419,16 @@ EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
 SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
 
 
-def make_exchange(name, codec, numel, world_size, meter, count, server=None, fusion=None):
-    """The exchange called ``name`` for ``codec``; a sharded one sends through ``fusion``."""
+def make_exchange(
+    name, codec, numel, world_size, meter, count, server=None, fusion=None, **options
+):
+    """The exchange called ``name`` for ``codec``; a sharded one sends through ``fusion``.
+    ``options``: ``process_set``, the ranks that exchange (all by default)."""
     cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
-    return cls(codec, numel, world_size, meter, count, server, fusion)
+    return cls(codec, numel, world_size, meter, count, server, fusion, **options)
 
 
-def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step):
+def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step, **options):
     """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``."""
-    return SPARSE_EXCHANGES[name](codec, plan.numel, world_size, meter, count, memory, plan, step)
+    cls = SPARSE_EXCHANGES[name]
+    return cls(codec, plan.numel, world_size, meter, count, memory, plan, step, **options)

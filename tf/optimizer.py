@@ -45,9 +45,9 @@ class _DistributedOptimizer:
         )
         # An attribute of the optimizer (set outside Keras's untracked build), the pipeline's
         # step counter and residuals are saved by tf.train.Checkpoint(optimizer=...).
-        self._hvdc_momentum = (
-            WorkerMomentum(self._hvdc_pipeline) if self._hvdc_worker_momentum else None
-        )
+        # A rank outside the process set steps on its own gradients, momentum and all.
+        worker_momentum = self._hvdc_worker_momentum and self._hvdc_pipeline.included
+        self._hvdc_momentum = WorkerMomentum(self._hvdc_pipeline) if worker_momentum else None
         self._hvdc_keys = [self._var_key(v) for v in variables]
 
     def apply(self, grads, trainable_variables=None):
@@ -129,7 +129,9 @@ def DistributedOptimizer(
         gradient_predivide_factor: as in Horovod, for the uncompressed allreduces.
         sparse_as_dense: densify ``tf.IndexedSlices`` gradients (embeddings) so they can be
             compressed; otherwise they go through Horovod's sparse allreduce.
-        process_set: only the global process set is supported.
+        process_set: the Horovod process set whose ranks average together; every
+            collective, shared scale, shard and agreement check stays inside it. Ranks
+            outside it keep their own gradients, as with Horovod's wrappers.
         exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
             ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
         seed: base seed of the random streams of stochastic codecs.

@@ -18,7 +18,12 @@ from hvd_compress import agreement, cost, fusion
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
-from hvd_compress.validation import check_choice, check_error_feedback, check_float, check_int
+from hvd_compress.validation import (
+    check_error_feedback,
+    check_exchange,
+    check_int,
+    check_reduction,
+)
 
 from . import seeding
 from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange, refuse_xla
@@ -60,7 +65,8 @@ def _codes_name(plan):
 
 
 class CompressionPipeline(tf.Module):
-    """Compressed averaging (or summing) of gradients across all Horovod ranks.
+    """Compressed averaging (or summing) of gradients across the ranks of a Horovod
+    process set.
 
     Args:
         named_variables: (name, variable) pairs, in a fixed order shared by all ranks.
@@ -72,6 +78,10 @@ class CompressionPipeline(tf.Module):
         prescale_factor, postscale_factor: Horovod's scaling of uncompressed allreduces.
         error_feedback: keep a worker residual per compressed tensor (``ErrorFeedback``).
             Two-way codecs also keep a server residual per tensor (or shard).
+        process_set: the Horovod process set whose ranks average together: every
+            collective, shard, scale and agreement check is theirs, and their world size and
+            ranks are the set's. On a rank outside it ``reduce`` returns the gradients as
+            they are (``included`` is False).
     """
 
     def __init__(
@@ -86,13 +96,17 @@ class CompressionPipeline(tf.Module):
         prescale_factor=1.0,
         postscale_factor=1.0,
         error_feedback=False,
+        process_set=hvd.global_process_set,
     ):
         super().__init__(name="hvd_compress")
         self.codec = codec
         self.average = average
         self.seed = seed
-        self.world_size = hvd.size()
-        self.rank = hvd.rank()
+        self.process_set = process_set
+        self.included = bool(process_set.included())
+        self.world_size = process_set.size()
+        # Outside the set the rank keeps no shard of a sharded server: rank 0's sizes stand in.
+        self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
         self.meter = Meter()
         uncompressed = set(uncompressed)
@@ -111,7 +125,7 @@ class CompressionPipeline(tf.Module):
         # Before any collective: ranks built differently would hang in them. Eagerly (the
         # pipeline may be built while a tf.function traces), as allgather_object needs.
         with tf.init_scope():
-            problem = agreement.disagreement(
+            problem = self.included and agreement.disagreement(
                 hvd.allgather_object(
                     agreement.describe(
                         codec,
@@ -121,7 +135,9 @@ class CompressionPipeline(tf.Module):
                             (plan.name, shape, dtype.name)
                             for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
                         ],
-                    )
+                    ),
+                    name="hvdc.agreement",
+                    process_set=process_set,
                 )
             )
         if problem:
@@ -168,13 +184,20 @@ class CompressionPipeline(tf.Module):
                     count,
                     self.worker_memory,
                     self.step,
+                    process_set=process_set,
                 )
                 for plan in compressed
             }
         else:
             self.exchanges = {
                 plan.name: make_exchange(
-                    plan.exchange, codec, plan.numel, self.world_size, self.meter, count
+                    plan.exchange,
+                    codec,
+                    plan.numel,
+                    self.world_size,
+                    self.meter,
+                    count,
+                    process_set=process_set,
                 )
                 for plan in compressed
             }
@@ -220,6 +243,9 @@ class CompressionPipeline(tf.Module):
                 f"CompressionPipeline: got {len(grads)} gradients for {len(self.plans)} variables"
             )
         refuse_xla("hvd_compress")
+        if not self.included:
+            self.step.assign_add(1)
+            return list(grads)
         fusions = self._fusion_groups()
         outputs = [None] * len(self.plans)
         sent_elements = [plan.numel for plan in self.plans]
@@ -284,6 +310,7 @@ class CompressionPipeline(tf.Module):
             postscale_factor=self.postscale_factor,
             name=collective_name(plan),
             ignore_name_scope=True,
+            process_set=self.process_set,
         )
 
     def _fusion_groups(self):
@@ -296,7 +323,7 @@ class CompressionPipeline(tf.Module):
             )
         ):
             group = AlltoallFusion(
-                [_codes_name(plans[m]) for m in members], f"hvdc.alltoall.{index}"
+                [_codes_name(plans[m]) for m in members], f"hvdc.alltoall.{index}", self.process_set
             )
             groups.update(dict.fromkeys(members, group))
         return groups
@@ -322,7 +349,11 @@ class CompressionPipeline(tf.Module):
             scale = self.codec.local_scale(vector)
             if self.codec.shares_scale(plan.exchange):
                 scale = hvd.allreduce(
-                    self.meter.hand(scale), op=hvd.Max, name=f"{name}.scale", ignore_name_scope=True
+                    self.meter.hand(scale),
+                    op=hvd.Max,
+                    name=f"{name}.scale",
+                    ignore_name_scope=True,
+                    process_set=self.process_set,
                 )
         draws = None
         if self.codec.stochastic:
@@ -429,35 +460,17 @@ def check_options(
             f"{owner}: adaptive is not available in the TensorFlow port; "
             f"leave it False (the PyTorch DistributedOptimizer has it)"
         )
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(
-            f"{owner}: op must be hvd.Average or hvd.Sum (Adasum does not "
-            f"compose with compressed codes)"
-        )
-    predivide = check_float(owner, "gradient_predivide_factor", gradient_predivide_factor, low=0.0)
-    if predivide == 0:
-        raise ValueError(f"{owner}: gradient_predivide_factor must be > 0")
-    if predivide != 1.0 and op != hvd.Average:
-        raise ValueError(f"{owner}: gradient_predivide_factor needs op=hvd.Average")
-    if process_set is not hvd.global_process_set:
-        raise ValueError(f"{owner}: only hvd.global_process_set is supported")
-    check_choice(owner, "exchange", exchange, ("auto",) + cost.EXCHANGES)
-    if (
-        exchange != "auto"
-        and codec.code_space is not None
-        and exchange not in cost.exchanges_for(codec)
-    ):
-        raise ValueError(
-            f"{owner}: {codec.name} codes cannot travel by exchange={exchange!r}; "
-            f"they can by {cost.exchanges_for(codec)} or 'auto'"
-        )
+    average, (prescale, postscale) = check_reduction(
+        owner, op, gradient_predivide_factor, average=hvd.Average, sum_=hvd.Sum
+    )
     return codec, dict(
-        exchange=exchange,
-        average=op == hvd.Average,
+        exchange=check_exchange(owner, codec, exchange),
+        average=average,
         seed=check_int(owner, "seed", seed, low=0),
-        prescale_factor=1.0 / predivide,
-        postscale_factor=predivide,
+        prescale_factor=prescale,
+        postscale_factor=postscale,
         error_feedback=check_error_feedback(owner, codec, error_feedback),
+        process_set=process_set,
     )
 
 

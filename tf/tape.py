@@ -43,7 +43,9 @@ class DistributedGradientTape:
         gradient_predivide_factor: as in Horovod, for the uncompressed allreduces.
         sparse_as_dense: densify ``tf.IndexedSlices`` gradients so they can be compressed;
             otherwise they go through Horovod's sparse allreduce.
-        process_set: only the global process set is supported.
+        process_set: the Horovod process set whose ranks average together; every
+            collective, shared scale, shard and agreement check stays inside it. Ranks
+            outside it keep their own gradients, as with Horovod's wrappers.
         exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
             ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
         seed: base seed of the random streams of stochastic codecs.
