@@ -65,13 +65,17 @@ create_venv() {
     fi
     # A stamp of the requirements skips pip's slow no-op resolution on re-runs.
     local stamp="$VENV/.hvd_compress-requirements" want file
-    want="$(requirements | sha256sum | cut -d' ' -f1)"
+    want="$( (requirements; echo "tf_keras==$TF_VERSION") | sha256sum | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing Python packages (launch/requirements.txt, $([ "$GPU" = 1 ] && echo GPU || echo CPU) build)"
         file="$(mktemp --suffix=.txt)"
         requirements > "$file"
         "$VENV/bin/pip" install -q --disable-pip-version-check -r "$file"
         rm -f "$file"
+        # Keras 2, for the tests of the Keras wrapper under TF_USE_LEGACY_KERAS=1. It
+        # requires the "tensorflow" distribution, which tensorflow-cpu provides under
+        # another name: installed without its dependencies.
+        "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps "tf_keras==$TF_VERSION"
         echo "$want" > "$stamp"
     fi
 }

@@ -214,7 +214,8 @@ def test_misuse_errors_say_what_to_do(tf_results):
     assert "cannot run inside Horovod's own DistributedOptimizer" in codes
     assert "hvd_compress.tf.DistributedOptimizer(optimizer, compression='terngrad')" in codes
     assert "ef-sign codes cannot travel by exchange='allreduce'" in exchange
-    assert "optimizer must be a keras.optimizers.Optimizer, got object" in optimizer
+    assert "optimizer must be a keras.optimizers.Optimizer (Keras 3) or a " in optimizer
+    assert "tf_keras.optimizers.Optimizer (Keras 2), got object" in optimizer
     assert "compression must be one of" in missing and "got 'top-k'" in missing
     assert "ef-sign compresses on the workers and again on the server" in two_way
     assert "adacomp selects what to send from its error-feedback memory" in sparse

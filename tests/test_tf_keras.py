@@ -1,5 +1,6 @@
-"""Keras 3 ``model.fit`` with ``hvd_compress.tf.DistributedOptimizer`` in real Horovod jobs of
-2 and 4 processes: every rank holds the same weights after every batch, for every codec.
+"""Keras ``model.fit`` with ``hvd_compress.tf.DistributedOptimizer`` in real Horovod jobs of
+2 and 4 processes: every rank holds the same weights after every batch, for every codec, in
+Keras 3 and in Keras 2 (``tf_keras``).
 
 Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
 """
@@ -126,6 +127,90 @@ def test_fit_keeps_ranks_identical_after_every_batch(world):
         if codec.two_way:
             assert "_hvdc_pipeline/server_memory/residuals" in saved
             assert "_hvdc_pipeline/worker_memory/residuals" in saved
+
+
+def _fit_keras2(codecs, batches=3, batch_size=8):
+    """``_fit`` with Keras 2 (``tf_keras``): Horovod's own Keras optimizer first (the
+    uncompressed baseline), then this library's wrapper with each codec."""
+    import os
+
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    import tf_keras as keras
+
+    import hvd_compress.tf as htf
+
+    hvd.init()
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.weights = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.weights.append(np.concatenate([w.ravel() for w in self.model.get_weights()]))
+
+    runs = []
+    for codec in [None] + list(codecs):
+        keras.utils.set_random_seed(hvd.rank())
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(160, activation="relu"),
+                keras.layers.Dense(12, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+        if codec is None:
+            optimizer = hvd_keras.DistributedOptimizer(sgd)
+        else:
+            optimizer = htf.DistributedOptimizer(sgd, compression=codec)
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        data = np.random.default_rng(100 + hvd.rank())
+        x = data.standard_normal((batches * batch_size, 64)).astype(np.float32)
+        y = data.integers(0, 10, batches * batch_size)
+        recorder = Recorder()
+        model.fit(
+            x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[recorder]
+        )
+        run = {"weights": recorder.weights}
+        if codec is not None:
+            stats = optimizer.compression_stats()
+            run.update(
+                bytes=stats["bytes_handed"],
+                step=stats["step"],
+                expected=optimizer._hvdc_pipeline.expected_bytes(),
+            )
+        runs.append(run)
+    return runs
+
+
+@pytest.mark.timeout(900)
+def test_keras2_fit_matches_horovods_optimizer_and_ranks_agree():
+    """Keras 2 (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``): with ``none`` the wrapper trains
+    bitwise as Horovod's own Keras optimizer; with a codec (ef-sign with its worker momentum
+    on tf_keras's SGD) every rank holds the same weights after every batch."""
+    codecs = [
+        hvd_compress.NoneCodec(),
+        hvd_compress.TernGrad(min_size=1000, compress_classifier=False),
+        hvd_compress.BlockSign(min_size=0),
+    ]
+    per_rank = run_parallel(_fit_keras2, 2, codecs, timeout=800)
+    horovods = per_rank[0][0]["weights"]
+    for got, want in zip(per_rank[0][1]["weights"], horovods):
+        np.testing.assert_array_equal(got, want)
+    for codec, (first, other) in zip(codecs, zip(*(runs[1:] for runs in per_rank))):
+        assert len(first["weights"]) == 3 and first["step"] == 3
+        for batch, (got, want) in enumerate(zip(other["weights"], first["weights"])):
+            np.testing.assert_array_equal(got, want, err_msg=f"{codec!r}, batch {batch}")
+        assert not np.array_equal(first["weights"][0], first["weights"][-1])
+        assert first["bytes"] == first["expected"]
 
 
 def _jit_compiled():

@@ -17,9 +17,17 @@ Learning-rate schedules are seen through ``optimizer.learning_rate``.
 """
 
 import contextlib
+import sys
 
 import keras
 import tensorflow as tf
+
+
+def keras2_class(name):
+    """``tf_keras.optimizers.<name>`` where the program uses Keras 2 (``tf_keras`` is
+    imported), else None: only code that imported ``tf_keras`` makes its optimizers."""
+    tf_keras = sys.modules.get("tf_keras")
+    return None if tf_keras is None else getattr(tf_keras.optimizers, name)
 
 
 class WorkerMomentum(tf.Module):
@@ -43,8 +51,23 @@ class WorkerMomentum(tf.Module):
         pipeline.step_state.append(self)
 
     @staticmethod
-    def check(optimizer):
-        if not isinstance(optimizer, keras.optimizers.SGD):
+    def is_sgd(optimizer):
+        """Whether ``optimizer`` is Keras's SGD, of Keras 3 or of Keras 2 (``tf_keras``,
+        whose SGD reads ``momentum`` and ``nesterov`` alike)."""
+        keras2 = keras2_class("SGD")
+        return isinstance(optimizer, keras.optimizers.SGD) or (
+            keras2 is not None and isinstance(optimizer, keras2)
+        )
+
+    @classmethod
+    def takes(cls, optimizer):
+        """Whether ``optimizer`` is an SGD with momentum, for which ef-sign's default mode
+        is this one."""
+        return cls.is_sgd(optimizer) and optimizer.momentum > 0
+
+    @classmethod
+    def check(cls, optimizer):
+        if not cls.is_sgd(optimizer):
             raise TypeError(
                 f"worker_momentum needs a keras.optimizers.SGD, got {type(optimizer).__name__}"
             )

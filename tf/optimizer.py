@@ -1,15 +1,18 @@
-"""``DistributedOptimizer``: a Keras 3 optimizer wrapper that compresses gradients with any
+"""``DistributedOptimizer``: a Keras optimizer wrapper that compresses gradients with any
 codec of ``hvd_compress`` and averages them across Horovod ranks, for ``model.fit`` and
 custom loops alike.
 
 ``horovod.tensorflow.keras.DistributedOptimizer`` averages in ``get_gradients`` /
 ``_compute_gradients``, which Keras 3 never calls (its ``train_step`` goes straight to
 ``apply_gradients``), so under Keras 3 it trains without averaging. This wrapper exchanges
-in ``apply``, which ``apply_gradients`` and every Keras 3 training path go through.
+in ``apply``, which ``apply_gradients`` and every Keras 3 training path go through; for a
+Keras 2 optimizer (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``), whose training paths do not
+go through ``apply``, it exchanges in ``apply_gradients``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable
 
 import horovod.tensorflow as hvd
@@ -21,18 +24,15 @@ from hvd_compress.registry import Compression
 from hvd_compress.validation import check_horovod_defaults
 
 from . import CODECS
-from .momentum import WorkerMomentum
+from .momentum import WorkerMomentum, keras2_class
 from .pipeline import check_options, make_pipeline, variable_name
 
 
 class _DistributedOptimizer:
     """Methods grafted onto a subclass of the user's optimizer class (see
-    ``DistributedOptimizer``); the base class is called explicitly, never through ``super``,
-    because these functions are copied into a class built at run time."""
-
-    def build(self, variables):
-        self._hvdc_base.build(self, variables)
-        self._hvdc_attach(variables)
+    ``DistributedOptimizer``), with those of ``_Keras3`` or ``_Keras2``; the base class is
+    called explicitly, never through ``super``, because these functions are copied into a
+    class built at run time."""
 
     def _hvdc_attach(self, variables):
         named = [(variable_name(v), v) for v in variables]
@@ -50,13 +50,8 @@ class _DistributedOptimizer:
         self._hvdc_momentum = WorkerMomentum(self._hvdc_pipeline) if worker_momentum else None
         self._hvdc_keys = [self._var_key(v) for v in variables]
 
-    def apply(self, grads, trainable_variables=None):
-        if trainable_variables is None:
-            variables = self._trainable_variables
-        else:
-            variables = list(trainable_variables)
-            if not self.built:
-                self.build(variables)
+    def _hvdc_exchange(self, grads, variables):
+        """The averaged ``grads`` of ``variables`` (None stays None)."""
         grads = list(grads)
         if self._hvdc_sparse_as_dense:
             grads = [
@@ -69,11 +64,14 @@ class _DistributedOptimizer:
         if self._hvdc_momentum is not None:
             ordered, ratio = self._hvdc_momentum.before_exchange(self, ordered)
         reduced = dict(zip(self._hvdc_keys, self._hvdc_pipeline.reduce(ordered, ratio)))
-        grads = [None if g is None else reduced[self._var_key(v)] for v, g in zip(variables, grads)]
+        return [None if g is None else reduced[self._var_key(v)] for v, g in zip(variables, grads)]
+
+    def _hvdc_base_step(self):
+        """The context of the base optimizer's step: without its momentum where the worker
+        applied it."""
         if self._hvdc_momentum is None:
-            return self._hvdc_base.apply(self, grads, trainable_variables)
-        with self._hvdc_momentum.applied_by_worker(self):
-            return self._hvdc_base.apply(self, grads, trainable_variables)
+            return contextlib.nullcontext()
+        return self._hvdc_momentum.applied_by_worker(self)
 
     def compression_stats(self) -> dict:
         """What the last step handed to Horovod, and how each tensor travels."""
@@ -84,6 +82,38 @@ class _DistributedOptimizer:
         """The step counter, error-feedback residuals and worker momentum
         (``tf.Variable``\\ s; the pipeline lists the momentum it commits)."""
         return list(self._hvdc_pipeline.variables)
+
+
+class _Keras3:
+    """The exchange of a Keras 3 optimizer: in ``build`` and ``apply``."""
+
+    def build(self, variables):
+        self._hvdc_base.build(self, variables)
+        self._hvdc_attach(variables)
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None:
+            variables = self._trainable_variables
+        else:
+            variables = list(trainable_variables)
+            if not self.built:
+                self.build(variables)
+        grads = self._hvdc_exchange(grads, variables)
+        with self._hvdc_base_step():
+            return self._hvdc_base.apply(self, grads, trainable_variables)
+
+
+class _Keras2:
+    """The exchange of a Keras 2 (``tf_keras``) optimizer: ``minimize`` and ``model.fit``
+    go through ``apply_gradients``, whose first call plans the exchange for its variables."""
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        grads, variables = zip(*grads_and_vars)
+        if getattr(self, "_hvdc_pipeline", None) is None:
+            self._hvdc_attach(variables)
+        grads = self._hvdc_exchange(grads, variables)
+        with self._hvdc_base_step():
+            return self._hvdc_base.apply_gradients(self, zip(grads, variables), *args, **kwargs)
 
 
 def DistributedOptimizer(
@@ -164,11 +194,17 @@ def DistributedOptimizer(
         groups=groups,
         scale_local_gradients=scale_local_gradients,
     )
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
+    keras2 = keras2_class("Optimizer")
+    if keras2 is not None and isinstance(optimizer, keras2):
+        methods = _Keras2
+    elif isinstance(optimizer, keras.optimizers.Optimizer):
+        methods = _Keras3
+    else:
         raise TypeError(
-            f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}"
+            f"optimizer must be a keras.optimizers.Optimizer (Keras 3) or a "
+            f"tf_keras.optimizers.Optimizer (Keras 2), got {type(optimizer).__name__}"
         )
-    if optimizer.gradient_accumulation_steps:
+    if getattr(optimizer, "gradient_accumulation_steps", None):
         raise ValueError(
             "DistributedOptimizer: the optimizer's gradient_accumulation_steps "
             "is not supported; exchanges happen on every apply()"
@@ -186,12 +222,10 @@ def DistributedOptimizer(
         adaptive=adaptive,
     )
     if worker_momentum is None:
-        worker_momentum = (
-            codec.two_way and isinstance(optimizer, keras.optimizers.SGD) and optimizer.momentum > 0
-        )
+        worker_momentum = codec.two_way and WorkerMomentum.takes(optimizer)
     if worker_momentum:
         WorkerMomentum.check(optimizer)
-    wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer)
+    wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, methods)
     wrapped.__dict__.update(
         _hvdc_base=optimizer.__class__,
         _hvdc_codec=codec,
@@ -200,16 +234,16 @@ def DistributedOptimizer(
         _hvdc_sparse_as_dense=sparse_as_dense,
         _hvdc_worker_momentum=bool(worker_momentum),
     )
-    if optimizer.built:
+    if methods is _Keras3 and optimizer.built:
         wrapped._hvdc_attach(optimizer._trainable_variables)
     return wrapped
 
 
-def wrap_in_subclass(optimizer, methods):
+def wrap_in_subclass(optimizer, *method_classes):
     """An instance of a subclass of ``optimizer``'s class, built at run time with the
-    methods of the class ``methods`` added, that shares ``optimizer``'s state."""
+    methods of the classes ``method_classes`` added, that shares ``optimizer``'s state."""
     base = optimizer.__class__
-    methods = {k: v for k, v in vars(methods).items() if not k.startswith("__")}
+    methods = {k: v for c in method_classes for k, v in vars(c).items() if not k.startswith("__")}
     cls = type(base.__name__, (base,), methods)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
