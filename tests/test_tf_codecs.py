@@ -11,7 +11,7 @@ import pytest
 
 import hvd_compress
 from hvd_compress import elias, packing
-from hvd_compress.codes import IntCodes
+from hvd_compress.codes import IntCodes, SignCodes
 
 from .harness import run_parallel
 
@@ -126,6 +126,10 @@ def _tf_cases(codecs, packing_cases):
         packed = tf_packing.pack(tf.constant(_rows(numel, bound)), space)
         unpacked = tf_packing.unpack(packed, space, numel)
         results["packing"].append((packed.numpy(), unpacked.numpy()))
+    results["packing_graphs"] = {
+        str(space): _full_size_integer_ops(tf, tf_packing, space)
+        for space in [IntCodes(bound) for _, bound in packing_cases[:5]] + [SignCodes()]
+    }
     from hvd_compress.tf.pipeline import uniforms
 
     for jit_compile in (None, True):
@@ -137,6 +141,24 @@ def _tf_cases(codecs, packing_cases):
         )
         results["uniforms"].append([u.numpy() for u in draw(tf.constant(STEP, tf.int64))])
     return results
+
+
+def _full_size_integer_ops(tf, tf_packing, space, numel=4096):
+    """The (op type, dtype) of every op in the traced ``unpack(pack(codes))`` of two rows of
+    ``numel`` codes whose output has a 32- or 64-bit integer type and at least ``numel``
+    elements, but for the input and the final int32 codes: full-size passes in the types that
+    cost 4-8 bytes per code and that TensorFlow keeps on the host beside a GPU."""
+    trip = tf.function(lambda codes: tf_packing.unpack(tf_packing.pack(codes, space), space, numel))
+    graph = trip.get_concrete_function(tf.TensorSpec([2, numel], tf.int32)).graph
+    found = []
+    for op in graph.get_operations():
+        if op.type in ("Placeholder", "Identity"):  # the input, and the output returned
+            continue
+        for output in op.outputs:
+            large = output.shape.is_fully_defined() and output.shape.num_elements() >= numel
+            if large and output.dtype in (tf.int32, tf.int64):
+                found.append((op.type, output.dtype.name))
+    return found
 
 
 def _rows(numel, bound):
@@ -188,6 +210,12 @@ def test_payload_bytes_equal_numpy_and_pytorch(tf_results, index):
         np.testing.assert_array_equal(got["unpacked"], codes, err_msg=mode)
         want = reference.decode(reference.values(codes) * 2, scale, 2)
         np.testing.assert_array_equal(got["decoded"], want, err_msg=mode)
+
+
+def test_packing_makes_no_full_size_wide_integer_tensors(tf_results):
+    for space, found in tf_results["packing_graphs"].items():
+        # The one allowed: unpack's int32 codes, its output.
+        assert [dtype for _, dtype in found] == ["int32"], (space, found)
 
 
 @pytest.mark.parametrize("case", range(len(PACKING)), ids=[f"{n}x{b}" for n, b in PACKING])

@@ -1,13 +1,28 @@
 """TensorFlow packing of codes; mirrors ``hvd_compress.packing`` (wire formats: ``codes.py``).
 
-Only shifts, masks and sums of integer tensors: the same code runs on CPU and GPU, eagerly
+Only casts, shifts and masks of integer tensors: the same code runs on CPU and GPU, eagerly
 and inside ``tf.function``. The number of codes per row (the last axis) may be known only at
 run time (a sparse codec's selection inside a ``tf.function``).
+
+Codes are packed in the narrowest unsigned type that holds a field (uint8 for fields of up
+to 8 bits), never in int64 or int32: eight or four times less memory traffic than int64,
+and TensorFlow keeps the arithmetic of int32 tensors on the host even beside a GPU, while
+the other integer types stay on the device. A field of b bits is the code plus the bound,
+taken modulo 2^b: casting the signed code to the b-bit signed type and reinterpreting its
+bits as unsigned gives it exactly, without a wider intermediate.
 """
 
 import tensorflow as tf
 
-from hvd_compress.codes import WIDTHS, FieldCodes, FloatCodes, IntCodes, SignCodes
+from hvd_compress.codes import WIDTHS, FieldCodes, FloatCodes, SignCodes
+
+# The signed and unsigned types of fields of up to 8, 16, 32 and 64 bits.
+_TYPES = ((8, tf.int8, tf.uint8), (16, tf.int16, tf.uint16), (32, tf.int32, tf.uint32))
+
+
+def _types(width):
+    """(signed, unsigned) types of the narrowest size that holds ``width`` bits."""
+    return next((signed, unsigned) for bits, signed, unsigned in _TYPES if width <= bits)
 
 
 def pack(codes, space):
@@ -16,10 +31,12 @@ def pack(codes, space):
     if isinstance(space, FloatCodes):
         return tf.cast(codes, space.dtype)
     if isinstance(space, FieldCodes):
-        return _pack_unsigned(tf.cast(codes, tf.int64), space.width, pad=0)
+        return _pack_unsigned(tf.cast(codes, _types(space.width)[1]), space.width, pad=0)
     if isinstance(space, SignCodes):
-        return _pack_unsigned(tf.cast(codes < 0, tf.int64), 1, pad=0)
-    return _pack_unsigned(tf.cast(codes, tf.int64) + space.bound, space.width, pad=space.bound)
+        return _pack_unsigned(tf.cast(codes < 0, tf.uint8), 1, pad=0)
+    signed, unsigned = _types(space.width)
+    fields = tf.bitcast(tf.cast(codes, signed), unsigned) + tf.cast(space.bound, unsigned)
+    return _pack_unsigned(fields, space.width, pad=space.bound)
 
 
 def unpack(packed, space, numel):
@@ -28,10 +45,16 @@ def unpack(packed, space, numel):
     if isinstance(space, FloatCodes):
         return packed[..., :numel]
     if isinstance(space, FieldCodes):
-        return _unpack_unsigned(packed, space.width, numel)
+        return tf.cast(_unpack_unsigned(packed, space.width, numel), tf.int64)
     if isinstance(space, SignCodes):
-        return tf.cast(1 - 2 * _unpack_unsigned(packed, 1, numel), tf.int32)
-    return tf.cast(_unpack_unsigned(packed, space.width, numel) - space.bound, tf.int32)
+        # 1 - 2 bit: bit 0 is +1, bit 1 is -1 (255 as int8's bits).
+        signs = tf.constant(1, tf.uint8) - tf.bitwise.left_shift(
+            _unpack_unsigned(packed, 1, numel), tf.constant(1, tf.uint8)
+        )
+        return tf.cast(tf.bitcast(signs, tf.int8), tf.int32)
+    signed, unsigned = _types(space.width)
+    fields = _unpack_unsigned(packed, space.width, numel) - tf.cast(space.bound, unsigned)
+    return tf.cast(tf.bitcast(fields, signed), tf.int32)
 
 
 def _rows(tensor, like, last):
@@ -44,51 +67,79 @@ def _length(tensor):
     return tensor.shape[-1] if tensor.shape[-1] is not None else tf.shape(tensor)[-1]
 
 
+def _joined(parts, width):
+    """The bitwise or of ``parts[k] << (k * width)``: fields side by side in one integer.
+    Fields are disjoint, so no sum (which has no GPU kernel for unsigned types) is needed."""
+    joined = parts[0]
+    for k, part in enumerate(parts[1:], 1):
+        joined = tf.bitwise.bitwise_or(
+            joined, tf.bitwise.left_shift(part, tf.constant(k * width, part.dtype))
+        )
+    return joined
+
+
 def _pack_unsigned(unsigned, width, pad):
+    """Fields of ``width`` bits (``unsigned``, of ``_types(width)``'s unsigned type), packed
+    little-endian into bytes along the last axis."""
     if width not in WIDTHS:
         return _pack_bits(unsigned, width)
     if width >= 8:
-        shifts = tf.range(0, width, 8, dtype=tf.int64)
-        fields = tf.bitwise.bitwise_and(tf.bitwise.right_shift(unsigned[..., None], shifts), 0xFF)
-        return tf.cast(_rows(fields, unsigned, [-1]), tf.uint8)
+        dtype = unsigned.dtype
+        fields = [
+            tf.cast(
+                tf.bitwise.bitwise_and(
+                    tf.bitwise.right_shift(unsigned, tf.constant(shift, dtype)),
+                    tf.constant(0xFF, dtype),
+                ),
+                tf.uint8,
+            )
+            for shift in range(0, width, 8)
+        ]
+        return _rows(tf.stack(fields, axis=-1), unsigned, [-1])
     per_byte = 8 // width
     paddings = [[0, 0]] * (unsigned.shape.rank - 1) + [[0, -_length(unsigned) % per_byte]]
     unsigned = tf.pad(unsigned, paddings, constant_values=pad)
     groups = _rows(unsigned, unsigned, [-1, per_byte])
-    shifts = tf.range(per_byte, dtype=tf.int64) * width
-    return tf.cast(tf.reduce_sum(tf.bitwise.left_shift(groups, shifts), axis=-1), tf.uint8)
+    return _joined([groups[..., k] for k in range(per_byte)], width)
 
 
 def _unpack_unsigned(packed, width, numel):
+    """The first ``numel`` fields of ``width`` bits of each row of bytes, in the unsigned
+    type of ``_types(width)``."""
     if width not in WIDTHS:
         return _unpack_bits(packed, width, numel)
-    packed = tf.cast(packed, tf.int64)
     if width >= 8:
-        fields = _rows(packed, packed, [-1, width // 8])
-        shifts = tf.range(0, width, 8, dtype=tf.int64)
-        unsigned = tf.reduce_sum(tf.bitwise.left_shift(fields, shifts), axis=-1)
+        unsigned = _types(width)[1]
+        fields = tf.cast(_rows(packed, packed, [-1, width // 8]), unsigned)
+        joined = _joined([fields[..., k] for k in range(width // 8)], 8)
     else:
-        shifts = tf.range(8 // width, dtype=tf.int64) * width
-        fields = tf.bitwise.bitwise_and(
-            tf.bitwise.right_shift(packed[..., None], shifts), (1 << width) - 1
-        )
-        unsigned = _rows(fields, packed, [-1])
-    return unsigned[..., :numel]
+        mask = tf.constant((1 << width) - 1, tf.uint8)
+        fields = [
+            tf.bitwise.bitwise_and(
+                tf.bitwise.right_shift(packed, tf.constant(shift, tf.uint8)), mask
+            )
+            for shift in range(0, 8, width)
+        ]
+        joined = _rows(tf.stack(fields, axis=-1), packed, [-1])
+    return joined[..., :numel]
 
 
 def _pack_bits(unsigned, width):
     """Fields of any width as one little-endian bit stream per row (``codes.FieldCodes``):
     each field's bits, lowest first, packed as fields of one bit."""
-    bits = tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(unsigned[..., None], tf.range(width, dtype=tf.int64)), 1
+    one = tf.constant(1, unsigned.dtype)
+    bits = [
+        tf.bitwise.bitwise_and(
+            tf.bitwise.right_shift(unsigned, tf.constant(k, unsigned.dtype)), one
+        )
+        for k in range(width)
+    ]
+    return _pack_unsigned(
+        tf.cast(_rows(tf.stack(bits, axis=-1), unsigned, [-1]), tf.uint8), 1, pad=0
     )
-    return _pack_unsigned(_rows(bits, unsigned, [-1]), 1, pad=0)
 
 
 def _unpack_bits(packed, width, numel):
     bits = _unpack_unsigned(packed, 1, numel * width)
-    fields = _rows(bits, bits, [numel, width])
-    return tf.reduce_sum(tf.bitwise.left_shift(fields, tf.range(width, dtype=tf.int64)), axis=-1)
-
-
-__all__ = ["pack", "unpack", "FieldCodes", "IntCodes", "FloatCodes", "SignCodes"]
+    fields = tf.cast(_rows(bits, bits, [numel, width]), _types(width)[1])
+    return _joined([fields[..., k] for k in range(width)], 1)
