@@ -7,10 +7,8 @@ CI runs every MNIST-1D run of ``make demo-full`` (``cli.FULL_RUNS``) except the 
 pair and the adaptive run, on the demo's own schedule (3000 CNN steps); the language model's
 runs, which measure rather than assert, are the demo's only. Half of it, 1500 steps with the
 cosine decay ending at the last, does not show the claim: the compressed runs have not caught
-up by then. On
-2026-11-25, on a fresh machine of CI's type, seeds 0-2 at 1500 steps gave AdaComp -2.1 / -1.0 /
--2.0 points and TernGrad -2.4 / -0.3 / -1.0 (seed 0 failed this test), while 3000 steps gave
-seed 0 -0.3 and -0.7 (CLT-k -0.3).
+up by then (over seeds 0-2, AdaComp ends 1.0-2.1 points and TernGrad 0.3-2.4 points below
+their baselines at 1500 steps, against 0.3-0.7 at 3000).
 
 Why 2 points for one seed when the codecs are within 1 point on average: on 1,000 test
 signals a run's gap to its baseline moves from seed to seed. At 3000 steps, seeds 0-3 of the
