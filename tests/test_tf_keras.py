@@ -30,6 +30,32 @@ CODECS = [
 ]
 
 
+def _perceptron(keras):
+    """The 3-layer perceptron of the fits, in ``keras`` (Keras 3, or Keras 2's tf_keras)."""
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(160, activation="relu"),
+            keras.layers.Dense(12, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def _recorder(keras):
+    """A ``keras`` callback whose ``weights`` are the model's weights after every batch."""
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.weights = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.weights.append(np.concatenate([w.ravel() for w in self.model.get_weights()]))
+
+    return Recorder()
+
+
 def _fit(codecs, batches=3, batch_size=8):
     """Fits a 3-layer perceptron on this rank's random data, from different initial weights
     on every rank; records the weights after every batch."""
@@ -45,25 +71,10 @@ def _fit(codecs, batches=3, batch_size=8):
 
     hvd.init()
 
-    class Recorder(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.weights = []
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.weights.append(np.concatenate([w.ravel() for w in self.model.get_weights()]))
-
     runs = []
     for codec in codecs:
         keras.utils.set_random_seed(hvd.rank())
-        model = keras.Sequential(
-            [
-                keras.Input((64,)),
-                keras.layers.Dense(160, activation="relu"),
-                keras.layers.Dense(12, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
+        model = _perceptron(keras)
         optimizer = htf.DistributedOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9), compression=codec
         )
@@ -75,7 +86,7 @@ def _fit(codecs, batches=3, batch_size=8):
         data = np.random.default_rng(100 + hvd.rank())
         x = data.standard_normal((batches * batch_size, 64)).astype(np.float32)
         y = data.integers(0, 10, batches * batch_size)
-        recorder = Recorder()
+        recorder = _recorder(keras)
         history = model.fit(
             x,
             y,
@@ -143,25 +154,10 @@ def _fit_keras2(codecs, batches=3, batch_size=8):
 
     hvd.init()
 
-    class Recorder(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.weights = []
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.weights.append(np.concatenate([w.ravel() for w in self.model.get_weights()]))
-
     runs = []
     for codec in [None] + list(codecs):
         keras.utils.set_random_seed(hvd.rank())
-        model = keras.Sequential(
-            [
-                keras.Input((64,)),
-                keras.layers.Dense(160, activation="relu"),
-                keras.layers.Dense(12, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
+        model = _perceptron(keras)
         hvd.broadcast_variables(model.variables, root_rank=0)
         sgd = keras.optimizers.SGD(0.1, momentum=0.9)
         if codec is None:
@@ -175,7 +171,7 @@ def _fit_keras2(codecs, batches=3, batch_size=8):
         data = np.random.default_rng(100 + hvd.rank())
         x = data.standard_normal((batches * batch_size, 64)).astype(np.float32)
         y = data.integers(0, 10, batches * batch_size)
-        recorder = Recorder()
+        recorder = _recorder(keras)
         model.fit(
             x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[recorder]
         )
