@@ -10,6 +10,7 @@ import hvd_compress.pt as hc
 from hvd_compress.codes import FieldCodes
 
 from . import process_sets
+from .devices import DEVICES
 from .harness import run_parallel
 from .test_pt_distributed import Net, _flat
 
@@ -95,30 +96,32 @@ def test_all_zero_bin_sends_nothing_and_message_length_is_the_selection():
 
 
 @pytest.mark.parametrize("numel,bin_length", SHAPES_AND_BINS)
-def test_pytorch_port_sends_the_reference_bytes(numel, bin_length):
+@pytest.mark.parametrize("device", DEVICES)
+def test_pytorch_port_sends_the_reference_bytes(numel, bin_length, device):
     reference, port = hvd_compress.AdaComp(), hc.AdaComp()
-    residue = torch.zeros(numel)
+    residue = torch.zeros(numel, device=device)
     for step, grad in enumerate(_gradients(numel, 10, seed=7)):
-        grad = torch.from_numpy(grad)
+        grad = torch.from_numpy(grad).to(device)
         compensated = residue + grad
         selected = port.select(compensated, grad, bin_length)
         message = port.encode_message(compensated, selected, bin_length)
         expected = reference.encode_message(
-            compensated.numpy(),
-            reference.select(compensated.numpy(), grad.numpy(), bin_length),
+            compensated.cpu().numpy(),
+            reference.select(compensated.cpu().numpy(), grad.cpu().numpy(), bin_length),
             bin_length,
         )
-        np.testing.assert_array_equal(message.numpy(), expected, err_msg=f"step {step}")
+        np.testing.assert_array_equal(message.cpu().numpy(), expected, err_msg=f"step {step}")
         sent = port.decode_message(message, numel, bin_length)
         np.testing.assert_array_equal(
-            sent.numpy(), reference.decode_message(expected, numel, bin_length)
+            sent.cpu().numpy(), reference.decode_message(expected, numel, bin_length)
         )
         residue = compensated - sent
 
 
-def test_non_finite_residue_decodes_to_nan_everywhere():
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_residue_decodes_to_nan_everywhere(device):
     codec = hc.AdaComp()
-    grad = torch.randn(100)
+    grad = torch.randn(100).to(device)
     grad[7] = float("inf")
     message = codec.encode_message(grad, codec.select(grad, grad, 50), 50)
     assert torch.isnan(codec.decode_message(message, 100, 50)).all()

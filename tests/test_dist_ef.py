@@ -9,10 +9,9 @@ import hvd_compress
 from hvd_compress import cost
 
 from . import process_sets
+from .devices import DEVICES
 from .harness import run_parallel
 from .test_pt_distributed import Net, _flat, train_side_by_side
-
-pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.parametrize("block", [None, 100, 7])
@@ -37,8 +36,9 @@ def test_compressor_identity(block):
     assert decoded[3] > 0 and decoded[500] > 0  # sign(0) = +1
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block", [None, 256, 4096, 5000])
-def test_port_scales_match_the_float64_reference(block):
+def test_port_scales_match_the_float64_reference(block, device):
     # The port sums |p| in float32 runs of 4,096 added in float64; the reference sums in
     # float64. Lengths around a run's and a block's end, half-precision inputs, and a NaN
     # or Inf that marks every block.
@@ -51,14 +51,15 @@ def test_port_scales_match_the_float64_reference(block):
         for dtype in (torch.float32, torch.float16, torch.float64):
             x = torch.from_numpy(g).to(dtype)
             want = reference.local_scale(x.numpy())
-            got = port.local_scale(x)
+            got = port.local_scale(x.to(device))
             assert got.dtype == torch.float32 and got.shape == want.shape
-            np.testing.assert_allclose(got.numpy(), want, rtol=3e-7)
+            np.testing.assert_allclose(got.cpu().numpy(), want, rtol=3e-7)
         for bad in (np.nan, np.inf, -np.inf):
             x = g.copy()
             x[numel // 3] = bad
             np.testing.assert_array_equal(
-                port.local_scale(torch.from_numpy(x)).numpy(), reference.local_scale(x)
+                port.local_scale(torch.from_numpy(x).to(device)).cpu().numpy(),
+                reference.local_scale(x),
             )
 
 
@@ -170,6 +171,7 @@ def _virtual_iterate_gap(results, exchange, mu=0.9):
     return max(gaps)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_two_way_error_feedback_invariant_and_rank_consistency(world):
     for exchange in ("allgather", "sharded"):
@@ -182,6 +184,7 @@ def test_two_way_error_feedback_invariant_and_rank_consistency(world):
             assert all(h == r["expected"] for h in r["handed"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("codec", ["terngrad", "qsgd-inf"])
 def test_error_feedback_with_any_codec_keeps_what_was_not_sent(codec):
     """x_T - mean_i e_T,i = x_0 - sum_t eta_t mean_i g_t,i for one-way codecs with worker
@@ -213,6 +216,7 @@ def _identity_against_sgd(steps=10):
     return train_side_by_side([(ours, opt_ours), (theirs, opt_theirs)], steps, 0)
 
 
+@pytest.mark.multiprocess
 def test_identity_codec_at_one_worker_is_nesterov_sgd():
     ((ours, theirs),) = run_parallel(_identity_against_sgd, 1)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

@@ -9,26 +9,30 @@ from hvd_compress.codes import FieldCodes, FloatCodes, IntCodes, SignCodes, shar
 from hvd_compress.pt import packing as pt_packing
 from hvd_compress.pt.buckets import rescale
 
+from .devices import DEVICES
+
 LENGTHS = [0, 1, 3, 4, 5, 1_000_003]
 BOUNDS = [1, 2, 7, 100, 2048, 40000]  # widths 2, 4, 4, 8, 16, 32
 
 
 @pytest.mark.parametrize("numel", LENGTHS)
 @pytest.mark.parametrize("bound", BOUNDS)
-def test_round_trip_and_ports_agree(numel, bound):
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_and_ports_agree(numel, bound, device):
     space = IntCodes(bound)
     codes = np.random.default_rng(numel + bound).integers(-bound, bound + 1, numel)
     packed = packing.pack(codes, space)
     assert packed.dtype == np.uint8 and packed.size == space.packed_nbytes(numel)
     np.testing.assert_array_equal(packing.unpack(packed, space, numel), codes)
-    packed_pt = pt_packing.pack(torch.from_numpy(codes), space)
-    np.testing.assert_array_equal(packed_pt.numpy(), packed)
-    np.testing.assert_array_equal(pt_packing.unpack(packed_pt, space, numel).numpy(), codes)
+    packed_pt = pt_packing.pack(torch.from_numpy(codes).to(device), space)
+    np.testing.assert_array_equal(packed_pt.cpu().numpy(), packed)
+    np.testing.assert_array_equal(pt_packing.unpack(packed_pt, space, numel).cpu().numpy(), codes)
 
 
 @pytest.mark.parametrize("numel", LENGTHS)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_one_bit_fields_ports_agree(numel, rows):
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_bit_fields_ports_agree(numel, rows, device):
     # Signs (from int8 codes, as BlockSign makes them, and from int64) and one-bit fields
     # take the port's eight-fields-per-multiplication path.
     rng = np.random.default_rng(numel + rows)
@@ -38,19 +42,21 @@ def test_one_bit_fields_ports_agree(numel, rows):
         packed = packing.pack(codes, space)
         assert packed.shape == (rows, space.packed_nbytes(numel))
         for dtype in (torch.int8, torch.int64):
-            packed_pt = pt_packing.pack(torch.from_numpy(codes).to(dtype), space)
-            np.testing.assert_array_equal(packed_pt.numpy(), packed)
-        np.testing.assert_array_equal(pt_packing.unpack(packed_pt, space, numel).numpy(), codes)
+            packed_pt = pt_packing.pack(torch.from_numpy(codes).to(device, dtype), space)
+            np.testing.assert_array_equal(packed_pt.cpu().numpy(), packed)
+        unpacked = pt_packing.unpack(packed_pt, space, numel)
+        np.testing.assert_array_equal(unpacked.cpu().numpy(), codes)
 
 
 @pytest.mark.parametrize("numel", LENGTHS)
-def test_scaled_signs_are_rescaled_unpacked_signs(numel):
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_signs_are_rescaled_unpacked_signs(numel, device):
     # The sharded server's shortcut: one gather of +-scale per row, NaN where the scale is
     # not finite, bit for bit what unpacking and ``rescale`` give.
     rng = np.random.default_rng(numel)
     signs = rng.choice(np.array([-1, 1], dtype=np.int8), (4, numel))
-    packed = pt_packing.pack(torch.from_numpy(signs), SignCodes())
-    scale = torch.tensor([[0.25], [3e-30], [float("inf")], [float("nan")]])
+    packed = pt_packing.pack(torch.from_numpy(signs).to(device), SignCodes())
+    scale = torch.tensor([[0.25], [3e-30], [float("inf")], [float("nan")]], device=device)
     for length in {numel, max(numel - 3, 0)}:
         got = pt_packing.unpack_scaled_signs(packed, scale, length)
         want = rescale(pt_packing.unpack(packed, SignCodes(), length), scale, max(length, 1), 1)

@@ -14,6 +14,8 @@ from hvd_compress import packing as np_packing
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 from hvd_compress.pt import elias, packing
 
+from .devices import DEVICES
+
 # Hyperparameters of every codec that has codes, including out-of-range values.
 HYPERPARAMETERS = {
     "fp16": st.just({}),
@@ -50,14 +52,16 @@ SHAPES = st.one_of(
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _tensor(shape, dtype, magnitude, transpose, seed):
+def _tensor(shape, dtype, magnitude, transpose, seed, device):
     generator = torch.Generator().manual_seed(seed)
     x = (torch.randn(shape, generator=generator, dtype=torch.float64) * magnitude).to(dtype)
+    x = x.to(device)
     # A transposed view is not contiguous: codecs must flatten it in logical order.
     return x.t() if transpose and x.dim() == 2 else x
 
 
 @pytest.mark.parametrize("name", sorted(HYPERPARAMETERS))
+@pytest.mark.parametrize("device", DEVICES)
 @PROPERTY
 @given(
     data=st.data(),
@@ -67,20 +71,20 @@ def _tensor(shape, dtype, magnitude, transpose, seed):
     transpose=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_round_trip_through_the_wire(name, data, shape, dtype, magnitude, transpose, seed):
+def test_round_trip_through_the_wire(name, device, data, shape, dtype, magnitude, transpose, seed):
     params = data.draw(HYPERPARAMETERS[name])
     try:
         codec, reference = hc.CODECS[name](**params), hvd_compress.CODECS[name](**params)
     except ValueError as error:
         assert any(f" {key} must" in str(error) for key in params), error
         return
-    x = _tensor(shape, dtype, magnitude, transpose, seed)
+    x = _tensor(shape, dtype, magnitude, transpose, seed, device)
     flat = x.reshape(-1)
     if not codec.compresses(flat.numel()):
         return  # sent whole by the optimizer's plain allreduce
     scale = codec.local_scale(flat) if codec.scaled else None
     uniforms = (
-        torch.rand(flat.shape, generator=torch.Generator().manual_seed(seed))
+        torch.rand(flat.shape, generator=torch.Generator().manual_seed(seed)).to(device)
         if codec.stochastic
         else None
     )
@@ -111,24 +115,25 @@ def test_round_trip_through_the_wire(name, data, shape, dtype, magnitude, transp
 
     # The numpy reference puts the same bytes on the wire (it has no bfloat16).
     if dtype is not torch.bfloat16:
-        g = flat.numpy()
+        g = flat.cpu().numpy()
         ref_scale = reference.local_scale(g) if codec.scaled else None
-        np.testing.assert_allclose(ref_scale, scale.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(ref_scale, scale.cpu().numpy(), rtol=1e-6)
         ref_codes = reference.encode(
-            g, scale.numpy(), None if uniforms is None else uniforms.numpy()
+            g, scale.cpu().numpy(), None if uniforms is None else uniforms.cpu().numpy()
         )
         ref_wire = (
             hvd_compress.elias.encode(ref_codes)
             if codec.wire == "elias"
             else np_packing.pack(ref_codes.reshape(1, -1), codec.code_space)
         )
-        np.testing.assert_array_equal(ref_wire, wire.numpy())
+        np.testing.assert_array_equal(ref_wire, wire.cpu().numpy())
 
 
 def _numpy(x):
-    return x.to(torch.float32 if x.dtype == torch.bfloat16 else x.dtype).numpy()
+    return x.to(torch.float32 if x.dtype == torch.bfloat16 else x.dtype).cpu().numpy()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @PROPERTY
 @given(
     shape=SHAPES,
@@ -140,13 +145,13 @@ def _numpy(x):
     seed=st.integers(0, 2**16),
 )
 def test_adacomp_messages_round_trip(
-    shape, dtype, bin_length, magnitude, transpose, zero_bins, seed
+    device, shape, dtype, bin_length, magnitude, transpose, zero_bins, seed
 ):
     codec, reference = hc.AdaComp(min_size=0), hvd_compress.AdaComp(min_size=0)
-    grad = _tensor(shape, dtype, magnitude, transpose, seed)
-    compensated = grad + _tensor(shape, dtype, magnitude, transpose, seed + 1)
+    grad = _tensor(shape, dtype, magnitude, transpose, seed, device)
+    compensated = grad + _tensor(shape, dtype, magnitude, transpose, seed + 1, device)
     if zero_bins:
-        keep = torch.arange(compensated.numel()) >= 2 * bin_length
+        keep = torch.arange(compensated.numel(), device=device) >= 2 * bin_length
         compensated = torch.where(keep.reshape(compensated.shape), compensated, 0)
     numel = grad.numel()
     selected = codec.select(compensated, grad, bin_length)
@@ -165,12 +170,14 @@ def test_adacomp_messages_round_trip(
     # The reference selects the same elements and writes the same bytes (no bfloat16 there).
     if dtype is not torch.bfloat16:
         ref_selected = reference.select(_numpy(compensated), _numpy(grad), bin_length)
-        np.testing.assert_array_equal(ref_selected, selected.numpy())
+        np.testing.assert_array_equal(ref_selected, selected.cpu().numpy())
         np.testing.assert_array_equal(
-            reference.encode_message(_numpy(compensated), ref_selected, bin_length), message.numpy()
+            reference.encode_message(_numpy(compensated), ref_selected, bin_length),
+            message.cpu().numpy(),
         )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @PROPERTY
 @given(
     shape=SHAPES,
@@ -180,8 +187,8 @@ def test_adacomp_messages_round_trip(
     transpose=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_clt_k_selects_exactly_the_largest(shape, dtype, data, magnitude, transpose, seed):
-    x = _tensor(shape, dtype, magnitude, transpose, seed)
+def test_clt_k_selects_exactly_the_largest(device, shape, dtype, data, magnitude, transpose, seed):
+    x = _tensor(shape, dtype, magnitude, transpose, seed, device)
     numel = x.numel()
     if numel == 0:
         return  # nothing to select: the optimizer sends empty tensors whole
@@ -192,20 +199,22 @@ def test_clt_k_selects_exactly_the_largest(shape, dtype, data, magnitude, transp
     assert indices.dtype == torch.int32 and indices.numel() == k
     assert (indices[1:] > indices[:-1]).all()  # ascending, no repeats
     magnitude = x.reshape(-1).to(torch.float32).abs()
-    taken = torch.zeros(numel, dtype=torch.bool)
+    taken = torch.zeros(numel, dtype=torch.bool, device=device)
     taken[indices.long()] = True
     if k < numel:
         assert magnitude[taken].min() >= magnitude[~taken].max()
     np.testing.assert_array_equal(
-        hvd_compress.CyclicLocalTopK(ratio=ratio, min_size=0).top_k(_numpy(x), k), indices.numpy()
+        hvd_compress.CyclicLocalTopK(ratio=ratio, min_size=0).top_k(_numpy(x), k),
+        indices.cpu().numpy(),
     )
 
 
 @pytest.mark.parametrize("name", sorted(HYPERPARAMETERS))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])
-def test_integer_tensors_pass_through_horovods_hook(name, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_integer_tensors_pass_through_horovods_hook(name, dtype, device):
     codec = hc.CODECS[name]()
-    x = torch.arange(10).to(dtype)
+    x = torch.arange(10).to(device, dtype)
     if codec.scaled:
         with pytest.raises(TypeError, match="DistributedOptimizer"):
             codec.compress(x)
@@ -225,7 +234,8 @@ def test_integer_tensors_pass_through_horovods_hook(name, dtype):
     ],
 )
 @pytest.mark.parametrize("world", [2, 3, 127, 128, 1024, 2047, 2048])
-def test_summed_codes_fit_their_carrier_up_to_2048_workers(name, params, world):
+@pytest.mark.parametrize("device", DEVICES)
+def test_summed_codes_fit_their_carrier_up_to_2048_workers(name, params, world, device):
     codec = hvd_compress.CODECS[name](**params)
     space = codec.value_space
     carrier = getattr(torch, space.allreduce_carrier(world, TORCH_ALLREDUCE_DTYPES))
@@ -239,5 +249,5 @@ def test_summed_codes_fit_their_carrier_up_to_2048_workers(name, params, world):
     assert int(total) == space.bound * world
     # The sharded exchange re-packs the sums in the space of the sum: exact round trip.
     summed = space.summed(world)
-    extremes = torch.tensor([[-summed.bound, summed.bound, 0, 1 - summed.bound]])
+    extremes = torch.tensor([[-summed.bound, summed.bound, 0, 1 - summed.bound]], device=device)
     assert torch.equal(packing.unpack(packing.pack(extremes, summed), summed, 4), extremes.int())

@@ -9,6 +9,8 @@ import hvd_compress.pt as hc
 from hvd_compress.qsgd import nuqsgd_variance_bound, qsgd_variance_bound
 from hvd_compress.seeding import stream_seed, uniforms
 
+from .devices import DEVICES
+
 CODECS = [
     ("qsgd", {}),
     ("qsgd-inf", {}),
@@ -30,11 +32,13 @@ def inputs(kind, n, seed=0):
 
 
 @pytest.mark.parametrize("name,params", CODECS)
-def test_rounding_identity_and_port_agreement(name, params):
+@pytest.mark.parametrize("device", DEVICES)
+def test_rounding_identity_and_port_agreement(name, params, device):
     g = inputs("gaussian", 10_007)
     ref, port = reference(name, **params), hc.CODECS[name](**params)
     scale = ref.local_scale(g)
-    np.testing.assert_allclose(port.local_scale(torch.from_numpy(g)).numpy(), scale, rtol=1e-6)
+    g_pt, scale_pt = torch.from_numpy(g).to(device), torch.from_numpy(scale).to(device)
+    np.testing.assert_allclose(port.local_scale(g_pt).cpu().numpy(), scale, rtol=1e-6)
     lo, hi, p = ref.rounding(g, scale)[:3]
     full = np.repeat(scale, ref.bucket_length(g.size))[: g.size]
     r = np.abs(g) / full
@@ -45,13 +49,15 @@ def test_rounding_identity_and_port_agreement(name, params):
     u = np.random.default_rng(1).random(g.size).astype(np.float32)
     codes = ref.encode(g, scale, u)
     assert np.abs(codes).max() <= ref.code_space.bound
-    codes_pt = port.encode(torch.from_numpy(g), torch.from_numpy(scale), torch.from_numpy(u))
-    np.testing.assert_array_equal(codes_pt.numpy(), codes)
+    codes_pt = port.encode(g_pt, scale_pt, torch.from_numpy(u).to(device))
+    np.testing.assert_array_equal(codes_pt.cpu().numpy(), codes)
     values = ref.values(codes)
-    np.testing.assert_array_equal(port.values(torch.from_numpy(codes)).numpy(), values)
+    np.testing.assert_array_equal(
+        port.values(torch.from_numpy(codes).to(device)).cpu().numpy(), values
+    )
     assert np.abs(values).max() <= ref.value_space.bound
     np.testing.assert_array_equal(
-        port.decode(torch.from_numpy(values), torch.from_numpy(scale), 2).numpy(),
+        port.decode(torch.from_numpy(values).to(device), scale_pt, 2).cpu().numpy(),
         ref.decode(values, scale, 2),
     )
 
@@ -132,14 +138,16 @@ def test_one_level_qsgd_inf_is_terngrad_without_clipping():
     )
 
 
-def test_non_finite_marks_the_tensor():
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_marks_the_tensor(device):
     g = inputs("gaussian", 3000)
     g[5] = np.inf
     for name in ("qsgd", "qsgd-inf", "nuqsgd"):
         codec = hc.CODECS[name](bucket_size=1000)
-        scale = codec.local_scale(torch.from_numpy(g))
+        g_pt = torch.from_numpy(g).to(device)
+        scale = codec.local_scale(g_pt)
         assert torch.isinf(scale).all()
-        codes = codec.encode(torch.from_numpy(g), scale, torch.rand(3000))
+        codes = codec.encode(g_pt, scale, torch.rand(3000).to(device))
         assert torch.isnan(codec.decode(codec.values(codes), scale, 1)).all()
 
 
@@ -178,7 +186,8 @@ def test_elias_round_trip_of_every_integer_up_to_a_million():
 
 
 @pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
-def test_elias_round_trip_of_code_vectors_in_both_ports(density):
+@pytest.mark.parametrize("device", DEVICES)
+def test_elias_round_trip_of_code_vectors_in_both_ports(density, device):
     from hvd_compress import elias
     from hvd_compress.pt import elias as pt_elias
 
@@ -186,9 +195,9 @@ def test_elias_round_trip_of_code_vectors_in_both_ports(density):
     codes = (rng.integers(-7, 8, 30_001) * (rng.random(30_001) < density)).astype(np.int8)
     data = elias.encode(codes)
     np.testing.assert_array_equal(elias.decode(data, codes.size), codes)
-    data_pt = pt_elias.encode(torch.from_numpy(codes))
-    np.testing.assert_array_equal(data_pt.numpy(), data)
-    np.testing.assert_array_equal(pt_elias.decode(data_pt, codes.size).numpy(), codes)
+    data_pt = pt_elias.encode(torch.from_numpy(codes).to(device))
+    np.testing.assert_array_equal(data_pt.cpu().numpy(), data)
+    np.testing.assert_array_equal(pt_elias.decode(data_pt, codes.size).cpu().numpy(), codes)
 
 
 def test_elias_wire_is_allgather_only():

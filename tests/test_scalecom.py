@@ -9,12 +9,14 @@ import hvd_compress
 import hvd_compress.pt as hc
 from hvd_compress import cost
 
+from .devices import DEVICES
 from .harness import run_parallel
 from .test_adacomp import assert_ranks_agree, train
 
 
 @pytest.mark.parametrize("numel,k", [(1000, 10), (1000, 1), (7, 7), (513, 100)])
-def test_top_k_is_exact_with_ties_and_nan(numel, k):
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_is_exact_with_ties_and_nan(numel, k, device):
     reference, port = hvd_compress.CyclicLocalTopK(), hc.CyclicLocalTopK()
     rng = np.random.default_rng(numel + k)
     for values in (
@@ -28,7 +30,8 @@ def test_top_k_is_exact_with_ties_and_nan(numel, k):
         magnitude = np.where(np.isnan(values), np.inf, np.abs(values))
         expected = np.sort(np.lexsort((np.arange(numel), -magnitude))[:k])
         np.testing.assert_array_equal(indices, expected)
-        np.testing.assert_array_equal(port.top_k(torch.from_numpy(values), k).numpy(), indices)
+        indices_pt = port.top_k(torch.from_numpy(values).to(device), k)
+        np.testing.assert_array_equal(indices_pt.cpu().numpy(), indices)
 
 
 def test_bad_hyperparameters_and_misuse():

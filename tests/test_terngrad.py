@@ -9,6 +9,8 @@ import hvd_compress.pt as hc
 from hvd_compress import simulate
 from hvd_compress.seeding import stream_seed, uniforms
 
+from .devices import DEVICES
+
 
 def gaussian(n, seed=0):
     return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
@@ -25,18 +27,20 @@ def test_local_scale_is_clipped_max_norm():
 
 
 @pytest.mark.parametrize("clip", [0.0, 2.5])
-def test_torch_port_matches_reference(clip):
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_port_matches_reference(clip, device):
     g = gaussian(50_001, seed=1) * 1e-3
     u = np.random.default_rng(2).random(g.size).astype(np.float32)
     ref, port = hvd_compress.TernGrad(clip=clip), hc.TernGrad(clip=clip)
     scale = ref.local_scale(g)
-    assert port.local_scale(torch.from_numpy(g)).item() == pytest.approx(scale, rel=1e-6)
+    g_pt, scale_pt = torch.from_numpy(g).to(device), torch.from_numpy(scale).to(device)
+    assert port.local_scale(g_pt).item() == pytest.approx(scale, rel=1e-6)
     codes = ref.encode(g, scale, u)
-    codes_pt = port.encode(torch.from_numpy(g), torch.from_numpy(scale), torch.from_numpy(u))
-    np.testing.assert_array_equal(codes_pt.numpy(), codes)
+    codes_pt = port.encode(g_pt, scale_pt, torch.from_numpy(u).to(device))
+    np.testing.assert_array_equal(codes_pt.cpu().numpy(), codes)
     total = np.stack([codes, -codes, codes]).sum(0)
     np.testing.assert_array_equal(
-        port.decode(torch.from_numpy(total), torch.from_numpy(scale), 3).numpy(),
+        port.decode(torch.from_numpy(total).to(device), scale_pt, 3).cpu().numpy(),
         ref.decode(total, scale, 3),
     )
 
@@ -50,7 +54,8 @@ def test_decoded_values_are_ternary():
     assert set(np.unique(ref.decode(codes, s, 1))) <= {-s[0], 0, s[0]}
 
 
-def test_unbiasedness_identity_is_exact():
+@pytest.mark.parametrize("device", DEVICES)
+def test_unbiasedness_identity_is_exact(device):
     """s * P(b = 1) = min(|g|, s) elementwise, on the probability tensor itself."""
     g = gaussian(100_000, seed=3)
     ref = hvd_compress.TernGrad()
@@ -59,7 +64,8 @@ def test_unbiasedness_identity_is_exact():
         s * ref.probabilities(g, s), np.minimum(np.abs(g), s), rtol=1e-6, atol=0
     )
     port = hc.TernGrad()
-    p = port.probabilities(torch.from_numpy(g), torch.from_numpy(s)).numpy()
+    p = port.probabilities(torch.from_numpy(g).to(device), torch.from_numpy(s).to(device))
+    p = p.cpu().numpy()
     np.testing.assert_array_equal(p, ref.probabilities(g, s))
 
 
@@ -92,7 +98,8 @@ def test_empirical_mean_and_variance_over_seeds():
     assert measured == pytest.approx(total, rel=0.05)
 
 
-def test_zero_and_non_finite_gradients():
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_and_non_finite_gradients(device):
     ref, port = hvd_compress.TernGrad(), hc.TernGrad()
     zero = np.zeros(100, np.float32)
     assert ref.local_scale(zero)[0] == 0
@@ -100,10 +107,12 @@ def test_zero_and_non_finite_gradients():
     bad = gaussian(100)
     bad[7] = np.nan
     assert ref.local_scale(bad)[0] == np.inf
-    assert port.local_scale(torch.from_numpy(bad)).item() == np.inf
+    assert port.local_scale(torch.from_numpy(bad).to(device)).item() == np.inf
     bad[7] = np.inf
-    assert port.local_scale(torch.from_numpy(bad)).item() == np.inf
-    decoded = port.decode(torch.zeros(100, dtype=torch.int32), torch.tensor([np.inf]), 2)
+    assert port.local_scale(torch.from_numpy(bad).to(device)).item() == np.inf
+    decoded = port.decode(
+        torch.zeros(100, dtype=torch.int32, device=device), torch.tensor([np.inf], device=device), 2
+    )
     assert torch.isnan(decoded).all()
 
 
@@ -120,9 +129,10 @@ def test_simulated_average_is_on_the_shared_grid(exchange):
     assert np.abs(k).max() <= world
 
 
-def test_horovod_compressor_interface():
+@pytest.mark.parametrize("device", DEVICES)
+def test_horovod_compressor_interface(device):
     fp16 = hc.FP16()
-    t = torch.randn(10)
+    t = torch.randn(10).to(device)
     payload, ctx = fp16.compress(t)
     assert payload.dtype == torch.float16 and fp16.decompress(payload, ctx).dtype == torch.float32
     with pytest.raises(TypeError, match="DistributedOptimizer"):
