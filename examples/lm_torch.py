@@ -12,7 +12,6 @@ bits per byte, the bytes handed to Horovod per worker per step and the compressi
 ``--out`` also writes them as JSON.
 """
 
-import argparse
 import math
 import time
 
@@ -22,12 +21,10 @@ import torch
 from torch import nn
 
 import hvd_compress.pt as hc
-from hvd_compress.corpus import load_stdlib_text
+from hvd_compress import corpus
+from hvd_compress.example_args import lm_parser
 from hvd_compress.pt.device import rank_device
 from hvd_compress.report import RunRecord, publish
-
-# Validation: this many windows of the context length, evenly spaced over the held-out files.
-VALIDATION_WINDOWS = 256
 
 
 class Block(nn.Module):
@@ -66,42 +63,17 @@ class ByteLM(nn.Module):
         return self.norm(self.blocks(x)) @ self.embed.weight.t()  # tied output layer
 
 
-def windows(data, starts, context):
-    """Inputs and next-byte targets of the windows of ``data`` starting at ``starts``."""
-    rows = np.stack([data[s : s + context + 1] for s in starts]).astype(np.int64)
-    rows = torch.from_numpy(rows)
-    return rows[:, :-1], rows[:, 1:]
-
-
 def next_byte_loss(model, inputs, targets):
     """The mean cross-entropy, in nats, of the model's prediction of every next byte."""
     return nn.functional.cross_entropy(model(inputs).reshape(-1, 256), targets.reshape(-1))
 
 
-def parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--compression", default="terngrad", help="codec name, with optional hyperparameters"
-    )
-    parser.add_argument("--exchange", default="auto")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    parser.add_argument("--warmup", type=int, default=60, help="linear warm-up steps")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--clip", type=float, default=1.0, help="global gradient norm bound")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="write the results of rank 0 as JSON here")
-    return parser
-
-
 def main(argv=None):
-    args = parser().parse_args(argv)
+    args = lm_parser(__doc__.splitlines()[0]).parse_args(argv)
     hvd.init()
     torch.manual_seed(args.seed)
     device = rank_device()
-    train, validation = load_stdlib_text()
+    train, validation = corpus.load_stdlib_text()
     model = ByteLM(context=args.context).to(device)
     # Decoupled weight decay on the matrices only, as transformers are trained.
     matrices = [p for p in model.parameters() if p.dim() >= 2]
@@ -135,9 +107,8 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed * 1000 + hvd.rank())
     record = RunRecord()
     for step in range(args.steps):
-        inputs, targets = windows(
-            train, rng.integers(0, train.size - args.context - 1, local_batch), args.context
-        )
+        offsets = rng.integers(0, train.size - args.context - 1, local_batch)
+        inputs, targets = map(torch.from_numpy, corpus.windows(train, offsets, args.context))
         start = time.perf_counter()
         optimizer.zero_grad()
         next_byte_loss(model, inputs.to(device), targets.to(device)).backward()
@@ -148,8 +119,7 @@ def main(argv=None):
         schedule.step()
         record.record(time.perf_counter() - start, optimizer.compression_stats())
 
-    starts = np.linspace(0, validation.size - args.context - 1, VALIDATION_WINDOWS).astype(int)
-    inputs, targets = windows(validation, starts, args.context)
+    inputs, targets = map(torch.from_numpy, corpus.validation_windows(validation, args.context))
     with torch.no_grad():
         nats = next_byte_loss(model, inputs.to(device), targets.to(device)).item()
     result = record.result(

@@ -9,7 +9,6 @@ writes them as JSON, with the same keys as ``mnist1d_torch.py``.
 """
 
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -20,7 +19,8 @@ import numpy as np  # noqa: E402
 import hvd_compress.tf as hc  # noqa: E402
 from hvd_compress.datasets import load_mnist1d  # noqa: E402
 from hvd_compress.example_args import cnn_parser  # noqa: E402
-from hvd_compress.report import RunRecord, publish  # noqa: E402
+from hvd_compress.examples.keras_steps import StepRecorder  # noqa: E402
+from hvd_compress.report import publish  # noqa: E402
 from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback  # noqa: E402
 from hvd_compress.tf.device import rank_device  # noqa: E402
 
@@ -61,22 +61,6 @@ def cnn(channels=64, hidden=256):
             keras.layers.Dense(10, **torch_init(hidden)),
         ]
     )
-
-
-class StepRecorder(keras.callbacks.Callback):
-    """Times every step and records the compression statistics of its exchange."""
-
-    def __init__(self):
-        super().__init__()
-        self.record = RunRecord()
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.record.record(
-            time.perf_counter() - self.start, self.model.optimizer.compression_stats()
-        )
 
 
 def main(argv=None):

@@ -10,12 +10,13 @@ and prints a table of test accuracy on MNIST-1D or a language model's validation
 (against the baseline run of the same model, worker count and optimizer), bytes handed to
 Horovod per worker per step, compression ratio and median step time. By default it runs
 ``DEFAULT_RUNS``, a representative subset (about 10 minutes on 2 cores); ``--full`` runs
-every model and codec, ``FULL_RUNS`` (about 50 minutes). The models are the examples'
+every model and codec, ``FULL_RUNS`` (about 55 minutes). The models are the examples'
 scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default), the same CNN in Keras with
 ``model.fit`` (``keras``), the GRU of the CELGC example (``gru``), whose "codecs" are
 ``sync`` (clipped synchronous SGD, its baseline) and ``local`` (``LocalClipSGD``, averaging
 every 8 steps), and a byte-level transformer language model trained with AdamW on the Python
-standard library's source (``lm``, ``hvd_compress.corpus``). A codec may carry
+standard library's source (``lm``; the same in Keras with ``model.fit``, ``keras-lm``;
+``hvd_compress.corpus``). A codec may carry
 hyperparameters, as in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
 and a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``).
 """
@@ -79,7 +80,8 @@ def _gru_arguments(mode, optimizer, args):
 def _lm_arguments(codec, optimizer, args):
     if optimizer is not None:
         raise argparse.ArgumentTypeError(
-            f"lm runs are lm/workers:codec with the example's own AdamW; got @{optimizer}"
+            f"lm and keras-lm runs are <model>/workers:codec with the example's own AdamW; "
+            f"got @{optimizer}"
         )
     return ["--compression", codec]  # the example's own schedule: 600 steps
 
@@ -93,6 +95,9 @@ EXAMPLES = {
     "lm": Example(
         "lm_torch.py", "PyTorch byte-level transformer LM", "none", _lm_arguments, "adamw"
     ),
+    "keras-lm": Example(
+        "lm_keras.py", "Keras byte-level transformer LM, model.fit", "none", _lm_arguments, "adamw"
+    ),
 }
 
 # ef-sign as dist-EF-blockSGDM, with Nesterov momentum, in blocks of at most 256 elements: with
@@ -101,38 +106,42 @@ EXAMPLES = {
 # (docs/algorithms.md, dist-EF-blockSGD). Each run is compared with `none` under its own
 # optimizer, so ef-sign brings its Nesterov baseline.
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
-# Every model and codec (--full, ~50 minutes on 2 cores); tests/test_convergence.py runs its
+# Every model and codec (--full, ~55 minutes on 2 cores); tests/test_convergence.py runs its
 # MNIST-1D runs but the 4-worker CNN pair and the adaptive run.
-FULL_RUNS = [
-    "2:none",
-    "2:terngrad",
-    "2:terngrad+auto",
-    "2:qsgd-inf",
-    "2:nuqsgd",
-    "2:adacomp",
-    "2:clt-k",
-    "2:none@nesterov",
-    f"2:{EF_SIGN}",
-    "4:none@nesterov",
-    f"4:{EF_SIGN}",
-    "keras/2:none@nesterov",
-    f"keras/2:{EF_SIGN}",
-    "gru/4:sync",
-    "gru/4:local",
-] + [
-    f"lm/2:{codec}"
-    for codec in (
-        "none",
-        "fp16",
-        "terngrad",
-        "qsgd",
-        "qsgd-inf",
-        "nuqsgd",
-        "ef-sign",
-        "adacomp",
-        "clt-k",
-    )
-]
+FULL_RUNS = (
+    [
+        "2:none",
+        "2:terngrad",
+        "2:terngrad+auto",
+        "2:qsgd-inf",
+        "2:nuqsgd",
+        "2:adacomp",
+        "2:clt-k",
+        "2:none@nesterov",
+        f"2:{EF_SIGN}",
+        "4:none@nesterov",
+        f"4:{EF_SIGN}",
+        "keras/2:none@nesterov",
+        f"keras/2:{EF_SIGN}",
+        "gru/4:sync",
+        "gru/4:local",
+    ]
+    + [
+        f"lm/2:{codec}"
+        for codec in (
+            "none",
+            "fp16",
+            "terngrad",
+            "qsgd",
+            "qsgd-inf",
+            "nuqsgd",
+            "ef-sign",
+            "adacomp",
+            "clt-k",
+        )
+    ]
+    + [f"keras-lm/2:{codec}" for codec in ("none", "terngrad", "qsgd-inf")]
+)
 # What a newcomer waits for (~10 minutes): one codec of each kind (ternary, uniform 4-bit,
 # 1-bit with error feedback), each beside its baseline. The steps stay the full schedule's:
 # at half of it TernGrad ended 2.4 points below its baseline on seed 0
@@ -301,7 +310,7 @@ def demo(args):
         settings.append(
             "GRU: the example's 2000 steps, global batch 128, lr 3.0, gamma 1.0 (cosine)."
         )
-    if "lm" in models:
+    if models & {"lm", "keras-lm"}:
         settings.append(
             f"LM: {corpus.describe()}; the example's 600 steps of AdamW (lr "
             f"0.002, 60 warm-up steps, cosine, weight decay 0.1, norm clipped at "
@@ -343,7 +352,7 @@ def main(argv=None):
     which.add_argument(
         "--full",
         action="store_true",
-        help=f"every model and codec (~50 minutes on 2 cores): {','.join(FULL_RUNS)}",
+        help=f"every model and codec (~55 minutes on 2 cores): {','.join(FULL_RUNS)}",
     )
     run.add_argument(
         "--steps",

@@ -1,6 +1,7 @@
-"""The command line the MNIST-1D CNN examples share (``examples/mnist1d_torch.py`` and
-``examples/mnist1d_keras.py``), so that ``hvd-compress demo`` drives both frameworks with the
-same options and defaults."""
+"""The command lines the examples of one task share in both frameworks (the MNIST-1D CNN:
+``examples/mnist1d_torch.py`` and ``examples/mnist1d_keras.py``; the language model:
+``examples/lm_torch.py`` and ``examples/lm_keras.py``), so that ``hvd-compress demo`` drives
+both with the same options and defaults."""
 
 import argparse
 
@@ -30,6 +31,25 @@ def cnn_parser(description):
     )
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
     parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the results of rank 0 as JSON here")
+    return parser
+
+
+def lm_parser(description):
+    """An ``ArgumentParser`` with the language-model examples' training options."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--compression", default="terngrad", help="codec name, with optional hyperparameters"
+    )
+    parser.add_argument("--exchange", default="auto")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=60, help="linear warm-up steps")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--clip", type=float, default=1.0, help="global gradient norm bound")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results of rank 0 as JSON here")
     return parser

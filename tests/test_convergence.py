@@ -30,7 +30,7 @@ SINGLE_SEED_TOLERANCE = 0.020
 RUNS = [
     run
     for run in cli.FULL_RUNS
-    if not run.startswith(("4:", "lm/")) and not run.endswith(cli.ADAPTIVE_SUFFIX)
+    if not run.startswith(("4:", "lm/", "keras-lm/")) and not run.endswith(cli.ADAPTIVE_SUFFIX)
 ]
 
 

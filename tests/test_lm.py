@@ -1,5 +1,5 @@
-"""The language-model task: the corpus split and the example's run through the demo's table
-(a few steps at N = 2; the demo measures the full schedule)."""
+"""The language-model task: the corpus split and each framework's example run through the
+demo's table (a few steps at N = 2; the demo measures the full schedule)."""
 
 import math
 
@@ -21,16 +21,22 @@ def test_corpus_is_split_by_file_without_test_suites():
     assert train.size > 5 * validation.size > 5_000_000
 
 
-def _lm_runs():
-    import horovod.torch as hvd
+def _lm_runs(model):
+    """The example of ``model`` ("lm": PyTorch, "keras-lm": Keras) for 6 steps with
+    ``none`` and TernGrad."""
+    if model == "lm":
+        import horovod.torch as hvd
 
-    from hvd_compress.examples import lm_torch
+        from hvd_compress.examples import lm_torch as example
+    else:
+        import horovod.tensorflow as hvd
 
+        from hvd_compress.examples import lm_keras as example
     hvd.init()
     return [
         dict(
-            lm_torch.main(["--compression", codec, "--steps", "6", "--warmup", "2"]),
-            model="lm",
+            example.main(["--compression", codec, "--steps", "6", "--warmup", "2"]),
+            model=model,
             label=codec,
             optimizer="adamw",
         )
@@ -39,8 +45,9 @@ def _lm_runs():
 
 
 @pytest.mark.multiprocess
-def test_language_model_trains_and_reports_bits_per_byte():
-    results, other = run_parallel(_lm_runs, 2, timeout=300)
+@pytest.mark.parametrize("model", ["lm", "keras-lm"])
+def test_language_model_trains_and_reports_bits_per_byte(model):
+    results, other = run_parallel(_lm_runs, 2, model, timeout=300)
     for result, twin in zip(results, other):
         assert result["validation_bits_per_byte"] == twin["validation_bits_per_byte"]
         assert math.isfinite(result["validation_bits_per_byte"])
