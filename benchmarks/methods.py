@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hvd_compress.pt as hc
 from hvd_compress import cost
+from hvd_compress.accounting import HALF, UNCOMPRESSED
 from hvd_compress.adaptive import TRIAL_STEPS
-from hvd_compress.pt.pipeline import HALF, UNCOMPRESSED
 from hvd_compress.registry import resolve
 
 MOMENTUM = 0.9

@@ -167,19 +167,7 @@ class _DistributedOptimizer:
         measured links, each tensor's path and the predicted exchange seconds per step of
         the chosen paths and of every unpinned tensor on one path (``Planner.report``)."""
         pipeline = self._hvdc_pipeline
-        uncompressed = pipeline.uncompressed_bytes()
-        sent = pipeline.last_step_bytes
-        stats = {
-            "codec": repr(pipeline.codec),
-            "step": pipeline.step,
-            "bytes_handed": sent,
-            "bytes_uncompressed": uncompressed,
-            "compression_ratio": uncompressed / sent if sent else float("nan"),
-            "tensors": [
-                (plan.name, plan.numel, plan.route, plan.reason) for plan in pipeline.plans.values()
-            ],
-            "layers": pipeline.layer_stats(),
-        }
+        stats = pipeline.compression_stats()
         if pipeline.planner is not None:
             stats["adaptive"] = pipeline.planner.report()
         return stats

@@ -16,7 +16,8 @@ import time
 import horovod.torch as hvd
 import torch
 
-from hvd_compress import agreement, cost, fusion
+from hvd_compress import accounting, agreement, cost, fusion
+from hvd_compress.accounting import HALF, UNCOMPRESSED, Sent
 from hvd_compress.adaptive import (
     CARRIERS,
     PROBE_SMALL,
@@ -72,8 +73,6 @@ class _InFlight:
 
 log = logging.getLogger("hvd_compress")
 
-UNCOMPRESSED = "allreduce (uncompressed)"
-HALF = "allreduce (fp16)"
 
 # The adaptive mode's probes: the fastest of this many of each (``_probe_links``).
 _PROBE_REPEATS = 2
@@ -700,50 +699,31 @@ class CompressionPipeline:
 
     # ----- accounting -----
 
+    def _sent(self):
+        """This step's tensors as ``hvd_compress.accounting`` counts them."""
+        return [
+            Sent(
+                plan.name,
+                plan.layer,
+                plan.numel,
+                param.element_size(),
+                plan.route,
+                plan.reason,
+                self.last_tensor_bytes[plan.name],
+                self.last_sent_elements.get(plan.name),
+            )
+            for param, plan in self.plans.items()
+        ]
+
     def expected_bytes(self):
         """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
-        total = 0
-        for param, plan in self.plans.items():
-            if plan.route in (UNCOMPRESSED, HALF):
-                itemsize = 2 if plan.route == HALF else param.element_size()
-                total += cost.uncompressed_traffic(plan.numel, self.world_size, itemsize).handed
-            elif self.codec.sparse and not self.codec.summable:
-                # Variable-length messages: the formula of the last step's message sizes.
-                nbytes = self.codec.message_nbytes(
-                    plan.numel,
-                    self.codec.bin_length(plan.name, plan.layer),
-                    int(self.last_sent_elements[plan.name]),
-                )
-                total += cost.allgather_with_sizes_traffic(nbytes, self.world_size).handed
-            else:
-                total += cost.compressed_traffic(
-                    self.codec, plan.numel, self.world_size, plan.exchange
-                ).handed
-        return total
+        return accounting.expected_bytes(
+            self.codec, self._sent(), self.world_size, cost.TORCH_ALLREDUCE_DTYPES
+        )
 
-    def uncompressed_bytes(self):
-        """Bytes per step that a plain allreduce of every gradient would hand over."""
-        return sum(p.numel() * p.element_size() for p in self.plans)
-
-    def layer_stats(self):
-        """Per layer kind (``TensorPlan.layer``), the last step's bytes handed to Horovod
-        against a plain allreduce's, and the density: the fraction of the elements that
-        this worker sent (quantized or whole)."""
-        totals = collections.defaultdict(collections.Counter)
-        for param, plan in self.plans.items():
-            kind = totals[plan.layer]
-            kind["bytes_handed"] += self.last_tensor_bytes[plan.name]
-            kind["bytes_uncompressed"] += plan.numel * param.element_size()
-            kind["elements"] += plan.numel
-            kind["sent"] += int(self.last_sent_elements.get(plan.name, plan.numel))
-        return {
-            layer: {
-                "bytes_handed": t["bytes_handed"],
-                "bytes_uncompressed": t["bytes_uncompressed"],
-                "compression_ratio": t["bytes_uncompressed"] / t["bytes_handed"]
-                if t["bytes_handed"]
-                else float("nan"),
-                "density": t["sent"] / t["elements"] if t["elements"] else float("nan"),
-            }
-            for layer, t in totals.items()
-        }
+    def compression_stats(self):
+        """What the last step handed to Horovod, and how each tensor travels
+        (``accounting.compression_stats``)."""
+        return accounting.compression_stats(
+            self.codec, self.step, self.last_step_bytes, self._sent()
+        )

@@ -7,14 +7,14 @@ drive the same code. It is a ``tf.Module``: its step counter and error-feedback 
 are variables, so it runs inside ``tf.function`` and ``tf.train.Checkpoint`` saves it.
 """
 
-import collections
 import dataclasses
 import re
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvd_compress import agreement, cost, fusion
+from hvd_compress import accounting, agreement, cost, fusion
+from hvd_compress.accounting import UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
@@ -29,8 +29,6 @@ from . import seeding
 from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange, refuse_xla
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
-
-UNCOMPRESSED = "allreduce (uncompressed)"
 
 
 @dataclasses.dataclass
@@ -160,7 +158,7 @@ class CompressionPipeline(tf.Module):
                 0, dtype=tf.int64, trainable=False, name="last_step_bytes"
             )
             # Per variable, in the order of ``plans``: the last step's bytes handed to
-            # Horovod and the elements this worker sent (``layer_stats``).
+            # Horovod and the elements this worker sent (``accounting.layer_stats``).
             self.last_tensor_bytes = tf.Variable(
                 tf.zeros([len(self.plans)], tf.int64), trainable=False, name="last_tensor_bytes"
             )
@@ -366,69 +364,36 @@ class CompressionPipeline(tf.Module):
 
     # ----- accounting -----
 
-    def expected_bytes(self):
-        """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
-        total = 0
-        sent_elements = self.last_sent_elements.numpy()
-        for plan, dtype in zip(self.plans, self.dtypes):
-            if plan.exchange == UNCOMPRESSED:
-                total += cost.uncompressed_traffic(plan.numel, self.world_size, dtype.size).handed
-            elif self.codec.sparse and not self.codec.summable:
-                # Variable-length messages: the formula of the last step's message sizes.
-                nbytes = self.codec.message_nbytes(
-                    plan.numel,
-                    self.codec.bin_length(plan.name, plan.layer),
-                    int(sent_elements[plan.index]),
-                )
-                total += cost.allgather_with_sizes_traffic(nbytes, self.world_size).handed
-            else:
-                total += cost.compressed_traffic(
-                    self.codec, plan.numel, self.world_size, plan.exchange, TF_ALLREDUCE_DTYPES
-                ).handed
-        return total
-
-    def uncompressed_bytes(self):
-        """Bytes per step that a plain allreduce of every gradient would hand over."""
-        return sum(plan.numel * dtype.size for plan, dtype in zip(self.plans, self.dtypes))
-
-    def compression_stats(self):
-        """What the last step handed to Horovod, and how each tensor travels."""
-        uncompressed = self.uncompressed_bytes()
-        sent = int(self.last_step_bytes.numpy())
-        return {
-            "codec": repr(self.codec),
-            "step": int(self.step.numpy()),
-            "bytes_handed": sent,
-            "bytes_uncompressed": uncompressed,
-            "compression_ratio": uncompressed / sent if sent else float("nan"),
-            "tensors": [(plan.name, plan.numel, plan.exchange, plan.reason) for plan in self.plans],
-            "layers": self.layer_stats(),
-        }
-
-    def layer_stats(self):
-        """Per layer kind (``TensorPlan.layer``), the last step's bytes handed to Horovod
-        against a plain allreduce's, and the density: the fraction of the elements that
-        this worker sent (quantized or whole)."""
-        totals = collections.defaultdict(collections.Counter)
+    def _sent(self):
+        """The last step's tensors as ``hvd_compress.accounting`` counts them."""
         tensor_bytes = self.last_tensor_bytes.numpy()
         sent_elements = self.last_sent_elements.numpy()
-        for plan, dtype in zip(self.plans, self.dtypes):
-            kind = totals[plan.layer]
-            kind["bytes_handed"] += int(tensor_bytes[plan.index])
-            kind["bytes_uncompressed"] += plan.numel * dtype.size
-            kind["elements"] += plan.numel
-            kind["sent"] += int(sent_elements[plan.index])
-        return {
-            layer: {
-                "bytes_handed": t["bytes_handed"],
-                "bytes_uncompressed": t["bytes_uncompressed"],
-                "compression_ratio": t["bytes_uncompressed"] / t["bytes_handed"]
-                if t["bytes_handed"]
-                else float("nan"),
-                "density": t["sent"] / t["elements"] if t["elements"] else float("nan"),
-            }
-            for layer, t in totals.items()
-        }
+        return [
+            Sent(
+                plan.name,
+                plan.layer,
+                plan.numel,
+                dtype.size,
+                plan.exchange,
+                plan.reason,
+                int(tensor_bytes[plan.index]),
+                int(sent_elements[plan.index]),
+            )
+            for plan, dtype in zip(self.plans, self.dtypes)
+        ]
+
+    def expected_bytes(self):
+        """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
+        return accounting.expected_bytes(
+            self.codec, self._sent(), self.world_size, TF_ALLREDUCE_DTYPES
+        )
+
+    def compression_stats(self):
+        """What the last step handed to Horovod, and how each tensor travels
+        (``accounting.compression_stats``)."""
+        return accounting.compression_stats(
+            self.codec, int(self.step.numpy()), int(self.last_step_bytes.numpy()), self._sent()
+        )
 
 
 def variable_name(variable):
