@@ -19,6 +19,7 @@ collectives.
 
 import collections
 import contextlib
+import pickle
 import time
 
 import horovod.torch as hvd
@@ -63,11 +64,11 @@ def allreducible(tensor):
     return tensor.contiguous()
 
 
-def grouped_allreduce_in_place(tensors, op, name, meter, process_set=hvd.global_process_set):
-    """Horovod's grouped allreduce of ``tensors`` into them among ``process_set``, whatever
-    their dtype and layout (through ``allreducible`` copies where needed); waits for it."""
-    carried = [meter.hand(allreducible(t)) for t in tensors]
-    wait(hvd.grouped_allreduce_async_(carried, op=op, name=name, process_set=process_set))
+def grouped_allreduce_in_place(tensors, op, name, meter):
+    """Horovod's grouped allreduce of ``tensors`` into them, whatever their dtype and
+    layout (through ``allreducible`` copies where needed); waits for it."""
+    carried = [allreducible(t) for t in tensors]
+    wait(hvd.grouped_allreduce_async_([meter.hand(c) for c in carried], op=op, name=name))
     for tensor, result in zip(tensors, carried):
         if result is not tensor:
             tensor.copy_(result)
@@ -123,6 +124,15 @@ def _gathered_payloads(handles):
     """Every worker's payload, in rank order, from ``_allgather_with_sizes``."""
     data = wait(handles[0])
     return torch.split(data, wait(handles[1]).tolist())
+
+
+def allgather_object(value, name, process_set):
+    """Every rank's picklable ``value``, in the rank order of ``process_set``
+    (``hvd.allgather_object`` of horovod.torch takes no process set). Its bytes count in no
+    step (a meter of its own)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    chunks = _gathered_payloads(_allgather_with_sizes(payload, name, Meter(), process_set))
+    return [pickle.loads(chunk.numpy().tobytes()) for chunk in chunks]
 
 
 def _sum_rows(rows):

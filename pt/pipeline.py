@@ -10,7 +10,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import pickle
 import time
 
 import horovod.torch as hvd
@@ -32,7 +31,14 @@ from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 
 from . import fused, seeding
-from .exchange import Meter, allreducible, make_exchange, make_sparse_exchange, wait
+from .exchange import (
+    Meter,
+    allgather_object,
+    allreducible,
+    make_exchange,
+    make_sparse_exchange,
+    wait,
+)
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback
 
@@ -89,16 +95,6 @@ def _max_over_ranks(values, name, process_set, dtype=torch.float64):
     what each measured."""
     values = torch.tensor(values, dtype=dtype)
     return hvd.allreduce(values, op=hvd.Max, name=name, process_set=process_set).tolist()
-
-
-def _allgather_object(value, name, process_set):
-    """Every rank's picklable ``value``, in the rank order of ``process_set``
-    (``hvd.allgather_object`` of horovod.torch takes no process set)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    sizes = hvd.allgather(size, name=f"{name}.size", process_set=process_set).tolist()
-    data = hvd.allgather(payload, name=name, process_set=process_set)
-    return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(data, sizes)]
 
 
 def _write_grad(param, decoded):
@@ -161,7 +157,8 @@ class CompressionPipeline:
         self.process_set = process_set
         self.included = bool(process_set.included())
         self.world_size = process_set.size()
-        self.rank = process_set.rank() if self.included else None
+        # Outside the set the rank exchanges nothing: rank 0 stands in where a rank is read.
+        self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
         self.exchange = exchange
         self.step = 0
@@ -201,7 +198,7 @@ class CompressionPipeline:
             [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()],
         )
         problem = agreement.disagreement(
-            _allgather_object(description, "hvdc.agreement", process_set)
+            allgather_object(description, "hvdc.agreement", process_set)
         )
         if problem:
             raise ValueError(problem)
@@ -678,8 +675,7 @@ class CompressionPipeline:
     def load_state_dict(self, state):
         self.step = int(state["step"])
         self.world_size = int(state.get("world_size", self.world_size))
-        rank = state.get("rank", self.rank)
-        self.rank = None if rank is None else int(rank)
+        self.rank = int(state.get("rank", self.rank))
         for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
             if memory is not None and role in state:
                 memory.load_state_dict(self.placed(state[role]))
