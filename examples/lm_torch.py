@@ -91,6 +91,7 @@ def main(argv=None):
         compression=args.compression,
         exchange=args.exchange,
         seed=args.seed,
+        compressed_adam=args.compressed_adam,
     )
 
     def rate(step):
@@ -124,6 +125,7 @@ def main(argv=None):
         nats = next_byte_loss(model, inputs.to(device), targets.to(device)).item()
     result = record.result(
         optimizer.compression_stats(),
+        varying=args.compressed_adam is not None,
         compression=args.compression,
         workers=hvd.size(),
         steps=args.steps,

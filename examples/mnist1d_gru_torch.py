@@ -136,7 +136,7 @@ def main(argv=None):
     local = args.mode == "local"
     result = record.result(
         optimizer.compression_stats(),
-        sparse_in_time=local,
+        varying=local,
         mode=args.mode,
         sync_every=args.sync_every if local else 1,
         compression=args.compression,

@@ -50,6 +50,13 @@ def lm_parser(description):
     parser.add_argument("--warmup", type=int, default=60, help="linear warm-up steps")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient norm bound")
+    parser.add_argument(
+        "--compressed-adam",
+        type=int,
+        metavar="T_W",
+        help="1-bit Adam's mode: T_W uncompressed warm-up steps, then the variance frozen "
+        "and the momentum compressed (DistributedOptimizer(compressed_adam=T_W); PyTorch only)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results of rank 0 as JSON here")
     return parser

@@ -28,15 +28,16 @@ class RunRecord:
                 density=layer["density"],
             )
 
-    def result(self, stats, *, sparse_in_time=False, **fields):
+    def result(self, stats, *, varying=False, **fields):
         """The run's result: ``fields`` (compression, workers, steps, test_accuracy, ...) and
         what was recorded. ``stats`` is the last ``compression_stats()``. Bytes per step are
         the median step's, since every step hands the same bytes except for variable-length
-        codecs; with ``sparse_in_time`` (local SGD, which hands bytes only on averaging steps)
-        they are the total over the run divided by the steps."""
+        codecs; with ``varying`` (local SGD, which hands bytes only on averaging steps;
+        compressed Adam, whose warm-up steps go uncompressed) they are the total over the run
+        divided by the steps."""
         handed = (
             sum(self.handed) / len(self.handed)
-            if sparse_in_time
+            if varying
             else statistics.median(self.handed)
         )
         steps = len(self.seconds)

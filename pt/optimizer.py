@@ -22,6 +22,7 @@ from hvd_compress.validation import (
 )
 
 from . import CODECS
+from .compressed_adam import CompressedAdam
 from .momentum import WorkerMomentum
 from .pipeline import CompressionPipeline
 
@@ -34,7 +35,13 @@ class _DistributedOptimizer:
     because these functions are copied into a class built at run time."""
 
     def _hvdc_setup(
-        self, base, pipeline, backward_passes_per_step, worker_momentum, sparse_as_dense
+        self,
+        base,
+        pipeline,
+        backward_passes_per_step,
+        worker_momentum,
+        sparse_as_dense,
+        compressed_adam,
     ):
         self._hvdc_base = base
         self._hvdc_pipeline = pipeline
@@ -49,6 +56,11 @@ class _DistributedOptimizer:
         # A rank outside the process set steps on its own gradients, momentum and all.
         worker_momentum = worker_momentum and pipeline.included
         self._hvdc_momentum = WorkerMomentum(self, pipeline) if worker_momentum else None
+        self._hvdc_adam = (
+            CompressedAdam(self, pipeline, compressed_adam)
+            if compressed_adam and pipeline.included
+            else None
+        )
         self._hvdc_passes = backward_passes_per_step
         self._hvdc_delay = {p: backward_passes_per_step for p in pipeline.plans}
         self._hvdc_launched = set()
@@ -76,6 +88,8 @@ class _DistributedOptimizer:
                 ratio, momentum = self._hvdc_momentum.before_exchange(
                     param, defer=self._hvdc_pipeline.fuses(param)
                 )
+            if self._hvdc_adam is not None:
+                self._hvdc_adam.before_exchange(param)
             self._hvdc_pipeline.launch(param, ratio, momentum)
 
     def _hvdc_densify(self, param):
@@ -102,7 +116,13 @@ class _DistributedOptimizer:
         ]
         for param in missing:
             self._hvdc_densify(param)
+            if self._hvdc_adam is not None:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self._hvdc_adam.before_exchange(param)
         self._hvdc_pipeline.synchronize(missing)
+        if self._hvdc_adam is not None:
+            self._hvdc_adam.after_exchange()
         for param, sparse_dim in self._hvdc_densified.items():
             param.grad = param.grad.to_sparse(sparse_dim)
         self._hvdc_densified.clear()
@@ -129,10 +149,26 @@ class _DistributedOptimizer:
                 )
             self.synchronize()
         self._hvdc_synchronized = False
+        if self._hvdc_adam is not None:
+            return self._hvdc_adam_step(closure)
         if self._hvdc_momentum is None:
             return self._hvdc_base.step(self, closure)
         with self._hvdc_momentum.applied_by_worker():
             return self._hvdc_base.step(self, closure)
+
+    def _hvdc_adam_step(self, closure):
+        """The base Adam's step during compressed Adam's warm-up, its frozen-variance step
+        after (``CompressedAdam``); then routes the next exchange."""
+        if self._hvdc_adam.exchanged_momentum:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._hvdc_adam.step()
+        else:
+            loss = self._hvdc_base.step(self, closure)
+        self._hvdc_adam.follow()
+        return loss
 
     def zero_grad(self, set_to_none=True):
         if self._hvdc_pipeline.in_flight:
@@ -158,6 +194,8 @@ class _DistributedOptimizer:
             self._hvdc_pipeline.load_state_dict(ours)
             if self._hvdc_momentum is not None and "momentum" in ours:
                 self._hvdc_momentum.load_state_dict(ours["momentum"])
+            if self._hvdc_adam is not None:
+                self._hvdc_adam.reload()
 
     def compression_stats(self) -> dict:
         """What the last step handed to Horovod, and how each tensor travels. ``"layers"``
@@ -191,6 +229,7 @@ def DistributedOptimizer(
     error_feedback: bool | None = None,
     worker_momentum: bool | None = None,
     adaptive: bool | Adaptive = False,
+    compressed_adam: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wraps a ``torch.optim.Optimizer`` so that gradients are compressed, exchanged across
     the Horovod ranks of ``process_set`` and averaged before every ``step()``.
@@ -248,6 +287,13 @@ def DistributedOptimizer(
             every ``Adaptive.every`` steps, the same on every rank. A tensor that leaves the
             codec sends its error-feedback residuals with its next allreduce. Dense codecs
             only. Default False: every compressible tensor by the codec.
+        compressed_adam: 1-bit Adam's mode for ``torch.optim.Adam`` and ``AdamW``, with
+            this many uncompressed warm-up steps T_w (an int >= 1): the first T_w steps
+            are the base optimizer's on gradients averaged by fp32 allreduces; then Adam's
+            variance is frozen and each worker's momentum, not its gradient, goes through
+            the codec (``CompressedAdam``). The remedy for codecs that lean on error
+            feedback (ef-sign, AdaComp, CLT-k), which disturb Adam's variance when they
+            compress its gradients. None (default): the gradients go through the codec.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -273,6 +319,13 @@ def DistributedOptimizer(
         )
     if worker_momentum:
         WorkerMomentum.check(optimizer)
+    if compressed_adam is not None:
+        compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
+        if adaptive is not None:
+            raise ValueError(
+                "DistributedOptimizer: compressed_adam chooses each step's path itself; "
+                "it does not combine with adaptive"
+            )
 
     named = _named_parameters(optimizer, named_parameters)
     whole = set(uncompressed)
@@ -305,7 +358,12 @@ def DistributedOptimizer(
 
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, local_step=_local_step)
     wrapped._hvdc_setup(
-        optimizer.__class__, pipeline, passes, bool(worker_momentum), bool(sparse_as_dense)
+        optimizer.__class__,
+        pipeline,
+        passes,
+        bool(worker_momentum),
+        bool(sparse_as_dense),
+        compressed_adam,
     )
     return wrapped
 
