@@ -89,7 +89,11 @@ def main(argv=None):
         var_list=[v for v in model.trainable_variables if len(v.shape) < 2]
     )
     optimizer = hc.DistributedOptimizer(
-        optimizer, compression=args.compression, exchange=args.exchange, seed=args.seed
+        optimizer,
+        compression=args.compression,
+        exchange=args.exchange,
+        seed=args.seed,
+        compressed_adam=args.compressed_adam,
     )
     model.compile(
         optimizer=optimizer,
@@ -117,6 +121,7 @@ def main(argv=None):
     nats = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(targets, logits))
     result = recorder.record.result(
         optimizer.compression_stats(),
+        varying=args.compressed_adam is not None,
         compression=args.compression,
         workers=hvd.size(),
         steps=args.steps,

@@ -10,7 +10,7 @@ and prints a table of test accuracy on MNIST-1D or a language model's validation
 (against the baseline run of the same model, worker count and optimizer), bytes handed to
 Horovod per worker per step, compression ratio and median step time. By default it runs
 ``DEFAULT_RUNS``, a representative subset (about 10 minutes on 2 cores); ``--full`` runs
-every model and codec, ``FULL_RUNS`` (about 55 minutes). The models are the examples'
+every model and codec, ``FULL_RUNS`` (about 70 minutes). The models are the examples'
 scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default), the same CNN in Keras with
 ``model.fit`` (``keras``), the GRU of the CELGC example (``gru``), whose "codecs" are
 ``sync`` (clipped synchronous SGD, its baseline) and ``local`` (``LocalClipSGD``, averaging
@@ -18,7 +18,8 @@ every 8 steps), and a byte-level transformer language model trained with AdamW o
 standard library's source (``lm``; the same in Keras with ``model.fit``, ``keras-lm``;
 ``hvd_compress.corpus``). A codec may carry
 hyperparameters, as in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
-and a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``).
+a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``), and a
+language model's the suffix ``+cadam`` for compressed Adam (``lm/2:ef-sign+cadam``).
 """
 
 import argparse
@@ -77,13 +78,23 @@ def _gru_arguments(mode, optimizer, args):
     return ["--mode", mode]  # the example's own schedule: 2000 steps, I = 8
 
 
+# A language model's codec with this suffix runs in the compressed-Adam mode, with the first
+# COMPRESSED_ADAM_WARMUP of the 600 steps uncompressed (T_w).
+COMPRESSED_ADAM_SUFFIX = "+cadam"
+COMPRESSED_ADAM_WARMUP = 200
+
+
 def _lm_arguments(codec, optimizer, args):
     if optimizer is not None:
         raise argparse.ArgumentTypeError(
             f"lm and keras-lm runs are <model>/workers:codec with the example's own AdamW; "
             f"got @{optimizer}"
         )
-    return ["--compression", codec]  # the example's own schedule: 600 steps
+    compressed_adam = codec.endswith(COMPRESSED_ADAM_SUFFIX)
+    # The example's own schedule: 600 steps.
+    return ["--compression", codec.removesuffix(COMPRESSED_ADAM_SUFFIX)] + (
+        ["--compressed-adam", str(COMPRESSED_ADAM_WARMUP)] if compressed_adam else []
+    )
 
 
 EXAMPLES = {
@@ -106,7 +117,7 @@ EXAMPLES = {
 # (docs/algorithms.md, dist-EF-blockSGD). Each run is compared with `none` under its own
 # optimizer, so ef-sign brings its Nesterov baseline.
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
-# Every model and codec (--full, ~55 minutes on 2 cores); tests/test_convergence.py runs its
+# Every model and codec (--full, ~70 minutes on 2 cores); tests/test_convergence.py runs its
 # MNIST-1D runs but the 4-worker CNN pair and the adaptive run.
 FULL_RUNS = (
     [
@@ -138,9 +149,13 @@ FULL_RUNS = (
             "ef-sign",
             "adacomp",
             "clt-k",
+            "ef-sign+cadam",
+            "adacomp+cadam",
+            "clt-k+cadam",
         )
     ]
-    + [f"keras-lm/2:{codec}" for codec in ("none", "terngrad", "qsgd-inf")]
+    + [f"lm/4:{codec}" for codec in ("none", "terngrad", "ef-sign+cadam")]
+    + [f"keras-lm/2:{codec}" for codec in ("none", "terngrad", "qsgd-inf", "ef-sign+cadam")]
 )
 # What a newcomer waits for (~10 minutes): one codec of each kind (ternary, uniform 4-bit,
 # 1-bit with error feedback), each beside its baseline. The steps stay the full schedule's:
@@ -352,7 +367,7 @@ def main(argv=None):
     which.add_argument(
         "--full",
         action="store_true",
-        help=f"every model and codec (~55 minutes on 2 cores): {','.join(FULL_RUNS)}",
+        help=f"every model and codec (~70 minutes on 2 cores): {','.join(FULL_RUNS)}",
     )
     run.add_argument(
         "--steps",

@@ -55,7 +55,7 @@ def lm_parser(description):
         type=int,
         metavar="T_W",
         help="1-bit Adam's mode: T_W uncompressed warm-up steps, then the variance frozen "
-        "and the momentum compressed (DistributedOptimizer(compressed_adam=T_W); PyTorch only)",
+        "and the momentum compressed (DistributedOptimizer(compressed_adam=T_W))",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results of rank 0 as JSON here")

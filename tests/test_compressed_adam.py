@@ -4,16 +4,22 @@ the momentum's error feedback, bitwise-equal ranks and a bitwise resume."""
 
 import io
 
+import numpy as np
 import pytest
 import torch
 
+from . import compressed_adam_reference as reference
+from .compressed_adam_reference import WARMUP
 from .harness import run_parallel
 from .test_pt_distributed import Net, _flat
 
-WARMUP = 4  # T_w
 STEPS = 12
-SETTINGS = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-BOUND = (1 - 0.9) / (1 - 0.999) ** 0.5  # c: the clip of the normalised momentum
+SETTINGS = dict(
+    lr=reference.LR,
+    betas=(reference.BETA1, reference.BETA2),
+    eps=reference.EPS,
+    weight_decay=reference.DECAY,
+)
 
 
 def _build(codec, exchange="auto"):
@@ -118,38 +124,6 @@ def _adamw_replay(results):
     return params
 
 
-def _frozen_variance_replay(results):
-    """The compressed stage in float64 with an exact exchange: u = mean_i clip((beta1 m +
-    (1 - beta1) g_i) / d, +-c), m = u d, x = x (1 - eta lambda) - eta / (1 - beta1^t) u, with
-    d = sqrt(v_hat) + eps, from the run's state at the freeze."""
-    beta1, beta2 = SETTINGS["betas"]
-    eta, decay, eps = SETTINGS["lr"], SETTINGS["weight_decay"], SETTINGS["eps"]
-    names, first = results[0]["names"], results[0]
-    shapes = {n: m.shape for n, m in first["m"][0].items()}
-    x, offset = {}, 0
-    for name in names:
-        size = first["m"][0][name].numel()
-        x[name] = first["params"][WARMUP - 1][offset : offset + size].double().view(shapes[name])
-        offset += size
-    m = {n: first["m"][WARMUP - 1][n].double() for n in names}
-    v_hat = {n: first["v"][WARMUP - 1][n].double() / (1 - beta2**WARMUP) for n in names}
-    params = []
-    for step in range(WARMUP, len(first["grads"])):
-        t = step + 1
-        for n in names:
-            d = v_hat[n].sqrt() + eps
-            u = sum(
-                ((beta1 * m[n] + (1 - beta1) * r["grads"][step][n].double()) / d).clamp(
-                    -BOUND, BOUND
-                )
-                for r in results
-            ) / len(results)
-            m[n] = u * d
-            x[n] = x[n] * (1 - eta * decay) - eta / (1 - beta1**t) * u
-        params.append(torch.cat([x[n].reshape(-1) for n in names]))
-    return params
-
-
 @pytest.mark.multiprocess
 def test_identity_codec_is_adamw_until_the_freeze_then_frozen_variance_adam():
     results = run_parallel(_compressed_adam_job, 2, "none")
@@ -160,42 +134,29 @@ def test_identity_codec_is_adamw_until_the_freeze_then_frozen_variance_adam():
         assert torch.equal(results[0]["params"][step], adamw[step]), step
     assert not torch.allclose(results[0]["params"][-1], adamw[-1], rtol=1e-4)
     # float32 against float64 arithmetic over the steps after the freeze.
-    for got, want in zip(results[0]["params"][WARMUP:], _frozen_variance_replay(results)):
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    replay = reference.frozen_variance_replay(_numpy(results))
+    for got, want in zip(results[0]["params"][WARMUP:], replay):
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def _momentum_error_feedback_gap(results):
-    """| sum_{t > T_w} (mean_i u_t,i - u_t) - (mean_i e_T,i + e~_T) | over | sum mean_i u_t,i |,
-    u = m / d: the normalised momentum each worker meant to send, less what the exchanges
-    delivered, is what the worker and server residuals hold."""
-    beta1, beta2 = SETTINGS["betas"]
-    first, world, gaps = results[0], len(results), []
-    for name in first["names"]:
-        if name not in first["worker"]:
-            continue  # sent whole
-        v = first["v"][WARMUP - 1][name]
-        d = (v.sqrt() / (1 - beta2**WARMUP) ** 0.5 + SETTINGS["eps"]).double().reshape(-1)
-        meant = delivered = 0
-        for step in range(WARMUP, len(first["grads"])):
-            previous = first["m"][step - 1][name].double().reshape(-1)
-            momenta = torch.stack(
-                [
-                    beta1 * previous + (1 - beta1) * r["grads"][step][name].double().reshape(-1)
-                    for r in results
-                ]
-            )
-            meant = meant + (momenta / d).clamp(-BOUND, BOUND).sum(0) / world
-            delivered = delivered + first["m"][step][name].double().reshape(-1) / d
-        worker = sum(r["worker"][name].double() for r in results) / world
-        if first["server"] and first["server"][name].numel() < worker.numel():  # sharded
-            server = torch.cat([r["server"][name].double() for r in results])[: worker.numel()]
-        else:
-            server = first["server"].get(name, torch.zeros_like(worker)).double()
-        gaps.append(
-            float(((meant - delivered) - (worker + server)).abs().max() / meant.abs().max())
+def _numpy(results):
+    """The ranks' records as ``compressed_adam_reference`` takes them."""
+
+    def arrays(tensors):
+        return {name: t.double().numpy() for name, t in tensors.items()}
+
+    return [
+        dict(
+            r,
+            grads=[arrays(g) for g in r["grads"]],
+            m=[arrays(m) for m in r["m"]],
+            v=[arrays(v) for v in r["v"]],
+            params=[p.double().numpy() for p in r["params"]],
+            worker=arrays(r["worker"]),
+            server=arrays(r["server"]),
         )
-    assert gaps, "no tensor was compressed"
-    return max(gaps)
+        for r in results
+    ]
 
 
 @pytest.mark.multiprocess
@@ -218,7 +179,7 @@ def test_ef_sign_momentum_ranks_agree_and_nothing_is_lost(world):
         assert max(r["handed"][WARMUP:]) < r["uncompressed"] / 8
     for v in first["v"][WARMUP:]:  # frozen at the warm-up's
         assert all(torch.equal(v[n], first["v"][WARMUP - 1][n]) for n in first["names"])
-    assert _momentum_error_feedback_gap(results) < 1e-5
+    assert reference.momentum_error_feedback_gap(_numpy(results)) < 1e-5
 
 
 def test_bad_compressed_adam_is_refused():

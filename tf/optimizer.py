@@ -24,6 +24,7 @@ from hvd_compress.registry import Compression
 from hvd_compress.validation import check_horovod_defaults
 
 from . import CODECS
+from .compressed_adam import CompressedAdam
 from .momentum import WorkerMomentum, keras2_class
 from .pipeline import check_options, make_pipeline, variable_name
 
@@ -48,6 +49,11 @@ class _DistributedOptimizer:
         # A rank outside the process set steps on its own gradients, momentum and all.
         worker_momentum = self._hvdc_worker_momentum and self._hvdc_pipeline.included
         self._hvdc_momentum = WorkerMomentum(self._hvdc_pipeline) if worker_momentum else None
+        self._hvdc_adam = (
+            CompressedAdam(self, self._hvdc_pipeline, variables, self._hvdc_compressed_adam)
+            if self._hvdc_compressed_adam and self._hvdc_pipeline.included
+            else None
+        )
         self._hvdc_keys = [self._var_key(v) for v in variables]
 
     def _hvdc_exchange(self, grads, variables):
@@ -60,10 +66,15 @@ class _DistributedOptimizer:
         by_key = {self._var_key(v): g for v, g in zip(variables, grads)}
         # Variables without a gradient exchange zeros (every rank must take part in the same
         # collectives) and still reach the base optimizer without one.
-        ordered, ratio = [by_key.get(key) for key in self._hvdc_keys], 1.0
+        ordered, ratio, whole = [by_key.get(key) for key in self._hvdc_keys], 1.0, None
         if self._hvdc_momentum is not None:
             ordered, ratio = self._hvdc_momentum.before_exchange(self, ordered)
-        reduced = dict(zip(self._hvdc_keys, self._hvdc_pipeline.reduce(ordered, ratio)))
+        if self._hvdc_adam is not None:
+            ordered, whole = self._hvdc_adam.before_exchange(ordered), ~self._hvdc_adam.compressing
+        reduced = self._hvdc_pipeline.reduce(ordered, ratio, whole)
+        if self._hvdc_adam is not None:
+            reduced = self._hvdc_adam.after_exchange(reduced)
+        reduced = dict(zip(self._hvdc_keys, reduced))
         return [None if g is None else reduced[self._var_key(v)] for v, g in zip(variables, grads)]
 
     def _hvdc_base_step(self):
@@ -85,7 +96,8 @@ class _DistributedOptimizer:
 
 
 class _Keras3:
-    """The exchange of a Keras 3 optimizer: in ``build`` and ``apply``."""
+    """The exchange of a Keras 3 optimizer: in ``build`` and ``apply``; compressed Adam's
+    step in ``update_step``."""
 
     def build(self, variables):
         self._hvdc_base.build(self, variables)
@@ -101,6 +113,11 @@ class _Keras3:
         grads = self._hvdc_exchange(grads, variables)
         with self._hvdc_base_step():
             return self._hvdc_base.apply(self, grads, trainable_variables)
+
+    def update_step(self, gradient, variable, learning_rate):
+        if getattr(self, "_hvdc_adam", None) is None:
+            return self._hvdc_base.update_step(self, gradient, variable, learning_rate)
+        return self._hvdc_adam.update_step(self._hvdc_base, gradient, variable, learning_rate)
 
 
 class _Keras2:
@@ -130,6 +147,7 @@ def DistributedOptimizer(
     error_feedback: bool | None = None,
     worker_momentum: bool | None = None,
     adaptive: bool | Adaptive = False,
+    compressed_adam: int | None = None,
     name: str | None = None,
     device_dense: str = "",
     device_sparse: str = "",
@@ -178,6 +196,14 @@ def DistributedOptimizer(
             (``WorkerMomentum``). None: on for ``ef-sign`` with an SGD that has momentum.
         adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
             here (``docs/adaptive.md``). Default False.
+        compressed_adam: 1-bit Adam's mode for ``keras.optimizers.Adam`` and ``AdamW``
+            (Keras 3), with this many uncompressed warm-up steps T_w (an int >= 1): the
+            first T_w steps are the base optimizer's on gradients averaged by fp32
+            allreduces; then Adam's variance is frozen and each worker's momentum, not its
+            gradient, goes through the codec (``CompressedAdam``). The remedy for codecs
+            that lean on error feedback (ef-sign, AdaComp, CLT-k), which disturb Adam's
+            variance when they compress its gradients. None (default): the gradients go
+            through the codec.
         name, device_dense, device_sparse, backward_passes_per_step,
             average_aggregated_gradients, num_groups, groups, scale_local_gradients:
             Horovod's, taken at their defaults only (``validation.HOROVOD_DEFAULTS`` says
@@ -225,6 +251,8 @@ def DistributedOptimizer(
         worker_momentum = codec.two_way and WorkerMomentum.takes(optimizer)
     if worker_momentum:
         WorkerMomentum.check(optimizer)
+    if compressed_adam is not None:
+        compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, methods)
     wrapped.__dict__.update(
         _hvdc_base=optimizer.__class__,
@@ -233,6 +261,7 @@ def DistributedOptimizer(
         _hvdc_uncompressed=frozenset(uncompressed),
         _hvdc_sparse_as_dense=sparse_as_dense,
         _hvdc_worker_momentum=bool(worker_momentum),
+        _hvdc_compressed_adam=compressed_adam,
     )
     if methods is _Keras3 and optimizer.built:
         wrapped._hvdc_attach(optimizer._trainable_variables)

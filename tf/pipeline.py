@@ -230,12 +230,13 @@ class CompressionPipeline(tf.Module):
 
     # ----- one step -----
 
-    def reduce(self, grads, ratio=1.0):
+    def reduce(self, grads, ratio=1.0, whole=None):
         """Exchanges one step's gradients, one per variable in the order of construction
         (None for a variable without a gradient: zeros are exchanged, because every rank
         must take part in the same collectives); returns the averaged (or summed) ones.
         ``ratio`` (eta_{t-1} / eta_t, may be a tensor) rescales residuals kept in gradient
-        units."""
+        units. ``whole`` (a boolean, may be a tensor): this step every tensor goes by a
+        plain allreduce, and no residual changes (compressed Adam's warm-up)."""
         if len(grads) != len(self.plans):
             raise ValueError(
                 f"CompressionPipeline: got {len(grads)} gradients for {len(self.plans)} variables"
@@ -244,15 +245,35 @@ class CompressionPipeline(tf.Module):
         if not self.included:
             self.step.assign_add(1)
             return list(grads)
+        grads = [
+            tf.zeros(shape, dtype) if grad is None else grad
+            for grad, shape, dtype in zip(grads, self.shapes, self.dtypes)
+        ]
+        if whole is None:
+            outputs = self._exchange(grads, ratio)
+        else:
+            outputs = tf.cond(
+                whole, lambda: self._exchange_whole(grads), lambda: self._exchange(grads, ratio)
+            )
+        self.step.assign_add(1)
+        return outputs
+
+    def _exchange_whole(self, grads):
+        """Every gradient by a plain allreduce, counted like ``_exchange``'s."""
+        outputs = []
+        for plan, grad in zip(self.plans, grads):
+            with self.meter.charging(plan.name):
+                outputs.append(self._plain(plan, grad))
+        self._account([plan.numel for plan in self.plans])
+        return outputs
+
+    def _exchange(self, grads, ratio):
+        """Every gradient by its plan, committing the step's residuals."""
         fusions = self._fusion_groups()
         outputs = [None] * len(self.plans)
         sent_elements = [plan.numel for plan in self.plans]
         started = {}  # index -> (what the exchange's ``finish`` takes, the gradient's dtype)
-        for index, (plan, shape, dtype, grad) in enumerate(
-            zip(self.plans, self.shapes, self.dtypes, grads)
-        ):
-            if grad is None:
-                grad = tf.zeros(shape, dtype)
+        for index, (plan, grad) in enumerate(zip(self.plans, grads)):
             with self.meter.charging(plan.name):
                 if plan.exchange == UNCOMPRESSED or isinstance(grad, tf.IndexedSlices):
                     # Sparse gradients (embeddings) go through Horovod's sparse allreduce
@@ -277,6 +298,12 @@ class CompressionPipeline(tf.Module):
             keep = self.all_finite(outputs)
             for state in self.step_state:
                 state.commit(keep)
+        self._account(sent_elements)
+        return outputs
+
+    def _account(self, sent_elements):
+        """Records the step's bytes handed to Horovod, in all and per tensor, and the
+        elements each tensor sent."""
         self.last_tensor_bytes.assign(
             tf.stack(
                 [tf.cast(self.meter.by_tensor.get(plan.name, 0), tf.int64) for plan in self.plans]
@@ -284,8 +311,6 @@ class CompressionPipeline(tf.Module):
         )
         self.last_sent_elements.assign(tf.stack([tf.cast(n, tf.int64) for n in sent_elements]))
         self.last_step_bytes.assign(self.meter.take())
-        self.step.assign_add(1)
-        return outputs
 
     @staticmethod
     def all_finite(grads):
