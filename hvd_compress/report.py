@@ -35,11 +35,7 @@ class RunRecord:
         codecs; with ``varying`` (local SGD, which hands bytes only on averaging steps;
         compressed Adam, whose warm-up steps go uncompressed) they are the total over the run
         divided by the steps."""
-        handed = (
-            sum(self.handed) / len(self.handed)
-            if varying
-            else statistics.median(self.handed)
-        )
+        handed = sum(self.handed) / len(self.handed) if varying else statistics.median(self.handed)
         steps = len(self.seconds)
         return {
             **fields,
