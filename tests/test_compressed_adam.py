@@ -11,7 +11,7 @@ import torch
 from . import compressed_adam_reference as reference
 from .compressed_adam_reference import WARMUP
 from .harness import run_parallel
-from .test_pt_distributed import Net, _flat
+from .test_pt_distributed import Net, _flat, local_gradients
 
 STEPS = 12
 SETTINGS = dict(
@@ -30,11 +30,7 @@ def _build(codec, exchange="auto"):
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    raw = {}
-    for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(
-            lambda p, name=name: raw.__setitem__(name, p.grad.detach().clone())
-        )
+    raw = local_gradients(model)
     optimizer = hc.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), **SETTINGS),
         model.named_parameters(),

@@ -4,8 +4,8 @@ for the GRU) with the same model, workers, seed and steps; every baseline reache
 every run hands Horovod at least 5x fewer bytes than its baseline.
 
 CI runs every MNIST-1D run of ``make demo-full`` (``cli.FULL_RUNS``) except the 4-worker CNN
-pair and the adaptive run, on the demo's own schedule (3000 CNN steps); the language model's
-runs, which measure rather than assert, are the demo's only. Half of it, 1500 steps with the
+pair and the adaptive run, on the demo's own schedule (3000 CNN steps); of the language
+model's runs, ``tests/test_lm.py`` checks compressed Adam's on a shortened schedule. Half of it, 1500 steps with the
 cosine decay ending at the last, does not show the claim: the compressed runs have not caught
 up by then (over seeds 0-2, AdaComp ends 1.0-2.1 points and TernGrad 0.3-2.4 points below
 their baselines at 1500 steps, against 0.3-0.7 at 3000).

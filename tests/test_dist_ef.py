@@ -11,7 +11,7 @@ from hvd_compress import cost
 from . import process_sets
 from .devices import DEVICES
 from .harness import run_parallel
-from .test_pt_distributed import Net, _flat, train_side_by_side
+from .test_pt_distributed import Net, _flat, local_gradients, train_side_by_side
 
 
 @pytest.mark.parametrize("block", [None, 100, 7])
@@ -86,11 +86,7 @@ def _train_ef(
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    raw = {}
-    for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(
-            lambda p, name=name: raw.__setitem__(name, p.grad.detach().clone())
-        )
+    raw = local_gradients(model)
     base = torch.optim.SGD(
         model.parameters(), lr=0.05, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay
     )

@@ -34,6 +34,17 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
+def local_gradients(model):
+    """{name: this rank's last local gradient}, kept by hooks that run before those of a
+    ``DistributedOptimizer`` made afterwards."""
+    local = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: local.__setitem__(name, p.grad.detach().clone())
+        )
+    return local
+
+
 def _train(
     codec,
     exchange,

@@ -12,36 +12,22 @@ import pytest
 from . import compressed_adam_reference as reference
 from .compressed_adam_reference import WARMUP
 from .harness import run_parallel
+from .test_tf_momentum import _batch, _model, _trainer
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 12
 
 
-def _model():
-    """The tests' model: the same initial weights on every rank, and the same variable
-    paths every time, so that a second one restores the first's checkpoint."""
-    import keras
-
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(160, activation="relu", name="hidden"),
-            keras.layers.Dense(12, activation="relu", name="middle"),
-            keras.layers.Dense(10, name="out"),
-        ],
-        name="net",
-    )
-
-
 def _build(codec, exchange):
-    """``_model`` and Keras AdamW in the compressed-Adam mode."""
+    """The tests' model (the same initial weights on every rank) and Keras AdamW in the
+    compressed-Adam mode."""
     import keras
 
     import hvd_compress.tf as htf
 
-    model = _model()
+    keras.utils.set_random_seed(0)
+    model = _model(keras)
     optimizer = htf.DistributedOptimizer(
         _adamw(keras), compression=codec, exchange=exchange, compressed_adam=WARMUP
     )
@@ -57,34 +43,6 @@ def _adamw(keras):
         epsilon=reference.EPS,
         weight_decay=reference.DECAY,
     )
-
-
-def _batch(rank, step):
-    data = np.random.default_rng(1000 * step + rank)
-    return (
-        data.standard_normal((8, 64)).astype(np.float32),
-        data.integers(0, 10, 8).astype(np.int32),
-    )
-
-
-def _trainer(model, optimizer):
-    """A traced step that applies the optimizer and returns this rank's gradients."""
-    import keras
-    import tensorflow as tf
-
-    variables = model.trainable_variables
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(
-                keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
-            )
-        grads = tape.gradient(loss, variables)
-        optimizer.apply_gradients(zip(grads, variables))
-        return grads
-
-    return step
 
 
 def _train(model, optimizer, steps):
@@ -118,7 +76,8 @@ def _adamw_replay(records):
     import keras
     import tensorflow as tf
 
-    model, optimizer = _model(), _adamw(keras)
+    keras.utils.set_random_seed(0)
+    model, optimizer = _model(keras), _adamw(keras)
     variables = model.trainable_variables
 
     @tf.function

@@ -16,13 +16,16 @@ MU = 0.9
 
 
 def _model(keras):
+    # Named, so that every model built gets the same variable paths (a second one restores
+    # the first's checkpoint).
     return keras.Sequential(
         [
             keras.Input((64,)),
             keras.layers.Dense(160, activation="relu", name="hidden"),
             keras.layers.Dense(12, activation="relu", name="middle"),
             keras.layers.Dense(10, name="out"),
-        ]
+        ],
+        name="net",
     )
 
 
@@ -34,13 +37,32 @@ def _batch(rank, step):
     )
 
 
+def _trainer(model, optimizer):
+    """A traced step that applies ``optimizer`` and returns this rank's gradients."""
+    import keras
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+            )
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+        return grads
+
+    return step
+
+
 def _train_ef(exchange, steps=40, drop_at=20):
     """dist-EF-blockSGDM (every tensor compressed, Nesterov worker momentum) on random data,
     with the learning rate divided by 10 after ``drop_at`` steps; records what the invariant
     needs."""
     import horovod.tensorflow as hvd
     import keras
-    import tensorflow as tf
 
     import hvd_compress.tf as htf
 
@@ -57,15 +79,7 @@ def _train_ef(exchange, steps=40, drop_at=20):
     )
     assert optimizer._hvdc_worker_momentum  # on by default for ef-sign with momentum
 
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(
-                keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
-            )
-        grads = tape.gradient(loss, variables)
-        optimizer.apply_gradients(zip(grads, variables))
-        return grads
+    step = _trainer(model, optimizer)
 
     def flat():
         return np.concatenate([v.numpy().ravel() for v in variables])
