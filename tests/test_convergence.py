@@ -5,10 +5,11 @@ every run hands Horovod at least 5x fewer bytes than its baseline.
 
 CI runs every MNIST-1D run of ``make demo-full`` (``cli.FULL_RUNS``) except the 4-worker CNN
 pair and the adaptive run, on the demo's own schedule (3000 CNN steps); of the language
-model's runs, ``tests/test_lm.py`` checks compressed Adam's on a shortened schedule. Half of it, 1500 steps with the
-cosine decay ending at the last, does not show the claim: the compressed runs have not caught
-up by then (over seeds 0-2, AdaComp ends 1.0-2.1 points and TernGrad 0.3-2.4 points below
-their baselines at 1500 steps, against 0.3-0.7 at 3000).
+model's runs, ``tests/test_lm.py`` checks compressed Adam's on a shortened schedule. Half of
+the CNN's schedule, 1500 steps with the cosine decay ending at the last, does not show the
+claim: the compressed runs have not caught up by then (over seeds 0-2, AdaComp ends 1.0-2.1
+points and TernGrad 0.3-2.4 points below their baselines at 1500 steps, against 0.3-0.7 at
+3000).
 
 Why 2 points for one seed when the codecs are within 1 point on average: on 1,000 test
 signals a run's gap to its baseline moves from seed to seed. At 3000 steps, seeds 0-3 of the

@@ -81,7 +81,9 @@ def _compressed_adam_runs(steps, warmup_steps):
 def test_compressed_adam_keeps_ef_sign_within_two_percent_of_adamw():
     """The demo's claim for compressed Adam on a third of its schedule (200 steps, T_w = 70,
     both a third of the demo's): ef-sign's momentum through 1-bit signs ends within 2% of
-    uncompressed AdamW's validation bits per byte, at a third of its bytes or less."""
+    uncompressed AdamW's validation bits per byte, at a third of its bytes or less. The
+    schedule is long enough to tell: ef-sign on the gradients ended at 6.29 bits per byte
+    against 3.44 uncompressed, compressed Adam at 3.43."""
     (none, compressed), _ = run_parallel(_compressed_adam_runs, 2, 200, 70, timeout=600)
     assert compressed["validation_bits_per_byte"] <= 1.02 * none["validation_bits_per_byte"]
     assert compressed["compression_ratio"] > 2.5
