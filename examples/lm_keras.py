@@ -12,7 +12,6 @@ Rank 0 prints the validation loss in bits per byte, the bytes handed to Horovod 
 per step and the compression ratio; ``--out`` also writes them as JSON.
 """
 
-import math
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -25,7 +24,7 @@ import hvd_compress.tf as hc  # noqa: E402
 from hvd_compress import corpus  # noqa: E402
 from hvd_compress.example_args import lm_parser  # noqa: E402
 from hvd_compress.examples.keras_steps import StepRecorder  # noqa: E402
-from hvd_compress.report import publish  # noqa: E402
+from hvd_compress.report import language_model_result, publish  # noqa: E402
 from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback  # noqa: E402
 from hvd_compress.tf.device import rank_device  # noqa: E402
 
@@ -119,13 +118,8 @@ def main(argv=None):
     inputs, targets = corpus.validation_windows(validation, args.context)
     logits = model.predict(inputs, batch_size=64, verbose=0)
     nats = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(targets, logits))
-    result = recorder.record.result(
-        optimizer.compression_stats(),
-        varying=args.compressed_adam is not None,
-        compression=args.compression,
-        workers=hvd.size(),
-        steps=args.steps,
-        validation_bits_per_byte=nats / math.log(2),
+    result = language_model_result(
+        recorder.record, optimizer.compression_stats(), args, hvd.size(), nats
     )
     publish(result, hvd.rank(), args.out)
     return result

@@ -24,7 +24,7 @@ import hvd_compress.pt as hc
 from hvd_compress import corpus
 from hvd_compress.example_args import lm_parser
 from hvd_compress.pt.device import rank_device
-from hvd_compress.report import RunRecord, publish
+from hvd_compress.report import RunRecord, language_model_result, publish
 
 
 class Block(nn.Module):
@@ -123,14 +123,7 @@ def main(argv=None):
     inputs, targets = map(torch.from_numpy, corpus.validation_windows(validation, args.context))
     with torch.no_grad():
         nats = next_byte_loss(model, inputs.to(device), targets.to(device)).item()
-    result = record.result(
-        optimizer.compression_stats(),
-        varying=args.compressed_adam is not None,
-        compression=args.compression,
-        workers=hvd.size(),
-        steps=args.steps,
-        validation_bits_per_byte=nats / math.log(2),
-    )
+    result = language_model_result(record, optimizer.compression_stats(), args, hvd.size(), nats)
     publish(result, hvd.rank(), args.out)
     return result
 

@@ -5,6 +5,7 @@ demo``, with the same keys for every example and framework."""
 
 import collections
 import json
+import math
 import statistics
 
 
@@ -53,6 +54,21 @@ class RunRecord:
                 for kind, t in self.layers.items()
             },
         }
+
+
+def language_model_result(record, stats, args, workers, nats):
+    """The result of a language-model example (``examples/lm_torch.py``,
+    ``examples/lm_keras.py``) from its ``RunRecord``, last ``compression_stats()``, command
+    line (``example_args.lm_parser``), world size and validation loss in nats per byte. Under
+    compressed Adam, whose warm-up steps go whole, bytes per step are the run's mean."""
+    return record.result(
+        stats,
+        varying=args.compressed_adam is not None,
+        compression=args.compression,
+        workers=workers,
+        steps=args.steps,
+        validation_bits_per_byte=nats / math.log(2),
+    )
 
 
 def quality(result):
