@@ -15,8 +15,9 @@ steps, at step t (from 1):
 The compressed stage's step is the PyTorch port's (eps added to the bias-corrected root of
 v), so both ports train alike; the warm-up's is Keras's own Adam. Keras applies its clipping
 to m, as a PyTorch user's clipping between ``synchronize()`` and ``step()`` does. m and v
-stay the optimizer's momentum and velocity variables (v frozen from T_w on), the step
-counter and residuals the pipeline's: ``tf.train.Checkpoint(optimizer=...)`` saves them all.
+stay the optimizer's momentum and velocity variables (v frozen from T_w on), d an optimizer
+variable made once at the freeze, the step counter and residuals the pipeline's:
+``tf.train.Checkpoint(optimizer=...)`` saves them all.
 The stage is a tensor condition on the pipeline's step, so a traced ``model.fit`` step
 switches at T_w without retracing.
 """
@@ -33,6 +34,15 @@ class CompressedAdam:
         self.pipeline = pipeline
         self.variables = list(variables)  # in the pipeline's order
         self.warmup_steps = warmup_steps  # T_w
+        # d of each variable, made once from the frozen v at the first compressed exchange:
+        # optimizer variables, so a checkpoint holds them with m and v.
+        with tf.init_scope():
+            self.denominators = {
+                optimizer._var_key(v): optimizer.add_variable_from_reference(
+                    v, name="frozen_denominator"
+                )
+                for v in self.variables
+            }
 
     @staticmethod
     def check(optimizer, warmup_steps):
@@ -64,13 +74,20 @@ class CompressedAdam:
 
     def _denominator(self, variable):
         """d = sqrt(v_hat) + eps of the frozen variance."""
-        _, v = self._moments(variable)
+        return self.denominators[self.optimizer._var_key(variable)]
+
+    def _freeze(self):
+        """Makes every d from the variance the warm-up left."""
         correction = (1 - self.optimizer.beta_2**self.warmup_steps) ** 0.5
-        return tf.sqrt(v) / correction + self.optimizer.epsilon
+        for variable in self.variables:
+            _, v = self._moments(variable)
+            self._denominator(variable).assign(tf.sqrt(v) / correction + self.optimizer.epsilon)
+        return tf.constant(True)
 
     def before_exchange(self, grads):
         """After the warm-up, each gradient (in the pipeline's order; None stays None)
         turned into this worker's u_i."""
+        tf.cond(self.pipeline.step == self.warmup_steps, self._freeze, lambda: tf.constant(False))
         beta1, beta2 = self.optimizer.beta_1, self.optimizer.beta_2
         bound = max(1.0, (1 - beta1) / (1 - beta2) ** 0.5)  # c
 
