@@ -11,6 +11,7 @@ from .adaptive import Adaptive
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .codes import FloatCodes, IntCodes
+from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .registry import CODECS, resolve
 from .scalecom import CyclicLocalTopK
@@ -29,6 +30,7 @@ __all__ = [
     "NUQSGD",
     "NoneCodec",
     "QSGD",
+    "PowerSGD",
     "QSGDInf",
     "TernGrad",
     "resolve",

@@ -59,8 +59,12 @@ class Codec:
         stochastic: True if ``encode`` consumes one uniform draw per element.
         compress_classifier_default: whether the final classifier layer is compressed unless
             the user says otherwise.
-        sparse: True if the codec selects a data-dependent subset of elements from an
-            error-compensated vector (see the module docstring).
+        sparse: True if the codec's exchange runs the worker's error feedback itself: it
+            selects a data-dependent subset of elements from an error-compensated vector
+            (see the module docstring), or sends low-rank factors of it (``low_rank``).
+        low_rank: True if the codec sends each tensor as low-rank factors (PowerSGD), so
+            what it sends depends on the tensor's shape, not only its size.
+        uncompressed_steps: steps at the start of training that send every tensor whole.
 
     Args:
         min_size (int): tensors with fewer elements than this are sent uncompressed by a
@@ -82,6 +86,8 @@ class Codec:
     default_min_size = 0
     compress_classifier_default = True
     sparse = False
+    low_rank = False
+    uncompressed_steps = 0
 
     def __init__(
         self, *, min_size: int | None = None, compress_classifier: bool | None = None
@@ -129,6 +135,16 @@ class Codec:
     def compresses(self, numel):
         """Whether a tensor of ``numel`` elements goes through this codec at all."""
         return self.code_space is not None and numel >= self.min_size and numel > 0
+
+    def why_whole(self, shape):
+        """Why a floating-point tensor of ``shape`` is sent whole rather than through this
+        codec; None if it goes through the codec."""
+        numel = int(np.prod(shape, dtype=np.int64))
+        if self.code_space is None:
+            return f"codec {self.name}"
+        if not self.compresses(numel):
+            return f"{numel} < min_size {self.min_size}"
+        return None
 
     def bucket_length(self, numel):
         """Elements per bucket of a tensor of ``numel`` elements."""

@@ -67,6 +67,13 @@ def leader_allreduce_traffic(k, world_size):
     return broadcast + allreduce_traffic(4 * k, world_size)
 
 
+def low_rank_traffic(factor_elements, world_size):
+    """PowerSGD's factors of one tensor, ``factor_elements`` = (n + m) r float32 values,
+    in two allreduces (P, then Q)."""
+    p_and_q = allreduce_traffic(4 * factor_elements, world_size)
+    return Traffic(p_and_q.handed, p_and_q.sent, 2)
+
+
 def uncompressed_traffic(numel, world_size, itemsize=4):
     """A tensor sent whole by a plain allreduce."""
     return allreduce_traffic(numel * itemsize, world_size)
@@ -79,6 +86,11 @@ def compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes=TORC
     if exchange not in exchanges_for(codec):
         raise ValueError(f"{codec.name} codes cannot be summed, so they cannot use {exchange}")
     if codec.sparse:
+        if codec.low_rank:
+            raise ValueError(
+                f"{codec.name} sends factors whose sizes follow a tensor's shape; "
+                f"use low_rank_traffic with its factor_elements"
+            )
         if not codec.summable:
             raise ValueError(
                 f"{codec.name} messages differ in length from step to step; "

@@ -6,6 +6,7 @@ from typing import Union
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
+from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
@@ -22,6 +23,7 @@ CODECS = {
         BlockSign,
         AdaComp,
         CyclicLocalTopK,
+        PowerSGD,
     )
 }
 

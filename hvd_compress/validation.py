@@ -83,10 +83,21 @@ def check_error_feedback(owner, codec, error_feedback):
         )
     if codec.sparse and not error_feedback:
         raise ValueError(
-            f"{owner}: {codec.name} selects what to send from its error-feedback "
+            f"{owner}: {codec.name} chooses what to send from its error-feedback "
             f"memory; it cannot run with error_feedback=False"
         )
     return bool(error_feedback)
+
+
+def check_compressed_adam_codec(owner, codec):
+    """Refuses compressed Adam with a codec that sends every tensor whole during warm-up
+    steps of its own (PowerSGD's ``start_iter``): both would route each step's tensors."""
+    if codec.uncompressed_steps:
+        raise ValueError(
+            f"{owner}: compressed_adam has a warm-up of its own and does not combine with "
+            f"{codec.name}'s uncompressed start (start_iter={codec.uncompressed_steps}); "
+            f"use one of the two"
+        )
 
 
 # Keywords of Horovod's wrappers that hvd_compress takes for drop-in compatibility but only

@@ -564,6 +564,56 @@ class LeaderAllreduce(_Exchange):
         return average
 
 
+class LowRankAllreduce(_Exchange):
+    """PowerSGD: P = M Q summed by one allreduce and orthogonalized, then Q = M^T P summed
+    by a second; the average is P Q^T. M is the error-compensated gradient as a matrix, Q
+    the factor of the last step. The memory's update needs the summed factors, so it
+    happens once both have arrived.
+
+    Args (after those of every exchange):
+        memory: the worker's ``ErrorFeedback``.
+        plan: the tensor's ``TensorPlan`` (its name keys the memories, its shape gives M's).
+        step: the step counter (unused: every compressed step is alike).
+        factors: the ``FactorMemory`` holding each tensor's Q.
+    """
+
+    name = "allreduce"
+
+    def __init__(
+        self, codec, numel, world_size, meter, count, memory, plan, step, factors, **options
+    ):
+        super().__init__(codec, numel, world_size, meter, count, **options)
+        self.memory, self.factors, self.key = memory, factors, plan.name
+        self.matrix_shape = codec.matrix_shape(plan.shape)
+        self.sent_elements = codec.factor_elements(plan.shape)
+
+    def _allreduce(self, factor, name):
+        return hvd.allreduce_async(
+            self.meter.hand(factor), op=hvd.Sum, name=name, process_set=self.process_set
+        )
+
+    def start(self, grad, ratio, name):
+        compensated = self.memory.compensate(self.key, grad.to(torch.float32), ratio)
+        matrix = compensated.view(self.matrix_shape)
+        q = self.codec.orthogonalize(self.factors.residuals[self.key])
+        return self._allreduce(matrix @ q, f"{name}.p"), matrix, name
+
+    def advance(self, pending):
+        handle, matrix, name = pending
+        p = self.codec.orthogonalize(wait(handle))
+        return self._allreduce(matrix.T @ p, f"{name}.q"), matrix, p
+
+    def finish(self, pending):
+        handle, matrix, p = pending
+        q = wait(handle) / self.world_size
+        average = (p @ q.T).view(-1)
+        self.memory.update(self.key, matrix.view(-1), average)
+        self.factors.propose(self.key, q)
+        if self.count != self.world_size:  # op=Sum: the sum, not the average
+            return average * self.world_size
+        return average
+
+
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
 SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
 
@@ -578,6 +628,7 @@ def make_exchange(
 
 
 def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step, **options):
-    """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``."""
-    cls = SPARSE_EXCHANGES[name]
+    """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``.
+    ``options``: ``process_set``; ``factors``, the ``FactorMemory`` of a low-rank codec."""
+    cls = LowRankAllreduce if codec.low_rank else SPARSE_EXCHANGES[name]
     return cls(codec, plan.numel, world_size, meter, count, memory, plan, step, **options)

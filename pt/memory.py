@@ -68,3 +68,14 @@ class ErrorFeedback:
 
     def load_state_dict(self, state):
         self.residuals = {name: residual.clone() for name, residual in state.items()}
+
+
+class FactorMemory(ErrorFeedback):
+    """PowerSGD's factors Q by tensor name, kept from step to step to warm-start the next
+    power iteration. A step proposes them and commits them with its residuals, so a step
+    skipped for a non-finite gradient keeps the factors from before it; ``residuals`` holds
+    them, starting from ``initial`` ({name: Q})."""
+
+    def __init__(self, initial):
+        super().__init__()
+        self.residuals = dict(initial)

@@ -14,6 +14,7 @@ import torch
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import (
+    check_compressed_adam_codec,
     check_error_feedback,
     check_exchange,
     check_horovod_defaults,
@@ -321,6 +322,7 @@ def DistributedOptimizer(
         WorkerMomentum.check(optimizer)
     if compressed_adam is not None:
         compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
+        check_compressed_adam_codec("DistributedOptimizer", codec)
         if adaptive is not None:
             raise ValueError(
                 "DistributedOptimizer: compressed_adam chooses each step's path itself; "

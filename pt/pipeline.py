@@ -40,7 +40,7 @@ from .exchange import (
     wait,
 )
 from .fusion import AlltoallFusion
-from .memory import ErrorFeedback
+from .memory import ErrorFeedback, FactorMemory
 
 
 @dataclasses.dataclass
@@ -53,6 +53,7 @@ class TensorPlan:
     exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
     reason: str  # why it is, or is not, compressed
     layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
+    shape: tuple = ()  # a compressed tensor's shape, which low-rank codecs factor
     # A compressed tensor's path this step (``hvd_compress.adaptive.PATHS``); only the
     # adaptive mode sends one by another path than its codec.
     path: str = "codec"
@@ -149,9 +150,6 @@ class CompressionPipeline:
         self.codec = codec
         self.worker_memory = ErrorFeedback() if error_feedback else None
         self.server_memory = ErrorFeedback() if codec.two_way else None
-        # State changed by a step only if its exchanged gradients are all finite: objects
-        # with ``commit(keep)``; wrappers add their own (worker momentum).
-        self.step_state = [m for m in (self.worker_memory, self.server_memory) if m is not None]
         self.average = average
         self.seed = seed
         self.process_set = process_set
@@ -174,6 +172,22 @@ class CompressionPipeline:
                 layer=codec.layer_kind(name, tuple(p.shape)),
             )
         self._choose_exchanges()
+        self.factor_memory = (
+            FactorMemory(
+                {
+                    plan.name: torch.from_numpy(
+                        codec.initial_factor(seed, plan.index, plan.shape)
+                    ).to(p.device)
+                    for p, plan in self.plans.items()
+                    if plan.reason == "compressed"
+                }
+            )
+            if codec.low_rank
+            else None
+        )
+        # State changed by a step only if its exchanged gradients are all finite: objects
+        # with ``commit(keep)``; wrappers add their own (worker momentum).
+        self.step_state = [m for m in self._memories().values() if m is not None]
         self.planner = None
         if adaptive is not None:
             if codec.sparse:
@@ -209,13 +223,10 @@ class CompressionPipeline:
             return TensorPlan(name, index, numel, UNCOMPRESSED, "excluded")
         if not param.is_floating_point():
             return TensorPlan(name, index, numel, UNCOMPRESSED, "not floating point")
-        if self.codec.code_space is None:
-            return TensorPlan(name, index, numel, UNCOMPRESSED, f"codec {self.codec.name}")
-        if not self.codec.compresses(numel):
-            return TensorPlan(
-                name, index, numel, UNCOMPRESSED, f"{numel} < min_size {self.codec.min_size}"
-            )
-        return TensorPlan(name, index, numel, exchange, "compressed")
+        reason = self.codec.why_whole(tuple(param.shape))
+        if reason is not None:
+            return TensorPlan(name, index, numel, UNCOMPRESSED, reason)
+        return TensorPlan(name, index, numel, exchange, "compressed", shape=tuple(param.shape))
 
     def _choose_exchanges(self):
         """``exchange="auto"``: the compressed tensors' exchanges for this world, chosen
@@ -260,6 +271,8 @@ class CompressionPipeline:
             self._follow_world()
             self._fusions = self._fusion_groups()
             self._step_started = time.perf_counter()
+            if self.codec.uncompressed_steps:
+                self._follow_warm_up()
             if self.planner is not None:
                 self.planner.start_step()
         plan = self.plans[param]
@@ -271,6 +284,14 @@ class CompressionPipeline:
         with self.meter.charging(plan.name), self._cpu(plan.name, "before"):
             self._launch(plan, param, grad, ratio, momentum)
         self._start_ready_codes()
+
+    def _follow_warm_up(self):
+        """Sends every compressed tensor whole during the codec's first
+        ``uncompressed_steps`` (PowerSGD's ``start_iter``), by the codec after."""
+        path = "codec" if self.step >= self.codec.uncompressed_steps else "fp32"
+        for plan in self.plans.values():
+            if plan.reason == "compressed":
+                plan.path = path
 
     @contextlib.contextmanager
     def _cpu(self, name, phase):
@@ -308,6 +329,7 @@ class CompressionPipeline:
                 self.worker_memory,
                 self.step,
                 process_set=self.process_set,
+                **({"factors": self.factor_memory} if self.codec.low_rank else {}),
             )
             flight.handle = flight.exchange.start(grad.reshape(-1), ratio, _codes_name(plan.name))
             self._in_flight[param] = flight
@@ -667,16 +689,24 @@ class CompressionPipeline:
         # The world the residuals were made in: a state restored into another world is
         # adapted to it at the next step (``_follow_world``).
         state = {"step": self.step, "world_size": self.world_size, "rank": self.rank}
-        for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
+        for role, memory in self._memories().items():
             if memory is not None:
                 state[role] = memory.state_dict()
         return state
+
+    def _memories(self):
+        """The state kept across steps, by its role in ``state_dict``."""
+        return {
+            "worker": self.worker_memory,
+            "server": self.server_memory,
+            "factors": self.factor_memory,
+        }
 
     def load_state_dict(self, state):
         self.step = int(state["step"])
         self.world_size = int(state.get("world_size", self.world_size))
         self.rank = int(state.get("rank", self.rank))
-        for role, memory in (("worker", self.worker_memory), ("server", self.server_memory)):
+        for role, memory in self._memories().items():
             if memory is not None and role in state:
                 memory.load_state_dict(self.placed(state[role]))
         if self.planner is not None:

@@ -5,6 +5,7 @@ through Horovod's TensorFlow collectives."""
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
+from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
@@ -21,6 +22,7 @@ CODECS = {
         BlockSign,
         AdaComp,
         CyclicLocalTopK,
+        PowerSGD,
     )
 }
 
@@ -40,6 +42,7 @@ __all__ = [
     "LocalClipSGD",
     "NUQSGD",
     "NoneCodec",
+    "PowerSGD",
     "QSGD",
     "QSGDInf",
     "TernGrad",

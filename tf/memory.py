@@ -47,6 +47,10 @@ class ErrorFeedback(tf.Module):
         residual = compensated - sent
         if beta != 1.0:
             residual = self.residuals[name] * (1.0 - beta) + residual * beta
+        self.propose(name, residual)
+
+    def propose(self, name, residual):
+        """Proposes ``residual`` itself as the new value of ``name``."""
         self.proposed[name] = residual
 
     def commit(self, keep):
@@ -54,3 +58,18 @@ class ErrorFeedback(tf.Module):
             previous = self.residuals[name]
             previous.assign(tf.where(keep, residual, previous))
         self.proposed = {}
+
+
+class FactorMemory(ErrorFeedback):
+    """PowerSGD's factors Q by tensor name, kept from step to step to warm-start the next
+    power iteration. A step proposes them and commits them with its residuals, so a step
+    skipped for a non-finite gradient keeps the factors from before it; ``residuals`` holds
+    them, as variables starting from ``initial`` ({name: Q})."""
+
+    def __init__(self, initial, name=None):
+        super().__init__({}, name=name)
+        with tf.init_scope():
+            self.residuals = {
+                key: tf.Variable(value, trainable=False, name="factor")
+                for key, value in initial.items()
+            }

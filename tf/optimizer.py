@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import Compression
-from hvd_compress.validation import check_horovod_defaults
+from hvd_compress.validation import check_compressed_adam_codec, check_horovod_defaults
 
 from . import CODECS
 from .compressed_adam import CompressedAdam
@@ -253,6 +253,7 @@ def DistributedOptimizer(
         WorkerMomentum.check(optimizer)
     if compressed_adam is not None:
         compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
+        check_compressed_adam_codec("DistributedOptimizer", codec)
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, methods)
     wrapped.__dict__.update(
         _hvdc_base=optimizer.__class__,

@@ -28,7 +28,7 @@ from hvd_compress.validation import (
 from . import seeding
 from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange, refuse_xla
 from .fusion import AlltoallFusion
-from .memory import ErrorFeedback
+from .memory import ErrorFeedback, FactorMemory
 
 
 @dataclasses.dataclass
@@ -41,6 +41,7 @@ class TensorPlan:
     exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
     reason: str  # why it is, or is not, compressed
     layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
+    shape: tuple = ()  # a compressed tensor's shape, which low-rank codecs factor
 
 
 def uniforms(seed, rank, step, index, shape):
@@ -170,6 +171,17 @@ class CompressionPipeline(tf.Module):
             if error_feedback
             else None
         )
+        self.factor_memory = (
+            FactorMemory(
+                {
+                    plan.name: codec.initial_factor(seed, plan.index, plan.shape)
+                    for plan in compressed
+                },
+                name="factors",
+            )
+            if codec.low_rank
+            else None
+        )
         if codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
             self.exchanges = {
@@ -183,6 +195,7 @@ class CompressionPipeline(tf.Module):
                     self.worker_memory,
                     self.step,
                     process_set=process_set,
+                    **({"factors": self.factor_memory} if codec.low_rank else {}),
                 )
                 for plan in compressed
             }
@@ -212,7 +225,9 @@ class CompressionPipeline(tf.Module):
         )
         # State changed by a step only if its exchanged gradients are all finite: objects
         # with ``commit(keep)``; wrappers add their own (worker momentum).
-        self.step_state = [m for m in (self.worker_memory, self.server_memory) if m is not None]
+        self.step_state = [
+            m for m in (self.worker_memory, self.server_memory, self.factor_memory) if m is not None
+        ]
 
     def _plan(self, name, index, shape, dtype, exchange, whole):
         numel = shape.num_elements()
@@ -220,13 +235,10 @@ class CompressionPipeline(tf.Module):
             return TensorPlan(name, index, numel, UNCOMPRESSED, "excluded")
         if not dtype.is_floating:
             return TensorPlan(name, index, numel, UNCOMPRESSED, "not floating point")
-        if self.codec.code_space is None:
-            return TensorPlan(name, index, numel, UNCOMPRESSED, f"codec {self.codec.name}")
-        if not self.codec.compresses(numel):
-            return TensorPlan(
-                name, index, numel, UNCOMPRESSED, f"{numel} < min_size {self.codec.min_size}"
-            )
-        return TensorPlan(name, index, numel, exchange, "compressed")
+        reason = self.codec.why_whole(tuple(shape.as_list()))
+        if reason is not None:
+            return TensorPlan(name, index, numel, UNCOMPRESSED, reason)
+        return TensorPlan(name, index, numel, exchange, "compressed", shape=tuple(shape.as_list()))
 
     # ----- one step -----
 
@@ -249,6 +261,10 @@ class CompressionPipeline(tf.Module):
             tf.zeros(shape, dtype) if grad is None else grad
             for grad, shape, dtype in zip(grads, self.shapes, self.dtypes)
         ]
+        if self.codec.uncompressed_steps:
+            # PowerSGD's start_iter: every tensor whole at first.
+            warming_up = self.step < self.codec.uncompressed_steps
+            whole = warming_up if whole is None else whole | warming_up
         if whole is None:
             outputs = self._exchange(grads, ratio)
         else:
