@@ -24,6 +24,7 @@ CODECS = (
     "ef-sign:min_size=0",
     "adacomp:min_size=0",
     "clt-k:min_size=0",
+    "powersgd:start_iter=1",
 )
 
 

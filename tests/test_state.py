@@ -23,6 +23,7 @@ CASES = [
     ("ef-sign", "ef-sign", {"min_size": 0}, None),
     ("adacomp", "adacomp", {}, None),
     ("clt-k", "clt-k", {}, None),
+    ("powersgd", "powersgd", {"start_iter": 1}, None),
 ]
 
 
