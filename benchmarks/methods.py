@@ -11,6 +11,8 @@
                    fp32, as the model of ``hvd_compress.adaptive`` predicts fastest
 ``ddp``            PyTorch ``DistributedDataParallel`` over Gloo, fp32 allreduce
 ``ddp-fp16``       DDP with its ``fp16_compress_hook``
+``powersgd``       ``hvd_compress.pt.DistributedOptimizer``, PowerSGD with the hook's rank and
+                   start (its factors on Horovod's allreduce)
 ``ddp-powersgd``   DDP with its ``powerSGD_hook`` (rank 2, error feedback, warm start)
 =================  =========================================================================
 
@@ -105,6 +107,8 @@ class CodecTrainer(Trainer):
         )
         super().__init__(model, optimizer, world_size)
         self.codec = resolve(codec, hc.CODECS)
+        # Timed once the codec compresses: after PowerSGD's uncompressed start.
+        self.warmup_steps = max(self.warmup_steps, self.codec.uncompressed_steps + 1)
         if adaptive:
             # The decision follows the adaptive warm-up, and its trial the decision; one
             # more step runs the paths that stood.
@@ -115,6 +119,8 @@ class CodecTrainer(Trainer):
         return self.optimizer.compression_stats()["bytes_handed"]
 
     def sent(self):
+        if self.codec.low_rank:  # factors and whole tensors alike by allreduce
+            return cost.allreduce_traffic(self.handed(), self.world_size).sent
         total = 0.0
         for _, numel, exchange, _ in self.optimizer.compression_stats()["tensors"]:
             if exchange in (UNCOMPRESSED, HALF):
@@ -189,6 +195,9 @@ METHODS = {
     "terngrad": lambda model, n, lr: CodecTrainer(model, n, lr, "terngrad"),
     "qsgd-inf": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf"),
     "ef-sign": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign"),
+    "powersgd": lambda model, n, lr: CodecTrainer(
+        model, n, lr, f"powersgd:rank={POWERSGD_RANK}:start_iter={POWERSGD_START}"
+    ),
     "terngrad-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "terngrad", True),
     "qsgd-inf-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf", True),
     "ef-sign-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign", True),
@@ -203,6 +212,7 @@ CODEC_METHODS = (
     "terngrad",
     "qsgd-inf",
     "ef-sign",
+    "powersgd",
     "terngrad-auto",
     "qsgd-inf-auto",
     "ef-sign-auto",

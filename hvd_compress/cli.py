@@ -128,6 +128,7 @@ FULL_RUNS = (
         "2:nuqsgd",
         "2:adacomp",
         "2:clt-k",
+        "2:powersgd",
         "2:none@nesterov",
         f"2:{EF_SIGN}",
         "4:none@nesterov",
