@@ -11,6 +11,7 @@
                    fp32, as the model of ``hvd_compress.adaptive`` predicts fastest
 ``ddp``            PyTorch ``DistributedDataParallel`` over Gloo, fp32 allreduce
 ``ddp-fp16``       DDP with its ``fp16_compress_hook``
+``dgc``            the same, DGC: top-k of the accumulated velocity (1%) over allgather
 ``powersgd``       ``hvd_compress.pt.DistributedOptimizer``, PowerSGD with the hook's rank and
                    start (its factors on Horovod's allreduce)
 ``ddp-powersgd``   DDP with its ``powerSGD_hook`` (rank 2, error feedback, warm start)
@@ -121,11 +122,15 @@ class CodecTrainer(Trainer):
     def sent(self):
         if self.codec.low_rank:  # factors and whole tensors alike by allreduce
             return cost.allreduce_traffic(self.handed(), self.world_size).sent
+        stats = self.optimizer.compression_stats()
         total = 0.0
-        for _, numel, exchange, _ in self.optimizer.compression_stats()["tensors"]:
+        for _, numel, exchange, _ in stats["tensors"]:
             if exchange in (UNCOMPRESSED, HALF):
                 itemsize = 2 if exchange == HALF else 4
                 total += cost.uncompressed_traffic(numel, self.world_size, itemsize).sent
+            elif self.codec.name == "dgc":  # k of the last step
+                k = self.codec.k(numel, stats["step"] - 1)
+                total += cost.top_k_traffic(k, self.world_size).sent
             else:
                 total += cost.compressed_traffic(self.codec, numel, self.world_size, exchange).sent
         return total
@@ -195,6 +200,7 @@ METHODS = {
     "terngrad": lambda model, n, lr: CodecTrainer(model, n, lr, "terngrad"),
     "qsgd-inf": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf"),
     "ef-sign": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign"),
+    "dgc": lambda model, n, lr: CodecTrainer(model, n, lr, "dgc"),
     "powersgd": lambda model, n, lr: CodecTrainer(
         model, n, lr, f"powersgd:rank={POWERSGD_RANK}:start_iter={POWERSGD_START}"
     ),

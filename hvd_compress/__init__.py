@@ -11,6 +11,7 @@ from .adaptive import Adaptive
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
 from .codes import FloatCodes, IntCodes
+from .dgc import DGC
 from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .registry import CODECS, resolve
@@ -24,6 +25,7 @@ __all__ = [
     "CODECS",
     "Codec",
     "CyclicLocalTopK",
+    "DGC",
     "FP16",
     "FloatCodes",
     "IntCodes",

@@ -41,6 +41,8 @@ def expected_bytes(codec, tensors, world_size, allreduce_dtypes):
         if t.route in (UNCOMPRESSED, HALF):
             itemsize = 2 if t.route == HALF else t.itemsize
             total += cost.uncompressed_traffic(t.numel, world_size, itemsize).handed
+        elif codec.name == "dgc":
+            total += cost.top_k_traffic(int(t.sent_elements), world_size).handed
         elif codec.low_rank:
             total += cost.low_rank_traffic(int(t.sent_elements), world_size).handed
         elif codec.sparse and not codec.summable:

@@ -44,6 +44,7 @@ class BlockSign(Codec):
     code_space = SignCodes()
     scaled = True
     two_way = True
+    worker_momentum_default = True
     error_feedback_default = True
     default_min_size = 1024
 

@@ -65,6 +65,9 @@ class Codec:
         low_rank: True if the codec sends each tensor as low-rank factors (PowerSGD), so
             what it sends depends on the tensor's shape, not only its size.
         uncompressed_steps: steps at the start of training that send every tensor whole.
+        worker_momentum_default: whether the wrappers apply an SGD's momentum on the worker,
+            before compression, unless the user says otherwise (dist-EF-blockSGDM, DGC's
+            momentum correction).
 
     Args:
         min_size (int): tensors with fewer elements than this are sent uncompressed by a
@@ -88,6 +91,7 @@ class Codec:
     sparse = False
     low_rank = False
     uncompressed_steps = 0
+    worker_momentum_default = False
 
     def __init__(
         self, *, min_size: int | None = None, compress_classifier: bool | None = None
@@ -167,6 +171,11 @@ class Codec:
         return False
 
     # ----- numpy reference math; ports override these with framework ops -----
+
+    def local_clip(self, grad, world_size):
+        """The gradient a worker compresses, before any momentum: ``grad`` itself but for
+        codecs that clip locally (DGC)."""
+        return grad
 
     def local_scale(self, grad):
         """This worker's scales for ``grad``: float32, one per bucket."""

@@ -67,6 +67,11 @@ def leader_allreduce_traffic(k, world_size):
     return broadcast + allreduce_traffic(4 * k, world_size)
 
 
+def top_k_traffic(k, world_size):
+    """DGC's k int32 indices and k float32 values of one tensor, on two allgathers."""
+    return Traffic(8 * k, (world_size - 1) * 8 * k, 2)
+
+
 def low_rank_traffic(factor_elements, world_size):
     """PowerSGD's factors of one tensor, ``factor_elements`` = (n + m) r float32 values,
     in two allreduces (P, then Q)."""

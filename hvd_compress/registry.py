@@ -6,6 +6,7 @@ from typing import Union
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
+from .dgc import DGC
 from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
@@ -24,6 +25,7 @@ CODECS = {
         AdaComp,
         CyclicLocalTopK,
         PowerSGD,
+        DGC,
     )
 }
 

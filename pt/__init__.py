@@ -6,6 +6,7 @@ from hvd_compress.adaptive import Adaptive
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
+from .dgc import DGC
 from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
@@ -24,6 +25,7 @@ CODECS = {
         AdaComp,
         CyclicLocalTopK,
         PowerSGD,
+        DGC,
     )
 }
 
@@ -36,6 +38,7 @@ __all__ = [
     "BlockSign",
     "CODECS",
     "CyclicLocalTopK",
+    "DGC",
     "Codec",
     "DistributedOptimizer",
     "FP16",

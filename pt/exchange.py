@@ -145,6 +145,9 @@ class _Exchange:
     # Whether the last result of ``finish`` is all finite, where the exchange knows it
     # without reading the result; None where it does not.
     finite = None
+    # The indices of the velocity this worker sent, which its momentum forgets (DGC's
+    # momentum factor masking); None for exchanges that send no part of it.
+    selected = None
 
     def __init__(
         self,
@@ -564,6 +567,49 @@ class LeaderAllreduce(_Exchange):
         return average
 
 
+class TopKAllgather(_Exchange):
+    """DGC: every worker's top-k of its accumulated velocity, as k int32 indices and k
+    float32 values on two allgathers (k is the same on every worker), decoded into a sum
+    in rank order.
+
+    Args (after those of every exchange):
+        memory: the worker's ``ErrorFeedback``, holding the accumulation v.
+        plan: the tensor's ``TensorPlan`` (its name keys the memory).
+        step: the step counter, which sets the warm-up's density.
+    """
+
+    name = "allgather"
+
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
+        super().__init__(codec, numel, world_size, meter, count, **options)
+        self.memory, self.key = memory, plan.name
+        self.sent_elements = codec.k(numel, step)
+
+    def start(self, grad, ratio, name):
+        compensated = self.memory.compensate(self.key, grad.to(torch.float32), ratio)
+        indices = self.codec.top_k(compensated, self.sent_elements)
+        self.selected = indices.to(torch.int64)
+        values = compensated[self.selected]
+        sent = torch.zeros_like(compensated)
+        sent[self.selected] = values
+        self.memory.update(self.key, compensated, sent)
+        return [
+            hvd.allgather_async(
+                self.meter.hand(tensor), name=f"{name}.{part}", process_set=self.process_set
+            )
+            for part, tensor in (("indices", indices), ("values", values))
+        ]
+
+    def finish(self, handles):
+        indices, values = (wait(handle) for handle in handles)
+        k = self.sent_elements
+        total = torch.zeros(self.numel, dtype=torch.float32, device=values.device)
+        for rank in range(self.world_size):  # in rank order: the same bits on every rank
+            part = slice(rank * k, (rank + 1) * k)
+            total.index_add_(0, indices[part].to(torch.int64), values[part])
+        return total / self.count
+
+
 class LowRankAllreduce(_Exchange):
     """PowerSGD: P = M Q summed by one allreduce and orthogonalized, then Q = M^T P summed
     by a second; the average is P Q^T. M is the error-compensated gradient as a matrix, Q
@@ -616,6 +662,8 @@ class LowRankAllreduce(_Exchange):
 
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
 SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
+# Codecs whose exchange is not the one of their name (``make_sparse_exchange``).
+CODEC_EXCHANGES = {"dgc": TopKAllgather, "powersgd": LowRankAllreduce}
 
 
 def make_exchange(
@@ -630,5 +678,5 @@ def make_exchange(
 def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step, **options):
     """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``.
     ``options``: ``process_set``; ``factors``, the ``FactorMemory`` of a low-rank codec."""
-    cls = LowRankAllreduce if codec.low_rank else SPARSE_EXCHANGES[name]
+    cls = CODEC_EXCHANGES.get(codec.name) or SPARSE_EXCHANGES[name]
     return cls(codec, plan.numel, world_size, meter, count, memory, plan, step, **options)

@@ -47,6 +47,14 @@ class WorkerMomentum:
         # gradients are finite everywhere (the pipeline decides, like its residuals).
         self.proposed = {}
         pipeline.step_state.append(self)
+        pipeline.worker_momentum = self
+
+    def mask(self, name, indices):
+        """Forgets the proposed momentum of tensor ``name`` at ``indices``, which its
+        exchange sent (DGC's momentum factor masking)."""
+        buffer, _ = self.proposed[name]
+        if buffer is not None:
+            buffer.view(-1)[indices] = 0
 
     @staticmethod
     def check(optimizer):

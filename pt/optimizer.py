@@ -84,6 +84,9 @@ class _DistributedOptimizer:
         if self._hvdc_delay[param] == 0:
             self._hvdc_launched.add(param)
             self._hvdc_densify(param)
+            pipeline = self._hvdc_pipeline
+            if param.grad is not None:
+                param.grad = pipeline.codec.local_clip(param.grad, pipeline.world_size)
             ratio, momentum = 1.0, None
             if self._hvdc_momentum is not None:
                 ratio, momentum = self._hvdc_momentum.before_exchange(
@@ -314,7 +317,7 @@ def DistributedOptimizer(
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)
     if worker_momentum is None:
         worker_momentum = (
-            codec.two_way
+            codec.worker_momentum_default
             and isinstance(optimizer, torch.optim.SGD)
             and any(group["momentum"] > 0 for group in optimizer.param_groups)
         )

@@ -161,6 +161,9 @@ class CompressionPipeline:
         self.exchange = exchange
         self.step = 0
         self.meter = Meter()
+        # The wrapper's ``WorkerMomentum``, if any: exchanges that send part of the
+        # velocity (DGC) make it forget what they sent.
+        self.worker_momentum = None
         self.last_step_bytes = 0
         self._in_flight = {}
         self._fusions = {}  # name of a sharded tensor -> its AlltoallFusion of this step
@@ -332,6 +335,8 @@ class CompressionPipeline:
                 **({"factors": self.factor_memory} if self.codec.low_rank else {}),
             )
             flight.handle = flight.exchange.start(grad.reshape(-1), ratio, _codes_name(plan.name))
+            if self.worker_momentum is not None and flight.exchange.selected is not None:
+                self.worker_momentum.mask(plan.name, flight.exchange.selected)
             self._in_flight[param] = flight
         else:
             flight = _InFlight(

@@ -5,6 +5,7 @@ through Horovod's TensorFlow collectives."""
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
+from .dgc import DGC
 from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
@@ -23,6 +24,7 @@ CODECS = {
         AdaComp,
         CyclicLocalTopK,
         PowerSGD,
+        DGC,
     )
 }
 
@@ -36,6 +38,7 @@ __all__ = [
     "CODECS",
     "Codec",
     "CyclicLocalTopK",
+    "DGC",
     "DistributedGradientTape",
     "DistributedOptimizer",
     "FP16",

@@ -118,6 +118,10 @@ def _sum_rows(rows):
 
 
 class _Exchange:
+    # The indices ([k, 1] int64) of the velocity this worker sent, which its momentum
+    # forgets (DGC's momentum factor masking); None for exchanges that send no part of it.
+    selected = None
+
     def __init__(
         self,
         codec,
@@ -415,6 +419,50 @@ class LeaderAllreduce(_Exchange):
         return tf.scatter_nd(indices, divide(tf.cast(total, tf.float32), self.count), [self.numel])
 
 
+class TopKAllgather(_Exchange):
+    """DGC: every worker's top-k of its accumulated velocity, as k int32 indices and k
+    float32 values on two allgathers (k is the same on every worker), decoded into a sum
+    in rank order.
+
+    Args (after those of every exchange):
+        memory: the worker's ``ErrorFeedback``, holding the accumulation v.
+        plan: the tensor's ``TensorPlan`` (its name keys the memory).
+        step: the step counter (the pipeline's variable), which sets the warm-up's density.
+    """
+
+    name = "allgather"
+
+    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
+        super().__init__(codec, numel, world_size, meter, count, **options)
+        self.memory, self.key, self.step = memory, plan.name, step
+
+    def __call__(self, grad, ratio, name):
+        compensated = self.memory.compensate(self.key, grad, ratio)
+        k = self.sent_elements = self.codec.k(self.numel, self.step)
+        indices = self.codec.top_k(compensated, k)
+        self.selected = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
+        values = tf.gather_nd(compensated, self.selected)
+        self.memory.update(
+            self.key, compensated, tf.scatter_nd(self.selected, values, [self.numel])
+        )
+        gathered_indices, gathered_values = (
+            hvd.allgather(
+                self.meter.hand(tensor),
+                name=f"{name}.{part}",
+                ignore_name_scope=True,
+                process_set=self.process_set,
+            )
+            for part, tensor in (("indices", indices), ("values", values))
+        )
+        total = tf.zeros([self.numel])
+        for rank in range(self.world_size):  # in rank order: the same bits on every rank
+            part = tf.cast(gathered_indices[rank * k : (rank + 1) * k], tf.int64)
+            total = tf.tensor_scatter_nd_add(
+                total, tf.reshape(part, [-1, 1]), gathered_values[rank * k : (rank + 1) * k]
+            )
+        return divide(total, self.count)
+
+
 class LowRankAllreduce(_Exchange):
     """PowerSGD: P = M Q summed by one allreduce and orthogonalized, then Q = M^T P summed
     by a second; the average is P Q^T. M is the error-compensated gradient as a matrix, Q
@@ -463,6 +511,8 @@ class LowRankAllreduce(_Exchange):
 
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
 SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
+# Codecs whose exchange is not the one of their name (``make_sparse_exchange``).
+CODEC_EXCHANGES = {"dgc": TopKAllgather, "powersgd": LowRankAllreduce}
 
 
 def make_exchange(
@@ -477,5 +527,5 @@ def make_exchange(
 def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step, **options):
     """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``.
     ``options``: ``process_set``; ``factors``, the ``FactorMemory`` of a low-rank codec."""
-    cls = LowRankAllreduce if codec.low_rank else SPARSE_EXCHANGES[name]
+    cls = CODEC_EXCHANGES.get(codec.name) or SPARSE_EXCHANGES[name]
     return cls(codec, plan.numel, world_size, meter, count, memory, plan, step, **options)

@@ -49,6 +49,18 @@ class WorkerMomentum(tf.Module):
         # gradients are finite everywhere (the pipeline decides, like its residuals).
         self.proposed = {}
         pipeline.step_state.append(self)
+        pipeline.worker_momentum = self
+
+    def mask(self, name, indices):
+        """Forgets the proposed momentum of tensor ``name`` at ``indices`` (int64, [k, 1]),
+        which its exchange sent (DGC's momentum factor masking)."""
+        buffer = self.proposed["momentum"].get(name)
+        if buffer is not None:
+            flat = tf.reshape(buffer, [-1])
+            zeros = tf.zeros(tf.shape(indices)[:1], flat.dtype)
+            self.proposed["momentum"][name] = tf.reshape(
+                tf.tensor_scatter_nd_update(flat, indices, zeros), tf.shape(buffer)
+            )
 
     @staticmethod
     def is_sgd(optimizer):

@@ -108,6 +108,9 @@ class CompressionPipeline(tf.Module):
         self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
         self.meter = Meter()
+        # The wrapper's ``WorkerMomentum``, if any: exchanges that send part of the
+        # velocity (DGC) make it forget what they sent.
+        self.worker_momentum = None
         uncompressed = set(uncompressed)
         # Keras 3 variables give their shape as a tuple and their dtype as a string.
         self.shapes = [tf.TensorShape(variable.shape) for _, variable in named_variables]
@@ -369,7 +372,10 @@ class CompressionPipeline(tf.Module):
 
     def _sparse(self, plan, grad, ratio):
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
-        decoded = self.exchanges[plan.name](vector, ratio, _codes_name(plan))
+        exchange = self.exchanges[plan.name]
+        decoded = exchange(vector, ratio, _codes_name(plan))
+        if self.worker_momentum is not None and exchange.selected is not None:
+            self.worker_momentum.mask(plan.name, exchange.selected)
         return tf.cast(tf.reshape(decoded, grad.shape), grad.dtype)
 
     def _start(self, plan, grad, ratio, alltoall_fusion):
