@@ -120,7 +120,7 @@ class CodecTrainer(Trainer):
         return self.optimizer.compression_stats()["bytes_handed"]
 
     def sent(self):
-        if self.codec.low_rank:  # factors and whole tensors alike by allreduce
+        if self.codec.message == "factors":  # factors and whole tensors alike by allreduce
             return cost.allreduce_traffic(self.handed(), self.world_size).sent
         stats = self.optimizer.compression_stats()
         total = 0.0
@@ -128,7 +128,7 @@ class CodecTrainer(Trainer):
             if exchange in (UNCOMPRESSED, HALF):
                 itemsize = 2 if exchange == HALF else 4
                 total += cost.uncompressed_traffic(numel, self.world_size, itemsize).sent
-            elif self.codec.name == "dgc":  # k of the last step
+            elif self.codec.message == "own_indices":  # k of the last step
                 k = self.codec.k(numel, stats["step"] - 1)
                 total += cost.top_k_traffic(k, self.world_size).sent
             else:

@@ -41,11 +41,11 @@ def expected_bytes(codec, tensors, world_size, allreduce_dtypes):
         if t.route in (UNCOMPRESSED, HALF):
             itemsize = 2 if t.route == HALF else t.itemsize
             total += cost.uncompressed_traffic(t.numel, world_size, itemsize).handed
-        elif codec.name == "dgc":
+        elif codec.message == "own_indices":
             total += cost.top_k_traffic(int(t.sent_elements), world_size).handed
-        elif codec.low_rank:
+        elif codec.message == "factors":
             total += cost.low_rank_traffic(int(t.sent_elements), world_size).handed
-        elif codec.sparse and not codec.summable:
+        elif codec.message == "bins":
             nbytes = codec.message_nbytes(
                 t.numel, codec.bin_length(t.name, t.layer), int(t.sent_elements)
             )

@@ -89,6 +89,7 @@ class AdaComp(Codec):
     name = "adacomp"
     code_space = IntCodes(1)  # the ternary values sign(G) * scale / scale
     sparse = True
+    message = "bins"
     error_feedback_default = True
     default_min_size = 1024
 

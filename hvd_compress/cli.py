@@ -117,6 +117,8 @@ EXAMPLES = {
 # (docs/algorithms.md, dist-EF-blockSGD). Each run is compared with `none` under its own
 # optimizer, so ef-sign brings its Nesterov baseline.
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
+# The codecs the peers ship (DDP's PowerSGD, GRACE's and BytePS's top-k as DGC).
+PEER_RUNS = ("2:powersgd", "2:dgc:warmup_steps=300")
 # Every model and codec (--full, ~75 minutes on 2 cores); tests/test_convergence.py runs its
 # MNIST-1D runs but the 4-worker CNN pair and the adaptive run.
 FULL_RUNS = (
@@ -128,7 +130,7 @@ FULL_RUNS = (
         "2:nuqsgd",
         "2:adacomp",
         "2:clt-k",
-        "2:powersgd",
+        *PEER_RUNS,
         "2:none@nesterov",
         f"2:{EF_SIGN}",
         "4:none@nesterov",

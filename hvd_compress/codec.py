@@ -61,9 +61,12 @@ class Codec:
             the user says otherwise.
         sparse: True if the codec's exchange runs the worker's error feedback itself: it
             selects a data-dependent subset of elements from an error-compensated vector
-            (see the module docstring), or sends low-rank factors of it (``low_rank``).
-        low_rank: True if the codec sends each tensor as low-rank factors (PowerSGD), so
-            what it sends depends on the tensor's shape, not only its size.
+            (see the module docstring), or sends low-rank factors of it.
+        message: what a sparse codec's worker sends, which chooses its exchange:
+            ``"bins"`` (AdaComp's variable-length bins), ``"shared_indices"`` (values at
+            indices every worker shares, CLT-k), ``"own_indices"`` (each worker's own
+            top-k indices and values, DGC) or ``"factors"`` (low-rank factors, PowerSGD,
+            whose sizes follow a tensor's shape).
         uncompressed_steps: steps at the start of training that send every tensor whole.
         worker_momentum_default: whether the wrappers apply an SGD's momentum on the worker,
             before compression, unless the user says otherwise (dist-EF-blockSGDM, DGC's
@@ -89,7 +92,7 @@ class Codec:
     default_min_size = 0
     compress_classifier_default = True
     sparse = False
-    low_rank = False
+    message = None
     uncompressed_steps = 0
     worker_momentum_default = False
 

@@ -91,7 +91,7 @@ def compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes=TORC
     if exchange not in exchanges_for(codec):
         raise ValueError(f"{codec.name} codes cannot be summed, so they cannot use {exchange}")
     if codec.sparse:
-        if codec.low_rank:
+        if codec.message == "factors":
             raise ValueError(
                 f"{codec.name} sends factors whose sizes follow a tensor's shape; "
                 f"use low_rank_traffic with its factor_elements"

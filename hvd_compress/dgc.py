@@ -66,6 +66,7 @@ class DGC(Codec):
     name = "dgc"
     code_space = FloatCodes("float32")
     sparse = True
+    message = "own_indices"
     error_feedback_default = True
     worker_momentum_default = True
     default_min_size = 1024

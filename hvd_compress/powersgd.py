@@ -65,7 +65,7 @@ class PowerSGD(Codec):
     code_space = FloatCodes("float32")
     summable = True  # every worker's factors are in the same basis
     sparse = True  # its exchange runs the error feedback itself
-    low_rank = True
+    message = "factors"
     error_feedback_default = True
     # The port's weight layout: PyTorch's out-features first, Keras's last.
     out_features_first = True

@@ -58,6 +58,7 @@ class CyclicLocalTopK(Codec):
     code_space = FloatCodes("float32")
     summable = True  # every worker's values sit at the same indices
     sparse = True
+    message = "shared_indices"
     error_feedback_default = True
     default_min_size = 1024
 

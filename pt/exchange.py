@@ -661,9 +661,13 @@ class LowRankAllreduce(_Exchange):
 
 
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
-SPARSE_EXCHANGES = {cls.name: cls for cls in (SparseAllgather, LeaderAllreduce)}
-# Codecs whose exchange is not the one of their name (``make_sparse_exchange``).
-CODEC_EXCHANGES = {"dgc": TopKAllgather, "powersgd": LowRankAllreduce}
+# The exchange of each sparse codec's ``message``.
+SPARSE_EXCHANGES = {
+    "bins": SparseAllgather,
+    "shared_indices": LeaderAllreduce,
+    "own_indices": TopKAllgather,
+    "factors": LowRankAllreduce,
+}
 
 
 def make_exchange(
@@ -675,8 +679,8 @@ def make_exchange(
     return cls(codec, numel, world_size, meter, count, server, fusion, **options)
 
 
-def make_sparse_exchange(name, codec, plan, world_size, meter, count, memory, step, **options):
-    """The exchange called ``name`` for a sparse ``codec``, for the tensor of ``plan``.
-    ``options``: ``process_set``; ``factors``, the ``FactorMemory`` of a low-rank codec."""
-    cls = CODEC_EXCHANGES.get(codec.name) or SPARSE_EXCHANGES[name]
+def make_sparse_exchange(codec, plan, world_size, meter, count, memory, step, **options):
+    """The exchange of a sparse ``codec`` (by its ``message``), for the tensor of ``plan``.
+    ``options``: ``process_set``; ``factors``, the ``FactorMemory`` of PowerSGD."""
+    cls = SPARSE_EXCHANGES[codec.message]
     return cls(codec, plan.numel, world_size, meter, count, memory, plan, step, **options)

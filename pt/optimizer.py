@@ -282,8 +282,8 @@ def DistributedOptimizer(
             (Nesterov) momentum is applied on each worker *before* compression, residuals are
             rescaled by eta_{t-1} / eta_t when the learning rate changes, and after the
             exchange the step adds weight decay with its own momentum buffer, so no momentum
-            is applied twice (``WorkerMomentum``). None: on for ``ef-sign`` with an SGD that
-            has momentum.
+            is applied twice (``WorkerMomentum``); it is DGC's momentum correction. None: on
+            for ``ef-sign`` and ``dgc`` with an SGD that has momentum.
         adaptive: ``True`` or an ``hvd_compress.Adaptive``: every tensor the codec
             compresses goes by the codec, an fp16 allreduce or a plain allreduce, whichever
             a model of the step predicts fastest from the link, codec and backward times

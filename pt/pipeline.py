@@ -185,7 +185,7 @@ class CompressionPipeline:
                     if plan.reason == "compressed"
                 }
             )
-            if codec.low_rank
+            if codec.message == "factors"
             else None
         )
         # State changed by a step only if its exchanged gradients are all finite: objects
@@ -323,7 +323,6 @@ class CompressionPipeline:
             # The exchange selects from the worker's memory, and updates it, itself.
             flight = _InFlight(plan, param, "codes")
             flight.exchange = make_sparse_exchange(
-                plan.exchange,
                 self.codec,
                 plan,
                 self.world_size,
@@ -332,7 +331,7 @@ class CompressionPipeline:
                 self.worker_memory,
                 self.step,
                 process_set=self.process_set,
-                **({"factors": self.factor_memory} if self.codec.low_rank else {}),
+                **({"factors": self.factor_memory} if self.factor_memory is not None else {}),
             )
             flight.handle = flight.exchange.start(grad.reshape(-1), ratio, _codes_name(plan.name))
             if self.worker_momentum is not None and flight.exchange.selected is not None:

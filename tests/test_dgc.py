@@ -76,7 +76,7 @@ def _train():
         return handles
 
     exchange.TopKAllgather.start = recorded
-    averages, masked = [], []
+    averages, masked, counted = [], [], []
     for step in range(STEPS):
         optimizer.zero_grad()
         grads = [
@@ -86,6 +86,8 @@ def _train():
         sum((p * g).sum() for p, g in zip(params, grads)).backward()  # p.grad = g
         optimizer.synchronize()
         averages.append([p.grad.clone() for p in params])
+        pipeline = optimizer._hvdc_pipeline
+        counted.append((pipeline.last_step_bytes, pipeline.expected_bytes()))
         with optimizer.skip_synchronize():
             optimizer.step()
         momentum = optimizer._hvdc_momentum.momentum
@@ -93,7 +95,7 @@ def _train():
             bool((momentum[key].view(-1)[selected] == 0).all())
             for key, _, selected, _ in selections[-2:]
         ]
-    return averages, selections, masked, optimizer._hvdc_pipeline.last_sent_elements
+    return averages, selections, masked, optimizer._hvdc_pipeline.last_sent_elements, counted
 
 
 @pytest.mark.multiprocess
@@ -101,7 +103,9 @@ def _train():
 def test_matches_the_reference_and_sends_exactly_the_k_largest(world_size):
     ranks = run_parallel(_train, world_size)
     codec = hvd_compress.DGC(**CODEC)
-    for averages, selections, masked, sent in ranks:
+    for averages, selections, masked, sent, counted in ranks:
+        # The bytes handed to Horovod, as the cost model counts them, every step.
+        assert all(handed == expected for handed, expected in counted)
         for step, (mine, want) in enumerate(
             zip(averages, reference_averages(codec, SHAPES, STEPS, world_size, MU))
         ):

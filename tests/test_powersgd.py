@@ -144,7 +144,7 @@ def _against_the_hook(device_kind, port):
         return future
 
     ddp.register_comm_hook(state, hook_from_our_start)
-    steps = []
+    steps, counted = [], []
     for step in range(STEPS):
         grads = [
             torch.from_numpy(gradient(step, hvd.rank(), i, s, _matrix(codec, s))).to(device)
@@ -153,6 +153,7 @@ def _against_the_hook(device_kind, port):
         theirs.zero_grad(set_to_none=True)
         ddp(grads).backward()
         mine = _step(pipeline, list(ours.parameters()), grads)
+        counted.append((pipeline.last_step_bytes, pipeline.expected_bytes()))
         steps.append(([g.cpu() for g in mine], [p.grad.cpu() for p in theirs.parameters()]))
 
     # Resume: the same three steps from a checkpoint of the state, in a new pipeline.
@@ -172,7 +173,7 @@ def _against_the_hook(device_kind, port):
     again = [_step(resumed, list(ours.parameters()), g) for g in later]
     resumed_bitwise = all(torch.equal(a, b) for x, y in zip(straight, again) for a, b in zip(x, y))
     dist.destroy_process_group()
-    return steps, resumed_bitwise, resumed.compression_stats()
+    return steps, resumed_bitwise, resumed.compression_stats(), counted
 
 
 def _free_port():
@@ -185,7 +186,9 @@ def _free_port():
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_torch_powersgd_hook_and_the_reference(device):
     ranks = run_parallel(_against_the_hook, 2, device, _free_port())
-    steps, resumed_bitwise, stats = ranks[0]
+    steps, resumed_bitwise, stats, counted = ranks[0]
+    # The bytes handed to Horovod, as the cost model counts them, every step.
+    assert all(handed == expected for handed, expected in counted)
     reference = list(
         reference_averages(hvd_compress.PowerSGD(RANK, start_iter=START_ITER), SHAPES, STEPS, 2)
     )

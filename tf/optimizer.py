@@ -198,7 +198,8 @@ def DistributedOptimizer(
             are rescaled by eta_{t-1} / eta_t when the learning rate changes, and the base
             step runs as plain SGD on the exchanged direction (with Keras's decoupled weight
             decay, outside compression), so no momentum is applied twice
-            (``WorkerMomentum``). None: on for ``ef-sign`` with an SGD that has momentum.
+            (``WorkerMomentum``); it is DGC's momentum correction. None: on for ``ef-sign``
+            and ``dgc`` with an SGD that has momentum.
         adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
             here (``docs/adaptive.md``). Default False.
         compressed_adam: 1-bit Adam's mode for ``keras.optimizers.Adam`` and ``AdamW``

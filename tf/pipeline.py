@@ -182,14 +182,13 @@ class CompressionPipeline(tf.Module):
                 },
                 name="factors",
             )
-            if codec.low_rank
+            if codec.message == "factors"
             else None
         )
         if codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
             self.exchanges = {
                 plan.name: make_sparse_exchange(
-                    plan.exchange,
                     codec,
                     plan,
                     self.world_size,
@@ -198,7 +197,7 @@ class CompressionPipeline(tf.Module):
                     self.worker_memory,
                     self.step,
                     process_set=process_set,
-                    **({"factors": self.factor_memory} if codec.low_rank else {}),
+                    **({"factors": self.factor_memory} if self.factor_memory is not None else {}),
                 )
                 for plan in compressed
             }
