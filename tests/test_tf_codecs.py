@@ -246,7 +246,7 @@ def test_misuse_errors_say_what_to_do(tf_results):
     assert "tf_keras.optimizers.Optimizer (Keras 2), got object" in optimizer
     assert "compression must be one of" in missing and "got 'top-k'" in missing
     assert "ef-sign compresses on the workers and again on the server" in two_way
-    assert "adacomp selects what to send from its error-feedback memory" in sparse
+    assert "adacomp chooses what to send from its error-feedback memory" in sparse
     assert all("cannot run with error_feedback=False" in e for e in (two_way, sparse))
     assert "adaptive is not available in the TensorFlow port; leave it False" in adaptive
     assert tf_results["fp16_in_horovods_hook"] == "float16"

@@ -210,7 +210,7 @@ def test_layer_kinds_of_a_keras_model_and_misuse(tf_results):
     compress, compress_clt, no_memory, exchange = tf_results["errors"]
     assert "AdaComp cannot run inside Horovod's own DistributedOptimizer" in compress
     assert "compression='clt-k'" in compress_clt
-    assert "adacomp selects what to send from its error-feedback memory" in no_memory
+    assert "adacomp chooses what to send from its error-feedback memory" in no_memory
     assert "clt-k codes cannot travel by exchange='allgather'" in exchange
 
 
