@@ -143,6 +143,23 @@ class Codec:
         """Whether a tensor of ``numel`` elements goes through this codec at all."""
         return self.code_space is not None and numel >= self.min_size and numel > 0
 
+    def why_not_horovod(self):
+        """Why Horovod's own wrappers, which sum whatever a ``Compressor`` returns with an
+        allreduce, cannot carry this codec; None if they can."""
+        if self.code_space is None:
+            return None  # nothing to encode
+        if self.sparse:
+            return (
+                "each worker sends what its own error-feedback memory chooses, and only "
+                "hvd_compress's exchanges keep that memory"
+            )
+        if not self.summable or self.scaled:
+            return (
+                "its codes are only summable after the workers agree on a scale, which "
+                "Horovod's compression hook cannot do"
+            )
+        return None
+
     def why_whole(self, shape):
         """Why a floating-point tensor of ``shape`` is sent whole rather than through this
         codec; None if it goes through the codec."""

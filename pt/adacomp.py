@@ -54,14 +54,6 @@ class AdaComp(reference.AdaComp, Codec):
         that owns it: ``compression=hc.AdaComp.for_model(model)``."""
         return cls(layers=layer_kinds(model), **hyperparameters)
 
-    def compress(self, tensor):
-        raise TypeError(
-            "AdaComp cannot run inside Horovod's own DistributedOptimizer: its messages hold "
-            "a different selection of elements on every worker and depend on each worker's "
-            "residue. Use hvd_compress.pt.DistributedOptimizer(optimizer, "
-            "compression='adacomp') instead."
-        )
-
     def select(self, compensated, grad, bin_length):
         residue = compensated.reshape(-1)
         threshold = residue + grad.reshape(-1)

@@ -16,12 +16,11 @@ class Codec(Compressor):
     """
 
     def compress(self, tensor):
-        if not self.summable or self.scaled:
+        reason = self.why_not_horovod()
+        if reason is not None:
             raise TypeError(
                 f"{type(self).__name__} cannot run inside Horovod's own DistributedOptimizer: "
-                f"its codes are only summable after the workers agree on a scale, which "
-                f"Horovod's compression hook cannot do. Use "
-                f"hvd_compress.pt.DistributedOptimizer(optimizer, compression="
+                f"{reason}. Use hvd_compress.pt.DistributedOptimizer(optimizer, compression="
                 f"{self.name!r}) instead."
             )
         if self.code_space is None or not tensor.is_floating_point():

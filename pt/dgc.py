@@ -13,13 +13,6 @@ class DGC(reference.DGC, Codec):
 
     top_k = CyclicLocalTopK.top_k
 
-    def compress(self, tensor):
-        raise TypeError(
-            "DGC cannot run inside Horovod's own DistributedOptimizer: each worker sends its "
-            "own indices and keeps a memory. Use "
-            "hvd_compress.pt.DistributedOptimizer(optimizer, compression='dgc') instead."
-        )
-
     def local_clip(self, grad, world_size):
         if self.clip_norm is None:
             return grad

@@ -10,13 +10,6 @@ from .codec import Codec
 class PowerSGD(reference.PowerSGD, Codec):
     __doc__ = reference.PowerSGD.__doc__
 
-    def compress(self, tensor):
-        raise TypeError(
-            "PowerSGD cannot run inside Horovod's own DistributedOptimizer: its factors take "
-            "two allreduces and each worker's memory. Use "
-            "hvd_compress.pt.DistributedOptimizer(optimizer, compression='powersgd') instead."
-        )
-
     @staticmethod
     def orthogonalize(matrix):
         matrix = matrix.clone()

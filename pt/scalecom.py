@@ -10,13 +10,6 @@ from .codec import Codec
 class CyclicLocalTopK(reference.CyclicLocalTopK, Codec):
     __doc__ = reference.CyclicLocalTopK.__doc__
 
-    def compress(self, tensor):
-        raise TypeError(
-            "CyclicLocalTopK cannot run inside Horovod's own DistributedOptimizer: it needs "
-            "the leader's indices and each worker's memory. Use "
-            "hvd_compress.pt.DistributedOptimizer(optimizer, compression='clt-k') instead."
-        )
-
     def top_k(self, compensated, k):
         magnitude = compensated.reshape(-1).to(torch.float32).abs()
         magnitude = torch.where(torch.isnan(magnitude), torch.inf, magnitude)

@@ -69,14 +69,6 @@ class AdaComp(reference.AdaComp, Codec):
         the layer that holds it: ``compression=htf.AdaComp.for_model(model)``."""
         return cls(layers=layer_kinds(model), **hyperparameters)
 
-    def compress(self, tensor):
-        raise TypeError(
-            "AdaComp cannot run inside Horovod's own DistributedOptimizer: its messages hold "
-            "a different selection of elements on every worker and depend on each worker's "
-            "residue. Use hvd_compress.tf.DistributedOptimizer(optimizer, "
-            "compression='adacomp') instead."
-        )
-
     def select(self, compensated, grad, bin_length):
         residue = tf.reshape(compensated, [-1])
         threshold = residue + tf.reshape(grad, [-1])

@@ -25,16 +25,16 @@ class Codec(Compressor):
     """
 
     def compress(self, tensor):
-        if self.code_space is None or not tensor.dtype.is_floating:
-            return tensor, None
-        if not self.summable or self.scaled:
+        reason = self.why_not_horovod()
+        if reason is not None:
             raise TypeError(
                 f"{type(self).__name__} cannot run inside Horovod's own DistributedOptimizer "
-                f"or DistributedGradientTape: its codes are only summable after the workers "
-                f"agree on a scale, which Horovod's compression hook cannot do. Use "
+                f"or DistributedGradientTape: {reason}. Use "
                 f"hvd_compress.tf.DistributedOptimizer(optimizer, compression={self.name!r}) "
                 f"or hvd_compress.tf.DistributedGradientTape(tape, compression={self.name!r})."
             )
+        if self.code_space is None or not tensor.dtype.is_floating:
+            return tensor, None
         return self.encode(tensor, None, None), tensor.dtype
 
     def decompress(self, tensor, ctx):

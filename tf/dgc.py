@@ -13,13 +13,6 @@ class DGC(reference.DGC, Codec):
 
     top_k = CyclicLocalTopK.top_k
 
-    def compress(self, tensor):
-        raise TypeError(
-            "DGC cannot run inside Horovod's own DistributedOptimizer: each worker sends its "
-            "own indices and keeps a memory. Use "
-            "hvd_compress.tf.DistributedOptimizer(optimizer, compression='dgc') instead."
-        )
-
     def k(self, numel, step):
         """k at ``step``, which may be the pipeline's step variable: an int32 tensor then,
         computed as the reference computes it in float64."""

@@ -11,13 +11,6 @@ from .codec import Codec
 class PowerSGD(reference.PowerSGD, Codec):
     __doc__ = reference.PowerSGD.__doc__
 
-    def compress(self, tensor):
-        raise TypeError(
-            "PowerSGD cannot run inside Horovod's own DistributedOptimizer: its factors take "
-            "two allreduces and each worker's memory. Use "
-            "hvd_compress.tf.DistributedOptimizer(optimizer, compression='powersgd') instead."
-        )
-
     # Keras kernels are (in, out) and (kh, kw, in, out): the matrix is (rest, shape[-1]).
     out_features_first = False
 

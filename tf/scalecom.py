@@ -10,13 +10,6 @@ from .codec import Codec
 class CyclicLocalTopK(reference.CyclicLocalTopK, Codec):
     __doc__ = reference.CyclicLocalTopK.__doc__
 
-    def compress(self, tensor):
-        raise TypeError(
-            "CyclicLocalTopK cannot run inside Horovod's own DistributedOptimizer: it needs "
-            "the leader's indices and each worker's memory. Use "
-            "hvd_compress.tf.DistributedOptimizer(optimizer, compression='clt-k') instead."
-        )
-
     def top_k(self, compensated, k):
         magnitude = tf.abs(tf.cast(tf.reshape(compensated, [-1]), tf.float32))
         magnitude = tf.where(tf.math.is_nan(magnitude), float("inf"), magnitude)
