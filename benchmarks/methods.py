@@ -11,7 +11,7 @@
                    fp32, as the model of ``hvd_compress.adaptive`` predicts fastest
 ``ddp``            PyTorch ``DistributedDataParallel`` over Gloo, fp32 allreduce
 ``ddp-fp16``       DDP with its ``fp16_compress_hook``
-``dgc``            the same, DGC: top-k of the accumulated velocity (1%) over allgather
+``dgc``            the same, DGC: top-k of the accumulated velocity (0.1%) over allgather
 ``powersgd``       ``hvd_compress.pt.DistributedOptimizer``, PowerSGD with the hook's rank and
                    start (its factors on Horovod's allreduce)
 ``ddp-powersgd``   DDP with its ``powerSGD_hook`` (rank 2, error feedback, warm start)
