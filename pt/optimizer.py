@@ -84,9 +84,7 @@ class _DistributedOptimizer:
         if self._hvdc_delay[param] == 0:
             self._hvdc_launched.add(param)
             self._hvdc_densify(param)
-            pipeline = self._hvdc_pipeline
-            if param.grad is not None:
-                param.grad = pipeline.codec.local_clip(param.grad, pipeline.world_size)
+            self._hvdc_pipeline.clip_locally(param)
             ratio, momentum = 1.0, None
             if self._hvdc_momentum is not None:
                 ratio, momentum = self._hvdc_momentum.before_exchange(

@@ -249,6 +249,12 @@ class CompressionPipeline:
     def in_flight(self):
         return bool(self._in_flight)
 
+    def clip_locally(self, param):
+        """Makes ``param.grad`` what this worker compresses, before any momentum: clipped
+        by codecs that clip locally (DGC), as it is otherwise."""
+        if param.grad is not None:
+            param.grad = self.codec.local_clip(param.grad, self.world_size)
+
     def fuses(self, param):
         """Whether ``param``'s worker error feedback runs in ``fused``'s kernels, which can
         also take its momentum step (``WorkerMomentum.Deferred``)."""

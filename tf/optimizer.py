@@ -67,11 +67,7 @@ class _DistributedOptimizer:
         # Variables without a gradient exchange zeros (every rank must take part in the same
         # collectives) and still reach the base optimizer without one.
         ordered, ratio, whole = [by_key.get(key) for key in self._hvdc_keys], 1.0, None
-        pipeline = self._hvdc_pipeline
-        ordered = [
-            None if g is None else pipeline.codec.local_clip(g, pipeline.world_size)
-            for g in ordered
-        ]
+        ordered = self._hvdc_pipeline.clip_locally(ordered)
         if self._hvdc_momentum is not None:
             ordered, ratio = self._hvdc_momentum.before_exchange(self, ordered)
         if self._hvdc_adam is not None:

@@ -244,6 +244,11 @@ class CompressionPipeline(tf.Module):
 
     # ----- one step -----
 
+    def clip_locally(self, grads):
+        """``grads`` as this worker compresses them, before any momentum: clipped by codecs
+        that clip locally (DGC), as they are otherwise; None stays None."""
+        return [None if g is None else self.codec.local_clip(g, self.world_size) for g in grads]
+
     def reduce(self, grads, ratio=1.0, whole=None):
         """Exchanges one step's gradients, one per variable in the order of construction
         (None for a variable without a gradient: zeros are exchanged, because every rank

@@ -118,7 +118,8 @@ class DistributedGradientTape:
         if self._sparse_as_dense:
             flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in flat]
         self.pipeline = self._pipeline(variables)
-        return tf.nest.pack_sequence_as(grads, self.pipeline.reduce(flat))
+        reduced = self.pipeline.reduce(self.pipeline.clip_locally(flat))
+        return tf.nest.pack_sequence_as(grads, reduced)
 
     def _pipeline(self, variables):
         key = (
