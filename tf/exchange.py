@@ -14,10 +14,11 @@ Summing exchanges (``Allreduce``, ``Sharded``) need summable codes under one sca
 workers; ``Allgather`` also carries each worker's own scales (prefixed to its packed codes as
 raw float32 bytes, so one collective moves both).
 
-Sparse codecs (AdaComp, CLT-k) have exchanges of their own, ``SparseAllgather`` and
-``LeaderAllreduce``: what a worker selects decides what its memory keeps, so they run
-compensate -> select -> update on the worker's memory (passed in, not kept) around their
-collectives.
+Sparse codecs have exchanges of their own, chosen by what their worker sends
+(``codec.message``): ``SparseAllgather`` (AdaComp), ``LeaderAllreduce`` (CLT-k),
+``TopKAllgather`` (DGC) and ``LowRankAllreduce`` (PowerSGD). What a worker sends decides
+what its memory keeps, so they run compensate -> compress -> update on the worker's memory
+(passed in, not kept) around their collectives.
 """
 
 import contextlib

@@ -188,7 +188,9 @@ def DistributedOptimizer(
             those the codec leaves out (smaller than ``min_size``; the classifier unless
             ``compress_classifier``).
         error_feedback: keep, per compressed tensor, what its messages did not carry and add
-            it to the next gradient. None: the codec's default (on for ``ef-sign``).
+            it to the next gradient. None: the codec's default (on for ``ef-sign``, and
+            always on for the sparse codecs ``adacomp``, ``clt-k``, ``dgc`` and
+            ``powersgd``).
         worker_momentum: dist-EF-blockSGDM's optimizer mode, for ``keras.optimizers.SGD``:
             the (Nesterov) momentum is applied on each worker *before* compression, residuals
             are rescaled by eta_{t-1} / eta_t when the learning rate changes, and the base
