@@ -28,13 +28,16 @@ from tqdm import tqdm
 
 from . import network, plots, report
 from .job import HorovodJob, LocalHosts, NamespacedHosts
-from .methods import CODEC_METHODS, METHODS
+from .methods import CODEC_METHODS, METHODS, PEER_METHODS
 from .models import MODELS
 from .worker import EVENT
 
 DEFAULT_WORKERS = (2, 4)
 DEFAULT_RATES = ("10G", "1G", "100M")
-DEFAULT_METHODS = tuple(METHODS)
+# The peers' codecs run on request (--methods): one worker process measures every method
+# of a model and N in turn, keeping ~400 MB more per method at the 25M-parameter model, and
+# with them the four workers of N = 4 outgrew the 24 GiB of this project's machines.
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in PEER_METHODS)
 ACCURACY_METHODS = ("hvd-none", "hvd-fp16", "terngrad", "qsgd-inf", "ef-sign", "ddp-powersgd")
 LOCALHOST = "localhost"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

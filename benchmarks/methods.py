@@ -213,6 +213,8 @@ METHODS = {
     ),
     "ddp-powersgd": lambda model, n, lr: PowerSGDTrainer(model, n, lr),
 }
+# The peers' codecs (DDP's PowerSGD, GRACE's and BytePS's top-k as DGC) in hvd_compress.
+PEER_METHODS = ("powersgd", "dgc")
 # The exchanges of hvd_compress, whose codec time the probe can separate from waiting.
 CODEC_METHODS = (
     "terngrad",
