@@ -170,11 +170,96 @@ def encode_decode(codec, grads, repeats=3):
     ]
 
 
+def _tensorflow_quantizer(codec, exchange, key):
+    """``_eager_quantizer`` / ``_fused_quantizer`` in the TensorFlow port, as a
+    ``tf.function`` the way its pipeline runs: through ``hvd_compress.tf.fused`` where its
+    ``applies`` holds (``fused.ENABLED``), else through the codec's TensorFlow ops."""
+    import tensorflow as tf
+
+    from hvd_compress.tf import fused as tf_fused
+    from hvd_compress.tf import seeding as tf_seeding
+    from hvd_compress.tf.packing import pack as tf_pack
+    from hvd_compress.tf.packing import unpack as tf_unpack
+
+    @tf.function
+    def step(grad):
+        numel = grad.shape[0]
+        scale = codec.local_scale(grad)
+        if tf_fused.applies(codec, grad):
+            payload, _ = tf_fused.encode(codec, exchange, grad, scale, key, feedback=False)
+            return tf_fused.decoded_sums(codec, payload[None], scale, 1, numel)
+        codes = codec.encode(grad, scale, tf_seeding.uniforms(key, numel))
+        packed = tf_pack(codes[None], codec.code_space)
+        return codec.decode(codec.values(tf_unpack(packed, codec.code_space, numel)), scale, 1)
+
+    return step
+
+
+def tensorflow_encode_decode(name, grads, repeats=3):
+    """(PyTorch kernels, TensorFlow kernels, TensorFlow ops) wall seconds of encoding and
+    decoding ``grads`` (quantizers only): TensorFlow runs its graphs on threads of its
+    own, whose time ``time.thread_time`` would not see. All three are wall times of the
+    same run, so that their ratios hold."""
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+    from hvd_compress.tf import fused as tf_fused
+    from hvd_compress.tf.exchange import Meter as TFMeter
+    from hvd_compress.tf.exchange import make_exchange as tf_make_exchange
+
+    codec = resolve(name, htf.CODECS)
+    tf_grads = [tf.constant(grad.numpy()) for grad in grads]
+    key = tf.constant(KEY, tf.int64)
+    steps = {}
+    for grad in tf_grads:
+        numel = grad.shape[0]
+        if numel not in steps:
+            exchange = tf_make_exchange("allgather", codec, numel, 1, TFMeter(), 1)
+            steps[numel] = _tensorflow_quantizer(codec, exchange, key)
+
+    def run():
+        return [steps[grad.shape[0]](grad).numpy() for grad in tf_grads]
+
+    torch_codec = resolve(name, hc.CODECS)
+    torch_kernels = best_seconds(
+        lambda: [_fused_quantizer(torch_codec, grad) for grad in grads],
+        repeats,
+        clock=time.perf_counter,
+    )
+    kernels = best_seconds(run, repeats, clock=time.perf_counter)
+    enabled, tf_fused.ENABLED = tf_fused.ENABLED, False
+    try:
+        steps.clear()
+        for grad in tf_grads:
+            numel = grad.shape[0]
+            if numel not in steps:
+                steps[numel] = _tensorflow_quantizer(codec, None, key)
+        ops = best_seconds(run, repeats, clock=time.perf_counter)
+    finally:
+        tf_fused.ENABLED = enabled
+    return torch_kernels, kernels, ops
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default="terngrad,qsgd-inf,nuqsgd,ef-sign")
+    parser.add_argument(
+        "--no-tensorflow",
+        action="store_true",
+        help="skip the TensorFlow port's encode + decode beside PyTorch's",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if not args.no_tensorflow:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    ports = [
+        "| codec | PyTorch kernels (ms) | TensorFlow kernels (ms) | TensorFlow ops (ms) | "
+        "TensorFlow / PyTorch |",
+        "|---|---|---|---|---|",
+    ]
     named = list(SyntheticResNet50().named_parameters())
     stages = [
         "| codec | elements compressed | " + " | ".join(STAGES) + " | total |",
@@ -206,9 +291,20 @@ def main(argv=None):
                 f"| {label} | {1000 * eager:.0f} | {1000 * kernels:.0f} | "
                 f"{eager / copy:.1f} | {kernels / copy:.1f} |"
             )
+        if not args.no_tensorflow and fused.core.quantizes(codec):
+            torch_kernels, tf_kernels, tf_ops = tensorflow_encode_decode(name, grads)
+            ports.append(
+                f"| {name} | {1000 * torch_kernels:.0f} | {1000 * tf_kernels:.0f} | "
+                f"{1000 * tf_ops:.0f} | {tf_kernels / torch_kernels:.2f} |"
+            )
     print("CPU milliseconds per step, one thread, eager ops:\n" + "\n".join(stages))
     print("\nOne copy of the compressed gradients (empty_like + copy_): " + "; ".join(copies))
     print("\nEncode + decode of one worker's codes, CPU milliseconds:\n" + "\n".join(fusion))
+    if len(ports) > 2:
+        print(
+            "\nThe same in both ports, wall milliseconds (TensorFlow as tf.function graphs, "
+            "one thread each):\n" + "\n".join(ports)
+        )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from tensorflow.python.ops import control_flow_util
 
 from hvd_compress.codes import shard_length
 
-from . import elias
+from . import elias, fused
 from .codec import divide
 from .packing import pack, unpack
 
@@ -148,22 +148,49 @@ class _Exchange:
         """Elements of the server residual that ``rank`` keeps for this tensor."""
         return self.numel
 
+    def _fused(self, scale):
+        """Whether the kernels decode codes under ``scale`` (None for unscaled codecs)."""
+        return scale is not None and fused.applies(self.codec, scale)
+
+    def payload(self) -> tf.TensorSpec:
+        """The format this exchange hands over one worker's codes in, for a kernel to
+        encode into (``fused.encode``; ``start_packed`` sends it)."""
+        return tf.TensorSpec([self.codec.code_space.packed_nbytes(self.numel)], tf.uint8)
+
 
 class Allreduce(_Exchange):
     """Code values summed by one allreduce, in the narrowest carrier that cannot overflow."""
 
     name = "allreduce"
 
+    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
+        self.carrier = tf.as_dtype(
+            codec.value_space.allreduce_carrier(world_size, TF_ALLREDUCE_DTYPES)
+        )
+
+    def payload(self) -> tf.TensorSpec:
+        """The codes' values in the carrier."""
+        return tf.TensorSpec([self.numel], self.carrier)
+
     def start(self, codes, scale, name):
-        carrier = self.codec.value_space.allreduce_carrier(self.world_size, TF_ALLREDUCE_DTYPES)
-        payload = self.meter.hand(tf.cast(self.codec.values(codes), carrier))
+        return self.start_packed(tf.cast(self.codec.values(codes), self.carrier), scale, name)
+
+    def start_packed(self, payload, scale, name):
+        """``start`` for values already in the carrier (``fused``)."""
         total = hvd.allreduce(
-            payload, op=hvd.Sum, name=name, ignore_name_scope=True, process_set=self.process_set
+            self.meter.hand(payload),
+            op=hvd.Sum,
+            name=name,
+            ignore_name_scope=True,
+            process_set=self.process_set,
         )
         return total, scale
 
     def finish(self, pending):
         total, scale = pending
+        if self._fused(scale):
+            return fused.decoded_totals(self.codec, total, scale, self.count)
         if not total.dtype.is_floating:
             total = tf.cast(total, tf.int32)
         return self.codec.decode(total, scale, self.count)
@@ -189,6 +216,10 @@ class Allgather(_Exchange):
             payload = elias.encode(codes)
         else:
             payload = tf.reshape(pack(codes[None], self.codec.code_space), [-1])
+        return self.start_packed(payload, scale, name)
+
+    def start_packed(self, payload, scale, name):
+        """``start`` for codes already packed (``fused``)."""
         if self.own_scale:
             payload = tf.concat([_bytes(scale), payload], axis=0)
         if self.elias:
@@ -207,6 +238,13 @@ class Allgather(_Exchange):
 
     def finish(self, pending):
         gathered, scale = pending
+        if not self.elias and self.server is None and self._fused(scale):
+            rows = gathered[:, self.scale_bytes :]
+            if not self.own_scale:
+                return fused.decoded_sums(self.codec, rows, scale, self.count, self.numel)
+            return fused.decoded_own_scales(
+                self.codec, rows, _floats(gathered[:, : self.scale_bytes]), self.count, self.numel
+            )
         codes, own_scales = self._codes(gathered)
         values = self.codec.values(codes)
         if not self.own_scale:
@@ -237,17 +275,35 @@ class Sharded(_Exchange):
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
+    def payload(self) -> tf.TensorSpec:
+        """The codes of all shards, padded with 0 to ``world_size`` shards."""
+        return tf.TensorSpec(
+            [self.codec.code_space.packed_nbytes(self.world_size * self.length)], tf.uint8
+        )
+
     def start(self, codes, scale, name):
         padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]])
         shards = pack(tf.reshape(padded, [self.world_size, self.length]), self.codec.code_space)
+        return self.start_packed(shards, scale, name)
+
+    def start_packed(self, packed, scale, name):
+        """``start`` for codes already packed (``fused``): ``payload``'s format."""
+        shards = tf.reshape(packed, [self.world_size, -1])
         return self.fusion.send(name, self.meter.hand(shards)), scale, name
 
     def finish(self, pending):
         fusion, scale, name = pending
         received = fusion.receive(name)
-        values = self.codec.values(unpack(received, self.codec.code_space, self.length))
-        payload = self.meter.hand(pack(_sum_rows(values), self.total_space))
-        rows = _gather_rows(payload, f"{name}.sum", self.process_set)
+        if self._fused(scale):
+            payload = fused.summed_codes(self.codec, received, self.length, self.total_space)
+        else:
+            values = self.codec.values(unpack(received, self.codec.code_space, self.length))
+            payload = pack(_sum_rows(values), self.total_space)
+        rows = _gather_rows(self.meter.hand(payload), f"{name}.sum", self.process_set)
+        if self._fused(scale):
+            return fused.decoded_segments(
+                self.codec, rows, self.total_space, self.length, scale, self.count, self.numel
+            )
         total = tf.reshape(unpack(rows, self.total_space, self.length), [-1])[: self.numel]
         return self.codec.decode(
             tf.cast(total, tf.float32 if total.dtype.is_floating else tf.int32), scale, self.count

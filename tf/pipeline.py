@@ -25,7 +25,7 @@ from hvd_compress.validation import (
     check_reduction,
 )
 
-from . import seeding
+from . import fused, seeding
 from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange, refuse_xla
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
@@ -404,6 +404,14 @@ class CompressionPipeline(tf.Module):
                     ignore_name_scope=True,
                     process_set=self.process_set,
                 )
+        if fused.applies(self.codec, vector):
+            key = seeding.stream_seed(self.seed, self.rank, self.step, plan.index)
+            payload, residual = fused.encode(
+                self.codec, exchange, vector, scale, key, feedback=self.worker_memory is not None
+            )
+            if self.worker_memory is not None:
+                self.worker_memory.propose(plan.name, residual)
+            return exchange.start_packed(payload, scale, _codes_name(plan))
         draws = None
         if self.codec.stochastic:
             draws = uniforms(self.seed, self.rank, self.step, plan.index, [plan.numel])

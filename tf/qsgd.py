@@ -4,12 +4,15 @@ import tensorflow as tf
 
 from hvd_compress import qsgd as reference
 
+from . import fused
 from .buckets import normalized, reduce, rescale
 from .codec import Codec
 from .quantizer import UniformQuantizer
 
 
 def _local_norms(quantizer, grad, norm):
+    if fused.applies(quantizer, grad):
+        return fused.local_scale(quantizer, grad)
     g = tf.reshape(tf.cast(grad, tf.float32), [-1])
     d = quantizer.bucket_length(g.shape[0])
     if norm == "l2":

@@ -4,6 +4,7 @@ import tensorflow as tf
 
 from hvd_compress import terngrad as reference
 
+from . import fused
 from .quantizer import UniformQuantizer
 
 
@@ -11,6 +12,8 @@ class TernGrad(reference.TernGrad, UniformQuantizer):
     __doc__ = reference.TernGrad.__doc__
 
     def local_scale(self, grad):
+        if fused.applies(self, grad):
+            return fused.local_scale(self, grad)
         g = tf.reshape(tf.cast(grad, tf.float32), [-1])
         amax = tf.reduce_max(tf.abs(g))
         if self.clip == 0:

@@ -1,0 +1,246 @@
+"""The fused CPU kernels' calls (``hvd_compress.kernels``) on numpy arrays, shared by the
+ports: ``hvd_compress.pt.fused`` passes the arrays behind CPU tensors, and
+``hvd_compress.tf.fused`` the arrays a ``tf.numpy_function`` receives. TernGrad's and the
+fixed-width QSGD family's scales, encoding (draws, rounding, packing, residual) and decoding
+on each exchange's receiving side.
+
+Each call gives what the codec's eager ops give, bit for bit: the codes, packed bytes,
+decoded values and residuals; the scales are the float64 reference's (the ports' float64
+sums are within float64 rounding of it, so their float32 scales very rarely differ in the
+last bit).
+"""
+
+import functools
+import importlib.util
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from hvd_compress.codes import IntCodes
+from hvd_compress.seeding import key_words
+
+# Numba installed, and not turned off by ``HVD_COMPRESS_KERNELS=0`` (which keeps the eager
+# ops everywhere, to compare the two).
+AVAILABLE = (
+    importlib.util.find_spec("numba") is not None
+    and os.environ.get("HVD_COMPRESS_KERNELS", "1") != "0"
+)
+
+# The codecs whose fixed-width codes the kernels quantize and decode.
+QUANTIZERS = ("terngrad", "qsgd", "qsgd-inf", "nuqsgd")
+
+# "No array" for kernels that take one.
+NONE = np.empty(0, dtype=np.float32)
+
+
+@functools.cache
+def kernels():
+    """``hvd_compress.kernels``, imported when first needed: numba's import takes 0.25 s
+    that a process without work for the kernels need not spend."""
+    from hvd_compress import kernels
+
+    return kernels
+
+
+def quantizes(codec) -> bool:
+    """Whether the kernels encode and decode ``codec``'s codes: TernGrad and the QSGD
+    family with fixed-width codes."""
+    return codec.name in QUANTIZERS and codec.wire == "fixed"
+
+
+def local_scale(codec, g: np.ndarray) -> np.ndarray:
+    """``TernGrad.local_scale`` (min(c sigma, max|g|), in two passes: the sum and max|g|,
+    then the centered squares) or the QSGD family's (``_local_norms``: one pass) of the flat
+    float32 ``g``; +inf everywhere for a non-finite gradient, as the eager ops."""
+    if codec.name == "terngrad":
+        if g.size == 0:
+            return np.zeros(1, dtype=np.float32)
+        total, top = kernels().sum_and_top(g, g.view(np.int32))
+        scale = np.int32(top).view(np.float32)  # max|g|
+        if not np.isfinite(total):
+            scale = np.float32(np.inf)
+        elif codec.clip != 0:
+            variance = kernels().centered_squares(g, total / g.size) / g.size
+            scale = min(np.float32(codec.clip) * np.float32(np.sqrt(variance)), scale)
+        return np.array([scale], dtype=np.float32)
+    d = codec.bucket_length(g.size)
+    if getattr(codec, "norm", "l2") == "l2":
+        sums = np.empty(codec.buckets(g.size), dtype=np.float64)
+        kernels().bucket_squares(g, d, sums)
+        scale = np.sqrt(sums).astype(np.float32)
+    else:
+        scale = np.empty(codec.buckets(g.size), dtype=np.int32)
+        kernels().bucket_tops(g.view(np.int32), d, scale)
+        scale = scale.view(np.float32)
+    if not np.isfinite(scale).all():
+        scale[:] = np.inf
+    return scale
+
+
+def _levels(codec):
+    """(s, exponent) of the ``quantized`` kernel: s uniform levels, or 0 and NUQSGD's
+    smallest level 2^-exponent."""
+    return (0, codec.exponent) if codec.name == "nuqsgd" else (codec.levels, 0)
+
+
+def divisor(codec, count: int) -> int:
+    """The divisor of ``codec.decode(total, scale, count)``."""
+    levels, exponent = _levels(codec)
+    return (levels or 2**exponent) * count
+
+
+def encode(
+    codec,
+    p: np.ndarray,
+    scale: np.ndarray,
+    key: int,
+    payload: np.ndarray,
+    residual: np.ndarray | None,
+) -> np.ndarray:
+    """``codec.encode`` of p under ``scale`` with the draws of stream ``key``
+    (``seeding.uniforms``), written as the exchange sends it: into ``payload`` if it is
+    uint8 (packed codes, the code 0 in every field past p's: the sharded exchange's
+    padding), else as the codes' values in the allreduce's carrier (``payload``'s dtype).
+    With a ``residual`` array, p - decode(values(codes), scale, 1) goes there, in the same
+    pass. Returns the payload."""
+    space = codec.code_space
+    packed = payload.dtype == np.uint8
+    if packed:
+        payload[space.packed_nbytes(p.size) :] = sum(
+            space.bound << (space.width * t) for t in range(space.codes_per_byte)
+        )
+    # numba has no float16: values for a float16 carrier are converted after the kernel.
+    values = np.empty(
+        0 if packed else p.size,
+        dtype=np.int32 if payload.dtype == np.float16 else payload.dtype,
+    )
+    levels, exponent = _levels(codec)
+    kernels().quantized(
+        p,
+        scale.reshape(-1),
+        codec.bucket_length(p.size),
+        levels,
+        exponent,
+        *(np.uint32(word) for word in key_words(key)),
+        space.bound,
+        space.width,
+        values,
+        payload if packed else NONE.view(np.uint8),
+        NONE if residual is None else residual,
+    )
+    if packed:
+        return payload
+    return values if values.dtype == payload.dtype else values.astype(payload.dtype)
+
+
+def table(space, values: Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
+    """Row ``byte``: the values of the fields of ``byte`` in ``space`` (of at most 8 bits):
+    ``values`` (a codec's, int32 codes to int32 values) of the codes, or with none the
+    fields less the bound (sums). An empty table for wider fields, which the kernels read
+    without one."""
+    if space.width > 8:
+        return np.zeros((0, 1), np.int32)
+    fields = np.arange(2**space.width) - space.bound
+    if values is not None:
+        fields = values(fields.clip(-space.bound, space.bound).astype(np.int32))
+    per = space.codes_per_byte
+    shifts = space.width * np.arange(per)
+    return fields[(np.arange(256)[:, None] >> shifts) & (2**space.width - 1)].astype(np.int32)
+
+
+@functools.cache
+def sum_table(space) -> np.ndarray:
+    """``table`` of sums in ``space``: the fields less the bound."""
+    return table(space, None)
+
+
+def decoded_totals(codec, total: np.ndarray, scale: np.ndarray, count: int) -> np.ndarray:
+    """``codec.decode`` of the allreduce's summed values ``total``."""
+    out = np.empty(total.shape, dtype=np.float32)
+    if total.dtype == np.float16:  # exact integers: numba has no float16
+        total = total.astype(np.float32)
+    kernels().decoded_totals(
+        total, scale.reshape(-1), codec.bucket_length(total.size), divisor(codec, count), out
+    )
+    return out
+
+
+def summed_codes(
+    codec, rows: np.ndarray, codes: np.ndarray, length: int, total_space: IntCodes
+) -> np.ndarray:
+    """The sharded exchange's partial sum: the values of the first ``length`` codes of
+    every row (packed, their ``table`` ``codes``), summed over the rows and packed in
+    ``total_space``."""
+    space = codec.code_space
+    out = np.empty(total_space.packed_nbytes(length), dtype=np.uint8)
+    kernels().summed_codes(
+        rows, codes, space.width, space.bound, length, total_space.bound, total_space.width, out
+    )
+    return out
+
+
+def decoded_sums(
+    codec, rows: np.ndarray, codes: np.ndarray, scale: np.ndarray, count: int, numel: int
+) -> np.ndarray:
+    """The allgather's ``codec.decode`` of the sum over the rows' values (``codes``: their
+    ``table``), under the shared scale."""
+    space = codec.code_space
+    out = np.empty(numel, dtype=np.float32)
+    kernels().decoded_sums(
+        rows,
+        codes,
+        space.width,
+        space.bound,
+        scale.reshape(-1),
+        codec.bucket_length(numel),
+        divisor(codec, count),
+        out,
+    )
+    return out
+
+
+def decoded_own_scales(
+    codec, rows: np.ndarray, codes: np.ndarray, scales: np.ndarray, count: int, numel: int
+) -> np.ndarray:
+    """The allgather's sum over the rows of ``codec.decode`` of their values (``codes``:
+    their ``table``), each row under its own scales (row of ``scales``)."""
+    space = codec.code_space
+    out = np.empty(numel, dtype=np.float32)
+    kernels().decoded_own_scales(
+        rows,
+        codes,
+        space.width,
+        space.bound,
+        scales,
+        codec.bucket_length(numel),
+        divisor(codec, count),
+        out,
+    )
+    return out
+
+
+def decoded_segments(
+    codec,
+    rows: np.ndarray,
+    total_space: IntCodes,
+    length: int,
+    scale: np.ndarray,
+    count: int,
+    numel: int,
+) -> np.ndarray:
+    """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
+    elements r length .. (r + 1) length - 1, packed in ``total_space``."""
+    out = np.empty(numel, dtype=np.float32)
+    kernels().decoded_segments(
+        rows,
+        sum_table(total_space),
+        total_space.width,
+        total_space.bound,
+        length,
+        scale.reshape(-1),
+        codec.bucket_length(numel),
+        divisor(codec, count),
+        out,
+    )
+    return out

@@ -1,0 +1,150 @@
+"""The codecs' per-element passes on CPU tensors, fused by ``hvd_compress.kernels``:
+TernGrad's and the fixed-width QSGD family's scales, encoding (with the draws of
+``seeding.uniforms``, packing and residual) and decoding. Mirrors
+``hvd_compress.pt.fused``.
+
+Each call is one ``tf.numpy_function`` around ``hvd_compress.fused``'s call of a kernel,
+so it runs inside the pipeline's ``tf.function`` graphs as well as eagerly; the kernels
+release the GIL. The codec and exchange ops (``TernGrad``, ``QSGD``, ..., ``tf.exchange``)
+define the step and are what GPU tensors run; on CPU float32 tensors these calls give the
+same codes, packed bytes, decoded values and residuals bit for bit, in a few passes where
+the graph's ops make one pass each.
+
+``HVD_COMPRESS_KERNELS=0`` in the environment keeps the ops everywhere, to compare the two.
+"""
+
+import functools
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_compress import fused as core
+
+# Whether the kernels run at all (tests and benchmarks switch it to compare).
+ENABLED = core.AVAILABLE
+
+
+def _on_cpu(tensor) -> bool:
+    """Whether ``tensor`` is on the CPU: placed there, or unplaced (in a graph) on a
+    machine without a GPU."""
+    device = tensor.device.upper()
+    if "GPU" in device:
+        return False
+    return "CPU" in device or not tf.config.list_logical_devices("GPU")
+
+
+def applies(codec, tensor) -> bool:
+    """Whether ``codec``'s work on tensors like ``tensor`` goes through the kernels: CPU
+    float32 tensors of ``TernGrad`` and the QSGD family's fixed width."""
+    return ENABLED and tensor.dtype == tf.float32 and core.quantizes(codec) and _on_cpu(tensor)
+
+
+def _call(function, inputs, outputs):
+    """``function`` of the arrays of ``inputs``, as tensors of ``outputs`` (TensorSpecs)."""
+    results = tf.numpy_function(function, inputs, [spec.dtype for spec in outputs], stateful=False)
+    if not isinstance(results, list):  # eagerly, a single output comes alone
+        results = [results]
+    for result, spec in zip(results, outputs):
+        result.set_shape(spec.shape)
+    return results
+
+
+def _floats(numel):
+    return tf.TensorSpec([numel], tf.float32)
+
+
+def local_scale(codec, grad: tf.Tensor) -> tf.Tensor:
+    """``TernGrad.local_scale`` or the QSGD family's (``hvd_compress.fused.local_scale``)."""
+    g = tf.reshape(grad, [-1])
+    buckets = 1 if codec.name == "terngrad" else codec.buckets(g.shape[0])
+    (scale,) = _call(lambda g: (core.local_scale(codec, g),), [g], [_floats(buckets)])
+    return scale
+
+
+def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feedback: bool):
+    """``codec.encode`` of p under ``scale`` with the draws of stream ``key`` (an int64
+    tensor), written as ``exchange`` sends it (its ``payload``: packed codes, or values in
+    the allreduce's carrier), and with ``feedback`` the residual
+    p - decode(values(codes), scale, 1) of ``ErrorFeedback.update``, in one pass:
+    (payload, residual or None)."""
+    spec = exchange.payload()
+
+    def run(p, scale, key):
+        payload = np.empty(spec.shape, dtype=spec.dtype.as_numpy_dtype)
+        residual = np.empty_like(p) if feedback else None
+        payload = core.encode(codec, p, scale, int(key), payload, residual)
+        return (payload, residual) if feedback else (payload,)
+
+    outputs = [spec, _floats(p.shape[0])] if feedback else [spec]
+    results = _call(run, [p, scale, key], outputs)
+    return results[0], results[1] if feedback else None
+
+
+@functools.cache
+def _table(codec, space):
+    """``hvd_compress.fused.table`` of ``codec``'s values of codes in ``space``, computed
+    eagerly once (also when first asked for while a graph is traced)."""
+    with tf.init_scope():
+        return core.table(space, lambda codes: codec.values(tf.constant(codes)).numpy())
+
+
+def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.Tensor:
+    """``codec.decode`` of the allreduce's summed values ``total``."""
+    (out,) = _call(
+        lambda total, scale: (core.decoded_totals(codec, total, scale, count),),
+        [total, scale],
+        [_floats(total.shape[0])],
+    )
+    return out
+
+
+def summed_codes(codec, rows: tf.Tensor, length: int, total_space) -> tf.Tensor:
+    """The sharded exchange's partial sum: the values of the first ``length`` codes of
+    every row, summed over the rows and packed in ``total_space``."""
+    codes = _table(codec, codec.code_space)
+    (out,) = _call(
+        lambda rows: (core.summed_codes(codec, rows, codes, length, total_space),),
+        [rows],
+        [tf.TensorSpec([total_space.packed_nbytes(length)], tf.uint8)],
+    )
+    return out
+
+
+def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: int) -> tf.Tensor:
+    """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
+    codes = _table(codec, codec.code_space)
+    (out,) = _call(
+        lambda rows, scale: (core.decoded_sums(codec, rows, codes, scale, count, numel),),
+        [rows, scale],
+        [_floats(numel)],
+    )
+    return out
+
+
+def decoded_own_scales(
+    codec, rows: tf.Tensor, scales: tf.Tensor, count: int, numel: int
+) -> tf.Tensor:
+    """The allgather's sum over the rows of ``codec.decode`` of their values, each row
+    under its own scales (row of ``scales``)."""
+    codes = _table(codec, codec.code_space)
+    (out,) = _call(
+        lambda rows, scales: (core.decoded_own_scales(codec, rows, codes, scales, count, numel),),
+        [rows, scales],
+        [_floats(numel)],
+    )
+    return out
+
+
+def decoded_segments(
+    codec, rows: tf.Tensor, total_space, length: int, scale: tf.Tensor, count: int, numel: int
+) -> tf.Tensor:
+    """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
+    elements r length .. (r + 1) length - 1, packed in ``total_space``."""
+    (out,) = _call(
+        lambda rows, scale: (
+            core.decoded_segments(codec, rows, total_space, length, scale, count, numel),
+        ),
+        [rows, scale],
+        [_floats(numel)],
+    )
+    return out
