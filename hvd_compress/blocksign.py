@@ -66,13 +66,17 @@ class BlockSign(Codec):
 
     def local_scale(self, grad):
         p = grad.astype(np.float64).ravel()
-        n = self.buckets(p.size)
-        if not np.isfinite(p).all():
-            return np.full(n, np.inf, np.float32)
-        d = self.bucket_length(p.size)
-        sums = buckets.reduce(np.abs(p), d, np.sum)
-        sizes = np.minimum(d, p.size - d * np.arange(n))
-        return (sums / sizes).astype(np.float32)
+        return self.scale_from_sums(
+            buckets.reduce(np.abs(p), self.bucket_length(p.size), np.sum), p.size
+        )
+
+    def scale_from_sums(self, sums, numel):
+        """The float32 block scales of ``numel`` elements from their float64 sums of |p|
+        per block (``local_scale``'s, or those a fused kernel accumulated). Sums propagate
+        NaN and Inf: a non-finite scale marks the whole tensor (+inf everywhere)."""
+        d = self.bucket_length(numel)
+        scale = (sums / np.minimum(d, numel - d * np.arange(sums.size))).astype(np.float32)
+        return scale if np.isfinite(scale).all() else np.full(sums.size, np.inf, np.float32)
 
     def encode(self, grad, scale, uniforms):
         return np.where(grad >= 0, 1, -1).astype(np.int8)

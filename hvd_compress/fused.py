@@ -1,6 +1,7 @@
 """The fused CPU kernels' calls (``hvd_compress.kernels``) on numpy arrays, shared by the
 ports: ``hvd_compress.pt.fused`` passes the arrays behind CPU tensors, and
-``hvd_compress.tf.fused`` the arrays a ``tf.numpy_function`` receives. TernGrad's and the
+``hvd_compress.tf.fused`` the arrays a ``tf.numpy_function`` receives. ef-sign's worker
+(momentum, compensation, block scales, signs, residual) and server; TernGrad's and the
 fixed-width QSGD family's scales, encoding (draws, rounding, packing, residual) and decoding
 on each exchange's receiving side.
 
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hvd_compress.blocksign import BlockSign
 from hvd_compress.codes import IntCodes
 from hvd_compress.seeding import key_words
 
@@ -43,10 +45,104 @@ def kernels():
     return kernels
 
 
+def covers(codec) -> bool:
+    """Whether the kernels do ``codec``'s per-element work: ``BlockSign``, or a
+    ``quantizes`` codec."""
+    return isinstance(codec, BlockSign) or quantizes(codec)
+
+
 def quantizes(codec) -> bool:
     """Whether the kernels encode and decode ``codec``'s codes: TernGrad and the QSGD
     family with fixed-width codes."""
     return codec.name in QUANTIZERS and codec.wire == "fixed"
+
+
+def momentum(grad: np.ndarray, buffer: np.ndarray, mu: float, nesterov: bool) -> np.ndarray:
+    """``WorkerMomentum``'s m = mu m + g and u = g + mu m (or m) in one pass over ``grad``,
+    which becomes u; returns the new m."""
+    out = np.empty_like(grad)
+    kernels().momentum(grad, buffer, mu, nesterov, out)
+    return out
+
+
+def compensated_scale(
+    codec,
+    vector: np.ndarray,
+    residual: np.ndarray | None,
+    ratio: float,
+    momentum: tuple | None = None,
+) -> tuple:
+    """``ErrorFeedback.compensate`` and ``codec.local_scale``: (p, scale), p = u + residual
+    * ratio. u is ``vector``, or with a ``momentum`` (buffer, mu, nesterov, new buffer:
+    ``WorkerMomentum.Deferred``'s) the direction of ``WorkerMomentum.before_exchange``,
+    whose new buffer is written in the same pass. Without either, p is ``vector`` itself.
+    ``BlockSign``'s scales are summed in that pass; the quantizers' (a standard deviation,
+    norms) take passes over p of their own (``local_scale``), and leave the pass's one
+    sum unused."""
+    blocks = isinstance(codec, BlockSign)
+    if not blocks and residual is None and momentum is None:
+        return vector, local_scale(codec, vector)
+    sums = np.empty(codec.buckets(vector.size) if blocks else 1, dtype=np.float64)
+    p = vector if residual is None and momentum is None else np.empty_like(vector)
+    kernels().compensated_block_l1(
+        vector,
+        *((NONE, 0.0, False, NONE) if momentum is None else momentum),
+        NONE if residual is None else residual,
+        ratio,
+        codec.bucket_length(vector.size) if blocks else max(vector.size, 1),
+        p,
+        sums,
+    )
+    if blocks:
+        return p, BlockSign.scale_from_sums(codec, sums, vector.size)
+    return p, local_scale(codec, p)
+
+
+def signs_with_feedback(codec, p: np.ndarray, scale: np.ndarray) -> tuple:
+    """``BlockSign.encode``, packing, and the residual p - decode(codes) that
+    ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
+    packed = np.empty(-(-p.size // 8), dtype=np.uint8)
+    residual = np.empty_like(p)
+    kernels().signs_with_feedback(p, scale, codec.bucket_length(p.size), packed, residual)
+    return packed, residual
+
+
+def server_step(
+    codec,
+    bits: np.ndarray,
+    scales: np.ndarray,
+    count: int,
+    previous: np.ndarray | None,
+    ratio: float,
+    numel: int,
+) -> tuple:
+    """``ServerStep`` of a server (of one shard, or replicated over a whole tensor) whose
+    workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
+    (``scales``), with its ``previous`` residual: the average, the compensation and the
+    second compression. Returns (packed signs, scale, new residual)."""
+    p = np.empty(numel, dtype=np.float32)
+    sums = np.empty(codec.buckets(numel), dtype=np.float64)
+    kernels().averaged_block_l1(
+        bits,
+        scales,
+        count,
+        NONE if previous is None else previous,
+        ratio,
+        codec.bucket_length(numel),
+        p,
+        sums,
+    )
+    scale = BlockSign.scale_from_sums(codec, sums, numel)
+    packed, residual = signs_with_feedback(codec, p, scale)
+    return packed, scale, residual
+
+
+def scaled_signs(bits: np.ndarray, scales: np.ndarray, numel: int) -> np.ndarray:
+    """``packing.unpack_scaled_signs``: the first ``numel`` signs of each row of ``bits``
+    times that row's scale, as float32 rows."""
+    out = np.empty((bits.shape[0], numel), dtype=np.float32)
+    kernels().scaled_signs(bits, scales.reshape(-1), out)
+    return out
 
 
 def local_scale(codec, g: np.ndarray) -> np.ndarray:

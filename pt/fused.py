@@ -34,68 +34,46 @@ def applies(codec, tensor):
         ENABLED
         and tensor.device.type == "cpu"
         and tensor.dtype == torch.float32
-        and (isinstance(codec, BlockSign) or core.quantizes(codec))
+        and core.covers(codec)
     )
 
 
 def momentum(grad, buffer, mu, nesterov):
     """``WorkerMomentum``'s m = mu m + g and u = g + mu m (or m) in one pass over a
     contiguous ``grad``, which becomes u; returns the new m."""
-    out = torch.empty_like(grad)
-    core.kernels().momentum(
-        grad.view(-1).numpy(), buffer.reshape(-1).numpy(), mu, nesterov, out.view(-1).numpy()
-    )
-    return out
+    out = core.momentum(grad.view(-1).numpy(), buffer.reshape(-1).numpy(), mu, nesterov)
+    return torch.from_numpy(out).view(grad.shape)
 
 
 def compensated_scale(codec, vector, residual, ratio, momentum=None):
-    """``ErrorFeedback.compensate`` and ``codec.local_scale``: (p, scale), p = u + residual
-    * ratio. u is ``vector``, or with a ``momentum`` (``WorkerMomentum.Deferred``) the
-    direction of ``WorkerMomentum.before_exchange``, whose new buffer is written in the
-    same pass. Without either, p is ``vector`` itself. ``BlockSign``'s scales are summed
-    in that pass; the quantizers' (a standard deviation, norms) take passes over p of
-    their own (``local_scale``), and leave the pass's one sum unused."""
-    numel = vector.numel()
-    blocks = isinstance(codec, BlockSign)
-    if not blocks and residual is None and momentum is None:
-        return vector, local_scale(codec, vector)
-    sums = torch.empty(codec.buckets(numel) if blocks else 1, dtype=torch.float64)
-    p = vector if residual is None and momentum is None else torch.empty_like(vector)
-    accelerate = (
-        (core.NONE, 0.0, False, core.NONE)
-        if momentum is None
-        else (
+    """``ErrorFeedback.compensate`` and ``codec.local_scale`` (``hvd_compress.fused``):
+    (p, scale), p = u + residual * ratio, u ``vector`` or with a ``momentum``
+    (``WorkerMomentum.Deferred``) its direction, whose new buffer is written in the same
+    pass. Without either, p is ``vector`` itself."""
+    accelerate = None
+    if momentum is not None:
+        accelerate = (
             momentum.buffer.reshape(-1).numpy(),
             momentum.mu,
             momentum.nesterov,
             momentum.out.view(-1).numpy(),
         )
-    )
-    core.kernels().compensated_block_l1(
+    p, scale = core.compensated_scale(
+        codec,
         vector.detach().numpy(),
-        *accelerate,
-        core.NONE if residual is None else residual.numpy(),
+        None if residual is None else residual.numpy(),
         ratio,
-        codec.bucket_length(numel) if blocks else max(numel, 1),
-        p.detach().numpy(),
-        sums.numpy(),
+        accelerate,
     )
-    return p, codec.scale_from_sums(sums, numel) if blocks else local_scale(codec, p)
+    same = residual is None and momentum is None
+    return vector if same else torch.from_numpy(p), torch.as_tensor(scale)
 
 
 def signs_with_feedback(codec, p, scale):
     """``BlockSign.encode``, packing, and the residual p - decode(codes) that
     ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
-    packed = torch.empty(-(-p.numel() // 8), dtype=torch.uint8)
-    residual = torch.empty_like(p)
-    core.kernels().signs_with_feedback(
-        p.detach().numpy(),
-        scale.numpy(),
-        codec.bucket_length(p.numel()),
-        packed.numpy(),
-        residual.numpy(),
-    )
-    return packed, residual
+    packed, residual = core.signs_with_feedback(codec, p.detach().numpy(), scale.numpy())
+    return torch.from_numpy(packed), torch.from_numpy(residual)
 
 
 def server_step(server, codec, bits, scales, count, numel):
@@ -103,31 +81,26 @@ def server_step(server, codec, bits, scales, count, numel):
     workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
     (``scales``): the average, the server residual and the second compression. Returns
     (packed signs, scale) and proposes the new server residual."""
-    p = torch.empty(numel, dtype=torch.float32)
-    sums = torch.empty(codec.buckets(numel), dtype=torch.float64)
     previous = server.memory.residuals.get(server.key)
-    core.kernels().averaged_block_l1(
+    packed, scale, residual = core.server_step(
+        codec,
         bits.numpy(),
         scales.contiguous().numpy(),
         count,
-        core.NONE if previous is None else previous.numpy(),
+        None if previous is None else previous.numpy(),
         server.ratio,
-        codec.bucket_length(numel),
-        p.numpy(),
-        sums.numpy(),
+        numel,
     )
-    scale = codec.scale_from_sums(sums, numel)
-    packed, residual = signs_with_feedback(codec, p, scale)
-    server.memory.propose(server.key, residual)
-    return packed, scale
+    server.memory.propose(server.key, torch.from_numpy(residual))
+    return torch.from_numpy(packed), torch.from_numpy(scale)
 
 
 def scaled_signs(bits, scales, numel):
     """``packing.unpack_scaled_signs``: the first ``numel`` signs of each row of ``bits``
     times that row's scale, as float32 rows."""
-    out = torch.empty(bits.shape[0], numel, dtype=torch.float32)
-    core.kernels().scaled_signs(bits.numpy(), scales.reshape(-1).contiguous().numpy(), out.numpy())
-    return out
+    return torch.from_numpy(
+        core.scaled_signs(bits.numpy(), scales.reshape(-1).contiguous().numpy(), numel)
+    )
 
 
 def local_scale(codec, grad: torch.Tensor) -> torch.Tensor:

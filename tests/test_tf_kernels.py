@@ -1,9 +1,10 @@
 """The TensorFlow port's fused CPU kernels (``hvd_compress.tf.fused``) against the
-TensorFlow ops they replace, bit for bit: TernGrad's and the QSGD family's scales (equal to
-the float64 reference), every exchange's payload (packed codes of full and partial bytes
-and buckets, the sharded padding, allreduce values), residuals, and every exchange's
-receiving side; eagerly and inside ``tf.function``; and a tape loop on 2 ranks that
-exchanges the same gradients with the kernels as without them.
+TensorFlow ops they replace, bit for bit: ef-sign's compensation, block scales (equal to
+the float64 reference), signs, residual, server step and decoding; TernGrad's and the QSGD
+family's scales (equal to the float64 reference), every exchange's payload (packed codes of
+full and partial bytes and buckets, the sharded padding, allreduce values), residuals, and
+every exchange's receiving side; eagerly and inside ``tf.function``; and a tape loop on 2
+ranks that exchanges the same gradients with the kernels as without them.
 
 TensorFlow runs in child processes only (see ``test_tf_codecs``).
 """
@@ -28,6 +29,7 @@ QUANTIZERS = [
     hvd_compress.NUQSGD(bucket_size=2048),
 ]
 LENGTHS = [1, 9, 4097, 100_003]
+BLOCKS = [None, 7, 4096]
 
 
 def _vector(numel, seed, bad=None):
@@ -46,6 +48,93 @@ def _codes(space, rows, numel, seed):
     )
 
 
+def _sign_cases(blocks, lengths):
+    """Every comparison of ef-sign's kernels and ops; returns the labels of those that
+    differ."""
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+    from hvd_compress.codes import SignCodes
+    from hvd_compress.server import ServerStep
+    from hvd_compress.tf import fused
+    from hvd_compress.tf.memory import ErrorFeedback
+    from hvd_compress.tf.packing import pack, unpack
+
+    differ = []
+    traced = {
+        "eager": (fused.compensated_scale, fused.signs_with_feedback),
+        "traced": (
+            tf.function(fused.compensated_scale, autograph=False),
+            tf.function(fused.signs_with_feedback, autograph=False),
+        ),
+    }
+    for block in blocks:
+        codec = htf.BlockSign(block)
+        for numel in lengths:
+            for bad in (None, float("nan")):
+                label = f"block={block} numel={numel} bad={bad}"
+                vector = tf.constant(_vector(numel, numel, bad))
+                residual = tf.constant(_vector(numel, 1) / 10)
+                for ratio in (1.0, 0.3):
+                    want = vector + residual * ratio
+                    want_scale = hvd_compress.BlockSign(block).local_scale(want.numpy())
+                    want_sent = codec.decode(
+                        codec.values(codec.encode(want, None, None)), want_scale, 1
+                    )
+                    want_packed = tf.reshape(
+                        pack(codec.encode(want, None, None)[None], SignCodes()), [-1]
+                    )
+                    for how, (compensate, signs) in traced.items():
+                        p, scale = compensate(codec, vector, residual, ratio)
+                        _check(differ, f"{label} {how} ratio={ratio}: p", p, want)
+                        _check(differ, f"{label} {how}: scale", scale, want_scale)
+                        packed, kept = signs(codec, p, scale)
+                        _check(differ, f"{label} {how}: packed", packed, want_packed)
+                        _check(differ, f"{label} {how}: residual", kept, want - want_sent)
+                # The server of 3 workers' one-block messages, with a residual, and the
+                # decoding of its message.
+                rng = np.random.default_rng(numel)
+                bits = tf.constant(rng.integers(0, 256, (3, -(-numel // 8))).astype(np.uint8))
+                scales = tf.constant(rng.uniform(0.1, 2.0, 3).astype(np.float32))
+                signs = tf.cast(unpack(bits, SignCodes(), numel), tf.float32)
+                average = tf.reduce_sum(signs * scales[:, None], axis=0) / 3
+                memories = []
+                for _ in range(2):
+                    memory = ErrorFeedback({"x": numel})
+                    memory.residuals["x"].assign(residual)
+                    memories.append(memory)
+                codes, want_scale, want_sent = ServerStep(memories[0], "x", 0.3)(codec, average)
+                packed, scale = fused.server_step(
+                    ServerStep(memories[1], "x", 0.3), codec, bits, scales, 3, numel
+                )
+                want_packed = tf.reshape(pack(codes[None], SignCodes()), [-1])
+                _check(differ, f"{label}: server packed", packed, want_packed)
+                _check(differ, f"{label}: server scale", scale, want_scale)
+                _check(
+                    differ,
+                    f"{label}: server residual",
+                    memories[1].proposed["x"],
+                    memories[0].proposed["x"],
+                )
+                if scale.shape[0] == 1:
+                    _check(
+                        differ,
+                        f"{label}: decoded server message",
+                        fused.scaled_signs(packed[None], scale, numel)[0],
+                        want_sent,
+                    )
+    return differ
+
+
+def _check(differ, label, got, want):
+    """Adds ``label`` to ``differ`` unless ``got`` is ``want`` (dtype, shape, bits; NaN
+    equal to NaN)."""
+    got, want = np.asarray(got), np.asarray(want)
+    same = got.dtype == want.dtype and got.shape == want.shape
+    if not same or not np.array_equal(got, want, equal_nan=got.dtype.kind == "f"):
+        differ.append(label)
+
+
 def _kernel_cases(quantizers, lengths):
     """Every comparison of kernels and ops; returns the labels of those that differ."""
     import tensorflow as tf
@@ -56,15 +145,6 @@ def _kernel_cases(quantizers, lengths):
     from hvd_compress.tf.packing import pack, unpack
 
     differ = []
-
-    def check(label, got, want):
-        got, want = np.asarray(got), np.asarray(want)
-        if (
-            got.dtype != want.dtype
-            or got.shape != want.shape
-            or not np.array_equal(got, want, equal_nan=got.dtype.kind == "f")
-        ):
-            differ.append(label)
 
     def eager(call, *args):
         fused.ENABLED = False
@@ -92,7 +172,7 @@ def _kernel_cases(quantizers, lengths):
                 label = f"{reference!r} numel={numel} bad={bad}"
                 p = tf.constant(_vector(numel, numel, bad))
                 scale = codec.local_scale(p)
-                check(f"{label}: scale", scale, reference.local_scale(p.numpy()))
+                _check(differ, f"{label}: scale", scale, reference.local_scale(p.numpy()))
                 key = seeding.stream_seed(numel, 3, 7, 11)
                 codes = codec.encode(p, scale, seeding.uniforms(key, numel))
                 sent = codec.decode(codec.values(codes), scale, 1)
@@ -105,27 +185,30 @@ def _kernel_cases(quantizers, lengths):
                         # numba make differently; its step is skipped on every rank (the
                         # scale is +inf, the decoded values and residual NaN).
                         if bad is None:
-                            check(f"{label} {name} {how}: payload", payload, want)
-                        check(f"{label} {name} {how}: residual", residual, p - sent)
+                            _check(differ, f"{label} {name} {how}: payload", payload, want)
+                        _check(differ, f"{label} {name} {how}: residual", residual, p - sent)
                 # The receiving sides, on random codes of ``world`` workers.
                 world = 4
                 rows = pack(tf.constant(_codes(space, world, numel, numel)), space)
                 values = codec.values(unpack(rows, space, numel))
                 exchange = make_exchange("allreduce", codec, numel, world, Meter(), world)
                 total = tf.cast(_sum_rows(values), exchange.carrier)
-                check(
+                _check(
+                    differ,
                     f"{label}: allreduce decode",
                     fused.decoded_totals(codec, total, scale, world),
                     eager(exchange.finish, (total, scale)),
                 )
-                check(
+                _check(
+                    differ,
                     f"{label}: allgather decode",
                     fused.decoded_sums(codec, rows, scale, world, numel),
                     codec.decode(_sum_rows(values), scale, world),
                 )
                 own = tf.abs(tf.constant(_vector(world * scale.shape[0], numel + 1))) + 0.1
                 own = tf.reshape(own, [world, -1])
-                check(
+                _check(
+                    differ,
                     f"{label}: allgather own-scale decode",
                     fused.decoded_own_scales(codec, rows, own, world, numel),
                     tf.reduce_sum(codec.decode(values, own, world), axis=0),
@@ -134,7 +217,8 @@ def _kernel_cases(quantizers, lengths):
                 length, total_space = sharded.length, sharded.total_space
                 received = pack(tf.constant(_codes(space, world, length, numel + 2)), space)
                 summed = _sum_rows(codec.values(unpack(received, space, length)))
-                check(
+                _check(
+                    differ,
                     f"{label}: sharded sum",
                     fused.summed_codes(codec, received, length, total_space),
                     pack(summed, total_space),
@@ -143,7 +227,8 @@ def _kernel_cases(quantizers, lengths):
                     tf.constant(_codes(total_space, world, length, numel + 3)), total_space
                 )
                 total = tf.reshape(unpack(gathered, total_space, length), [-1])[:numel]
-                check(
+                _check(
+                    differ,
                     f"{label}: sharded decode",
                     fused.decoded_segments(
                         codec, gathered, total_space, length, scale, world, numel
@@ -153,8 +238,12 @@ def _kernel_cases(quantizers, lengths):
     return differ
 
 
+def _all_cases(quantizers, blocks, lengths):
+    return _kernel_cases(quantizers, lengths) + _sign_cases(blocks, lengths)
+
+
 def test_kernels_are_the_tensorflow_ops():
-    differ = run_parallel(_kernel_cases, 1, QUANTIZERS, LENGTHS, timeout=600)[0]
+    differ = run_parallel(_all_cases, 1, QUANTIZERS, BLOCKS, LENGTHS, timeout=600)[0]
     assert not differ, (len(differ), differ[:10])
 
 
@@ -168,6 +257,9 @@ TAPE_CONFIGS = [
         "sharded",
         {"error_feedback": True},
     ),
+    (hvd_compress.BlockSign(min_size=0), "allgather", {}),
+    (hvd_compress.BlockSign(min_size=0), "sharded", {}),
+    (hvd_compress.BlockSign(max_block_size=300, min_size=0), "sharded", {}),
 ]
 
 

@@ -238,6 +238,17 @@ class Allgather(_Exchange):
 
     def finish(self, pending):
         gathered, scale = pending
+        if self.server is not None and self.scale_bytes == 4 and self._fused(scale):
+            # The replicated server of one block per tensor.
+            packed, server_scale = fused.server_step(
+                self.server,
+                self.codec,
+                gathered[:, 4:],
+                _floats(gathered[:, :4])[:, 0],
+                self.count,
+                self.numel,
+            )
+            return fused.scaled_signs(packed[None], server_scale, self.numel)[0]
         if not self.elias and self.server is None and self._fused(scale):
             rows = gathered[:, self.scale_bytes :]
             if not self.own_scale:
@@ -330,9 +341,11 @@ class ShardedServer(_Exchange):
         self.server_scale_bytes = 4 * codec.buckets(self.length)
 
     def start(self, codes, scale, name):
-        # Padding codes are +1 (sign bit 0), as in the PyTorch port, so the bytes agree.
-        padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]], constant_values=1)
-        shards = pack(tf.reshape(padded, [self.world_size, self.length]), self.codec.code_space)
+        return self.start_packed(self._packed(codes), scale, name)
+
+    def start_packed(self, packed, scale, name):
+        """``start`` for codes already packed (``fused``)."""
+        shards = self._shards(packed, self.world_size)
         heads = tf.tile(_bytes(scale)[None], [self.world_size, 1])
         return self.fusion.send(name, self.meter.hand(tf.concat([heads, shards], axis=1))), name
 
@@ -341,31 +354,46 @@ class ShardedServer(_Exchange):
         received = fusion.receive(name)
         rank = self.process_set.rank()
         scales = _floats(received[:, : self.scale_bytes])
-        signs = unpack(received[:, self.scale_bytes :], self.codec.code_space, self.length)
         start, valid = rank * self.length, self.valid(rank)
-        # Every worker's scales of the blocks this shard's elements are in: N x numel / N
-        # of them, not every block's scale expanded over the whole tensor (N x numel).
-        blocks = tf.range(start, start + valid) // self.codec.bucket_length(self.numel)
-        average = divide(
-            tf.reduce_sum(
-                tf.cast(signs[:, :valid], tf.float32) * tf.gather(scales, blocks, axis=1), axis=0
-            ),
-            self.count,
-        )
-        codes, server_scale, _ = self.server(self.codec, average)
+        block_length = self.codec.bucket_length(self.numel)
+        first_block = start // block_length
+        one_block = valid and (start + valid - 1) // block_length == first_block
+        if one_block and self._fused(scales):
+            packed, server_scale = fused.server_step(
+                self.server,
+                self.codec,
+                received[:, self.scale_bytes :],
+                scales[:, first_block],
+                self.count,
+                valid,
+            )
+        else:
+            signs = unpack(received[:, self.scale_bytes :], self.codec.code_space, self.length)
+            # Every worker's scales of the blocks this shard's elements are in: N x numel / N
+            # of them, not every block's scale expanded over the whole tensor (N x numel).
+            blocks = tf.range(start, start + valid) // block_length
+            average = divide(
+                tf.reduce_sum(
+                    tf.cast(signs[:, :valid], tf.float32) * tf.gather(scales, blocks, axis=1),
+                    axis=0,
+                ),
+                self.count,
+            )
+            codes, server_scale, _ = self.server(self.codec, average)
+            packed = self._packed(codes)
         padded_scale = tf.pad(
             server_scale, [[0, self.server_scale_bytes // 4 - self.codec.buckets(valid)]]
         )
-        padded_codes = tf.pad(codes, [[0, self.length - valid]], constant_values=1)
         message = tf.concat(
-            [
-                _bytes(padded_scale),
-                tf.reshape(pack(padded_codes[None], self.codec.code_space), [-1]),
-            ],
-            axis=0,
+            [_bytes(padded_scale), tf.reshape(self._shards(packed, 1), [-1])], axis=0
         )
         rows = _gather_rows(self.meter.hand(message), f"{name}.server", self.process_set)
         server_scales = _floats(rows[:, : self.server_scale_bytes])
+        if self.server_scale_bytes == 4 and self._fused(server_scales):  # one block per shard
+            decoded = fused.scaled_signs(
+                rows[:, self.server_scale_bytes :], server_scales, self.length
+            )
+            return tf.reshape(decoded, [-1])[: self.numel]
         signs = unpack(rows[:, self.server_scale_bytes :], self.codec.code_space, self.length)
         return tf.concat(
             [
@@ -374,6 +402,17 @@ class ShardedServer(_Exchange):
             ],
             axis=0,
         )
+
+    def _packed(self, codes):
+        return tf.reshape(pack(codes[None], self.codec.code_space), [-1])
+
+    def _shards(self, packed, count):
+        """Packed codes as ``count`` shards (rows) of ``self.length`` codes. Shards start
+        on byte boundaries, so the codes are packed once and the bytes padded with zero
+        bits: codes +1 past the tensor's end, as in the PyTorch port, which every receiver
+        cuts off."""
+        nbytes = count * self.length // self.codec.code_space.codes_per_byte
+        return tf.reshape(tf.pad(packed, [[0, nbytes - packed.shape[0]]]), [count, -1])
 
     def server_numel(self, rank):
         return self.valid(rank)

@@ -1,11 +1,12 @@
 """The codecs' per-element passes on CPU tensors, fused by ``hvd_compress.kernels``:
-TernGrad's and the fixed-width QSGD family's scales, encoding (with the draws of
-``seeding.uniforms``, packing and residual) and decoding. Mirrors
-``hvd_compress.pt.fused``.
+ef-sign's worker and server, and TernGrad's and the fixed-width QSGD family's scales,
+encoding (with the draws of ``seeding.uniforms``, packing and residual) and decoding.
+Mirrors ``hvd_compress.pt.fused``.
 
 Each call is one ``tf.numpy_function`` around ``hvd_compress.fused``'s call of a kernel,
 so it runs inside the pipeline's ``tf.function`` graphs as well as eagerly; the kernels
-release the GIL. The codec and exchange ops (``TernGrad``, ``QSGD``, ..., ``tf.exchange``)
+release the GIL. The codec, memory and exchange ops (``BlockSign``, ``TernGrad``, ``QSGD``,
+..., ``ErrorFeedback``, ``ServerStep``, ``tf.exchange``)
 define the step and are what GPU tensors run; on CPU float32 tensors these calls give the
 same codes, packed bytes, decoded values and residuals bit for bit, in a few passes where
 the graph's ops make one pass each.
@@ -19,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_compress import fused as core
+from hvd_compress.blocksign import BlockSign
 
 # Whether the kernels run at all (tests and benchmarks switch it to compare).
 ENABLED = core.AVAILABLE
@@ -35,8 +37,8 @@ def _on_cpu(tensor) -> bool:
 
 def applies(codec, tensor) -> bool:
     """Whether ``codec``'s work on tensors like ``tensor`` goes through the kernels: CPU
-    float32 tensors of ``TernGrad`` and the QSGD family's fixed width."""
-    return ENABLED and tensor.dtype == tf.float32 and core.quantizes(codec) and _on_cpu(tensor)
+    float32 tensors of ``BlockSign``, ``TernGrad`` and the QSGD family's fixed width."""
+    return ENABLED and tensor.dtype == tf.float32 and core.covers(codec) and _on_cpu(tensor)
 
 
 def _call(function, inputs, outputs):
@@ -53,12 +55,81 @@ def _floats(numel):
     return tf.TensorSpec([numel], tf.float32)
 
 
+def _scales(codec, numel):
+    """The spec of ``codec``'s local scales of ``numel`` elements."""
+    return _floats(1 if codec.name == "terngrad" else codec.buckets(numel))
+
+
+def _signs(numel):
+    """The spec of ``numel`` packed signs."""
+    return tf.TensorSpec([-(-numel // 8)], tf.uint8)
+
+
 def local_scale(codec, grad: tf.Tensor) -> tf.Tensor:
     """``TernGrad.local_scale`` or the QSGD family's (``hvd_compress.fused.local_scale``)."""
     g = tf.reshape(grad, [-1])
-    buckets = 1 if codec.name == "terngrad" else codec.buckets(g.shape[0])
-    (scale,) = _call(lambda g: (core.local_scale(codec, g),), [g], [_floats(buckets)])
+    (scale,) = _call(lambda g: (core.local_scale(codec, g),), [g], [_scales(codec, g.shape[0])])
     return scale
+
+
+def compensated_scale(codec, vector: tf.Tensor, residual, ratio) -> tuple:
+    """``ErrorFeedback.compensate`` and ``codec.local_scale`` (``hvd_compress.fused``):
+    (p, scale), p = vector + residual * ratio (``ratio`` may be a tensor); without a
+    ``residual``, p is ``vector`` itself."""
+    numel = vector.shape[0]
+    if residual is None:
+        (scale,) = _call(
+            lambda v: (core.compensated_scale(codec, v, None, 1.0)[1],),
+            [vector],
+            [_scales(codec, numel)],
+        )
+        return vector, scale
+    return _call(
+        lambda v, r, ratio: core.compensated_scale(codec, v, r, float(ratio)),
+        [vector, residual, tf.cast(ratio, tf.float32)],
+        [_floats(numel), _scales(codec, numel)],
+    )
+
+
+def signs_with_feedback(codec, p: tf.Tensor, scale: tf.Tensor) -> tuple:
+    """``BlockSign.encode``, packing, and the residual p - decode(codes) that
+    ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
+    numel = p.shape[0]
+    return _call(
+        lambda p, scale: core.signs_with_feedback(codec, p, scale),
+        [p, scale],
+        [_signs(numel), _floats(numel)],
+    )
+
+
+def server_step(server, codec, bits: tf.Tensor, scales: tf.Tensor, count: int, numel: int):
+    """``ServerStep`` of a server (of one shard, or replicated over a whole tensor) whose
+    workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
+    (``scales``): the average, the server residual and the second compression. Returns
+    (packed signs, scale) and proposes the new server residual."""
+    previous = server.memory.residuals[server.key]
+
+    def run(bits, scales, previous, ratio):
+        return core.server_step(codec, bits, scales, count, previous, float(ratio), numel)
+
+    packed, scale, residual = _call(
+        run,
+        [bits, scales, previous, tf.cast(server.ratio, tf.float32)],
+        [_signs(numel), _floats(codec.buckets(numel)), _floats(numel)],
+    )
+    server.memory.propose(server.key, residual)
+    return packed, scale
+
+
+def scaled_signs(bits: tf.Tensor, scales: tf.Tensor, numel: int) -> tf.Tensor:
+    """``packing.unpack_scaled_signs``: the first ``numel`` signs of each row of ``bits``
+    times that row's scale, as float32 rows."""
+    (out,) = _call(
+        lambda bits, scales: (core.scaled_signs(bits, scales, numel),),
+        [bits, scales],
+        [tf.TensorSpec([bits.shape[0], numel], tf.float32)],
+    )
+    return out
 
 
 def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feedback: bool):
@@ -66,7 +137,9 @@ def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feed
     tensor), written as ``exchange`` sends it (its ``payload``: packed codes, or values in
     the allreduce's carrier), and with ``feedback`` the residual
     p - decode(values(codes), scale, 1) of ``ErrorFeedback.update``, in one pass:
-    (payload, residual or None)."""
+    (payload, residual or None). ef-sign's are ``signs_with_feedback``."""
+    if isinstance(codec, BlockSign):
+        return signs_with_feedback(codec, p, scale)
     spec = exchange.payload()
 
     def run(p, scale, key):

@@ -387,15 +387,22 @@ class CompressionPipeline(tf.Module):
         ``finish`` takes."""
         name = collective_name(plan)
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
+        fuses = fused.applies(self.codec, vector)
+        scale = None
         if self.worker_memory is not None:
-            vector = self.worker_memory.compensate(plan.name, vector, ratio)
+            if fuses:
+                vector, scale = fused.compensated_scale(
+                    self.codec, vector, self.worker_memory.residuals[plan.name], ratio
+                )
+            else:
+                vector = self.worker_memory.compensate(plan.name, vector, ratio)
         exchange = self.exchanges[plan.name]
         exchange.fusion = alltoall_fusion
         if self.codec.two_way:
             exchange.server = ServerStep(self.server_memory, plan.name, ratio)
-        scale = None
         if self.codec.scaled:
-            scale = self.codec.local_scale(vector)
+            if scale is None:
+                scale = self.codec.local_scale(vector)
             if self.codec.shares_scale(plan.exchange):
                 scale = hvd.allreduce(
                     self.meter.hand(scale),
@@ -404,7 +411,7 @@ class CompressionPipeline(tf.Module):
                     ignore_name_scope=True,
                     process_set=self.process_set,
                 )
-        if fused.applies(self.codec, vector):
+        if fuses:
             key = seeding.stream_seed(self.seed, self.rank, self.step, plan.index)
             payload, residual = fused.encode(
                 self.codec, exchange, vector, scale, key, feedback=self.worker_memory is not None
