@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import time
 
+import numpy as np
 import torch
 
 import hvd_compress.pt as hc
@@ -35,6 +36,7 @@ from hvd_compress.pt.exchange import Meter, make_exchange
 from hvd_compress.pt.optimizer import _classifier_names
 from hvd_compress.pt.packing import pack, unpack, unpack_scaled_signs
 from hvd_compress.registry import resolve
+from hvd_compress.server import ServerStep
 
 from .models import SyntheticResNet50
 
@@ -115,19 +117,11 @@ def _fused_quantizer(codec, grad):
     return fused.decoded_sums(codec, packed.reshape(1, -1), scale, 1, grad.numel())
 
 
-def encode_decode(codec, grads, repeats=3):
-    """[(label, eager seconds, kernel seconds)] of encoding and decoding ``grads``."""
-    if codec.name != "ef-sign":
-
-        def run(step):
-            return lambda: [step(codec, grad) for grad in grads]
-
-        with eager_ops():
-            eager = best_seconds(run(_eager_quantizer), repeats)
-        return [(codec.name, eager, best_seconds(run(_fused_quantizer), repeats))]
-    # Imported here: kernel_profile imports this module.
-    from .kernel_profile import eager_server, eager_worker, fused_server, fused_worker
-
+def _sign_inputs(grads):
+    """ef-sign's inputs for ``grads``: per tensor the worker's (gradient, momentum buffer,
+    residual), the 4 servers' (sign bits of a quarter of the tensor each, one scale each)
+    that the worker decodes, and one server's (4 workers' bits of its shard, their
+    scales, its residual)."""
     generator = torch.Generator().manual_seed(1)
     workers = [
         (
@@ -145,6 +139,23 @@ def encode_decode(codec, grads, repeats=3):
         (bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
         for bits, scales in shards
     ]
+    return workers, shards, servers
+
+
+def encode_decode(codec, grads, repeats=3):
+    """[(label, eager seconds, kernel seconds)] of encoding and decoding ``grads``."""
+    if codec.name != "ef-sign":
+
+        def run(step):
+            return lambda: [step(codec, grad) for grad in grads]
+
+        with eager_ops():
+            eager = best_seconds(run(_eager_quantizer), repeats)
+        return [(codec.name, eager, best_seconds(run(_fused_quantizer), repeats))]
+    # Imported here: kernel_profile imports this module.
+    from .kernel_profile import eager_server, eager_worker, fused_server, fused_worker
+
+    workers, shards, servers = _sign_inputs(grads)
 
     def worker(step, decode):
         return lambda: (
@@ -170,20 +181,20 @@ def encode_decode(codec, grads, repeats=3):
     ]
 
 
-def _tensorflow_quantizer(codec, exchange, key):
-    """``_eager_quantizer`` / ``_fused_quantizer`` in the TensorFlow port, as a
-    ``tf.function`` the way its pipeline runs: through ``hvd_compress.tf.fused`` where its
-    ``applies`` holds (``fused.ENABLED``), else through the codec's TensorFlow ops."""
-    import tensorflow as tf
-
+def _tensorflow_quantizer(codec, key):
+    """``_eager_quantizer`` / ``_fused_quantizer`` in the TensorFlow port, for a
+    ``tf.function``: through ``hvd_compress.tf.fused`` where its ``applies`` holds
+    (``fused.ENABLED``), else through the codec's TensorFlow ops."""
     from hvd_compress.tf import fused as tf_fused
     from hvd_compress.tf import seeding as tf_seeding
+    from hvd_compress.tf.exchange import Meter as TFMeter
+    from hvd_compress.tf.exchange import make_exchange as tf_make_exchange
     from hvd_compress.tf.packing import pack as tf_pack
     from hvd_compress.tf.packing import unpack as tf_unpack
 
-    @tf.function
     def step(grad):
         numel = grad.shape[0]
+        exchange = tf_make_exchange("allgather", codec, numel, 1, TFMeter(), 1)
         scale = codec.local_scale(grad)
         if tf_fused.applies(codec, grad):
             payload, _ = tf_fused.encode(codec, exchange, grad, scale, key, feedback=False)
@@ -195,49 +206,120 @@ def _tensorflow_quantizer(codec, exchange, key):
     return step
 
 
+def _tensorflow_signs(codec):
+    """ef-sign's worker (its momentum, as ``hvd_compress.tf.momentum`` runs it, then the
+    pipeline's compensation, scales, signs and residual, and the decoding of the servers'
+    signs) and one server's step, for ``tf.function``\\ s: through
+    ``hvd_compress.tf.fused`` where its ``applies`` holds, else through the ops."""
+    import tensorflow as tf
+
+    from hvd_compress.codes import SignCodes
+    from hvd_compress.tf import fused as tf_fused
+    from hvd_compress.tf.memory import ErrorFeedback as TFErrorFeedback
+    from hvd_compress.tf.packing import pack as tf_pack
+    from hvd_compress.tf.packing import unpack as tf_unpack
+
+    from .kernel_profile import MU
+
+    def decode_signs(bits, scales):
+        numel = bits.shape[1] * 8
+        if tf_fused.applies(codec, scales):
+            return tf_fused.scaled_signs(bits, scales[:, 0], numel)
+        signs = tf.cast(tf_unpack(bits, SignCodes(), numel), tf.float32)
+        return codec.decode(signs, scales, 1)
+
+    def worker(grad, buffer, residual, bits, scales):
+        m = buffer * MU + grad
+        u = grad + m * MU
+        if tf_fused.applies(codec, u):
+            p, scale = tf_fused.compensated_scale(codec, u, residual, 1.0)
+            packed, kept = tf_fused.signs_with_feedback(codec, p, scale)
+        else:
+            p = u + residual * 1.0
+            scale = codec.local_scale(p)
+            codes = codec.encode(p, scale, None)
+            kept = p - codec.decode(codec.values(codes), scale, 1)
+            packed = tf_pack(codes[None], SignCodes())
+        return m, packed, kept, decode_signs(bits, scales)
+
+    def server(bits, scales, residual):
+        memory = TFErrorFeedback({})
+        memory.residuals["s"] = residual
+        step = ServerStep(memory, "s")
+        numel = residual.shape[0]
+        if tf_fused.applies(codec, scales):
+            packed, _ = tf_fused.server_step(step, codec, bits, scales[:, 0], 4, numel)
+            return packed
+        signs = tf.cast(tf_unpack(bits, SignCodes(), numel), tf.float32)
+        codes, _, _ = step(codec, tf.reduce_sum(signs * scales, axis=0) / 4)
+        return tf_pack(codes[None], SignCodes())
+
+    return worker, server
+
+
 def tensorflow_encode_decode(name, grads, repeats=3):
-    """(PyTorch kernels, TensorFlow kernels, TensorFlow ops) wall seconds of encoding and
-    decoding ``grads`` (quantizers only): TensorFlow runs its graphs on threads of its
-    own, whose time ``time.thread_time`` would not see. All three are wall times of the
-    same run, so that their ratios hold."""
+    """[(label, PyTorch kernels, TensorFlow kernels, TensorFlow ops)]: wall seconds of
+    encoding and decoding ``grads`` as ``encode_decode``'s rows, TensorFlow's as one
+    ``tf.function`` over all tensors, as its pipeline runs a step. TensorFlow runs its
+    graphs on threads of its own, whose time ``time.thread_time`` would not see: all
+    three are wall times of the same run, so that their ratios hold."""
     import tensorflow as tf
 
     import hvd_compress.tf as htf
     from hvd_compress.tf import fused as tf_fused
-    from hvd_compress.tf.exchange import Meter as TFMeter
-    from hvd_compress.tf.exchange import make_exchange as tf_make_exchange
 
     codec = resolve(name, htf.CODECS)
-    tf_grads = [tf.constant(grad.numpy()) for grad in grads]
-    key = tf.constant(KEY, tf.int64)
-    steps = {}
-    for grad in tf_grads:
-        numel = grad.shape[0]
-        if numel not in steps:
-            exchange = tf_make_exchange("allgather", codec, numel, 1, TFMeter(), 1)
-            steps[numel] = _tensorflow_quantizer(codec, exchange, key)
-
-    def run():
-        return [steps[grad.shape[0]](grad).numpy() for grad in tf_grads]
-
     torch_codec = resolve(name, hc.CODECS)
-    torch_kernels = best_seconds(
-        lambda: [_fused_quantizer(torch_codec, grad) for grad in grads],
-        repeats,
-        clock=time.perf_counter,
-    )
-    kernels = best_seconds(run, repeats, clock=time.perf_counter)
+
+    def tensors(arrays):
+        return [tf.constant(a.numpy()) for a in arrays]
+
+    if name == "ef-sign":
+        from .kernel_profile import fused_server, fused_worker
+
+        workers, shards, servers = _sign_inputs(grads)
+        torch_rows = [
+            lambda: (
+                [fused_worker(torch_codec, *w) for w in workers],
+                [fused.scaled_signs(b, s, b.shape[1] * 8) for b, s in shards],
+            ),
+            lambda: [fused_server(torch_codec, *s) for s in servers],
+        ]
+        inputs = [
+            [tensors(w) + tensors(s) for w, s in zip(workers, shards)],
+            [tensors(s) for s in servers],
+        ]
+        labels = ["ef-sign worker", "ef-sign server (N = 4)"]
+        steps = _tensorflow_signs(codec)
+    else:
+        torch_rows = [lambda: [_fused_quantizer(torch_codec, grad) for grad in grads]]
+        inputs = [[tensors([grad]) for grad in grads]]
+        labels = [name]
+        steps = [_tensorflow_quantizer(codec, tf.constant(KEY, tf.int64))]
+
+    def timed():
+        """Each row's seconds, its steps over all tensors in one graph."""
+        graphs = [
+            tf.function(lambda step=step, args=args: [step(*a) for a in args])
+            for step, args in zip(steps, inputs)
+        ]
+        return [
+            best_seconds(
+                lambda graph=graph: tf.nest.map_structure(np.asarray, graph()),
+                repeats,
+                clock=time.perf_counter,
+            )
+            for graph in graphs
+        ]
+
+    torch_kernels = [best_seconds(row, repeats, clock=time.perf_counter) for row in torch_rows]
+    kernels = timed()
     enabled, tf_fused.ENABLED = tf_fused.ENABLED, False
     try:
-        steps.clear()
-        for grad in tf_grads:
-            numel = grad.shape[0]
-            if numel not in steps:
-                steps[numel] = _tensorflow_quantizer(codec, None, key)
-        ops = best_seconds(run, repeats, clock=time.perf_counter)
+        ops = timed()
     finally:
         tf_fused.ENABLED = enabled
-    return torch_kernels, kernels, ops
+    return list(zip(labels, torch_kernels, kernels, ops))
 
 
 def main(argv=None):
@@ -291,12 +373,12 @@ def main(argv=None):
                 f"| {label} | {1000 * eager:.0f} | {1000 * kernels:.0f} | "
                 f"{eager / copy:.1f} | {kernels / copy:.1f} |"
             )
-        if not args.no_tensorflow and fused.core.quantizes(codec):
-            torch_kernels, tf_kernels, tf_ops = tensorflow_encode_decode(name, grads)
-            ports.append(
-                f"| {name} | {1000 * torch_kernels:.0f} | {1000 * tf_kernels:.0f} | "
-                f"{1000 * tf_ops:.0f} | {tf_kernels / torch_kernels:.2f} |"
-            )
+        if not args.no_tensorflow:
+            for label, torch_kernels, tf_kernels, tf_ops in tensorflow_encode_decode(name, grads):
+                ports.append(
+                    f"| {label} | {1000 * torch_kernels:.0f} | {1000 * tf_kernels:.0f} | "
+                    f"{1000 * tf_ops:.0f} | {tf_kernels / torch_kernels:.2f} |"
+                )
     print("CPU milliseconds per step, one thread, eager ops:\n" + "\n".join(stages))
     print("\nOne copy of the compressed gradients (empty_like + copy_): " + "; ".join(copies))
     print("\nEncode + decode of one worker's codes, CPU milliseconds:\n" + "\n".join(fusion))

@@ -35,6 +35,19 @@ QUANTIZERS = ("terngrad", "qsgd", "qsgd-inf", "nuqsgd")
 # "No array" for kernels that take one.
 NONE = np.empty(0, dtype=np.float32)
 
+# TensorFlow adopts an array a ``tf.numpy_function`` returns without a copy only if its data
+# start on a multiple of this many bytes; numpy's own allocations start 16 bytes past one.
+ALIGNMENT = 64
+
+
+def empty(shape, dtype=np.float32) -> np.ndarray:
+    """``np.empty``, its data aligned to ``ALIGNMENT`` bytes."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buffer = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = -buffer.ctypes.data % ALIGNMENT
+    return buffer[start : start + nbytes].view(dtype).reshape(shape)
+
 
 @functools.cache
 def kernels():
@@ -60,7 +73,7 @@ def quantizes(codec) -> bool:
 def momentum(grad: np.ndarray, buffer: np.ndarray, mu: float, nesterov: bool) -> np.ndarray:
     """``WorkerMomentum``'s m = mu m + g and u = g + mu m (or m) in one pass over ``grad``,
     which becomes u; returns the new m."""
-    out = np.empty_like(grad)
+    out = empty(grad.shape)
     kernels().momentum(grad, buffer, mu, nesterov, out)
     return out
 
@@ -83,7 +96,7 @@ def compensated_scale(
     if not blocks and residual is None and momentum is None:
         return vector, local_scale(codec, vector)
     sums = np.empty(codec.buckets(vector.size) if blocks else 1, dtype=np.float64)
-    p = vector if residual is None and momentum is None else np.empty_like(vector)
+    p = vector if residual is None and momentum is None else empty(vector.shape)
     kernels().compensated_block_l1(
         vector,
         *((NONE, 0.0, False, NONE) if momentum is None else momentum),
@@ -101,8 +114,8 @@ def compensated_scale(
 def signs_with_feedback(codec, p: np.ndarray, scale: np.ndarray) -> tuple:
     """``BlockSign.encode``, packing, and the residual p - decode(codes) that
     ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
-    packed = np.empty(-(-p.size // 8), dtype=np.uint8)
-    residual = np.empty_like(p)
+    packed = empty(-(-p.size // 8), np.uint8)
+    residual = empty(p.shape)
     kernels().signs_with_feedback(p, scale, codec.bucket_length(p.size), packed, residual)
     return packed, residual
 
@@ -120,7 +133,7 @@ def server_step(
     workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
     (``scales``), with its ``previous`` residual: the average, the compensation and the
     second compression. Returns (packed signs, scale, new residual)."""
-    p = np.empty(numel, dtype=np.float32)
+    p = empty(numel)
     sums = np.empty(codec.buckets(numel), dtype=np.float64)
     kernels().averaged_block_l1(
         bits,
@@ -140,7 +153,7 @@ def server_step(
 def scaled_signs(bits: np.ndarray, scales: np.ndarray, numel: int) -> np.ndarray:
     """``packing.unpack_scaled_signs``: the first ``numel`` signs of each row of ``bits``
     times that row's scale, as float32 rows."""
-    out = np.empty((bits.shape[0], numel), dtype=np.float32)
+    out = empty((bits.shape[0], numel))
     kernels().scaled_signs(bits, scales.reshape(-1), out)
     return out
 
@@ -207,9 +220,8 @@ def encode(
             space.bound << (space.width * t) for t in range(space.codes_per_byte)
         )
     # numba has no float16: values for a float16 carrier are converted after the kernel.
-    values = np.empty(
-        0 if packed else p.size,
-        dtype=np.int32 if payload.dtype == np.float16 else payload.dtype,
+    values = empty(
+        0 if packed else p.size, np.int32 if payload.dtype == np.float16 else payload.dtype
     )
     levels, exponent = _levels(codec)
     kernels().quantized(
@@ -253,7 +265,7 @@ def sum_table(space) -> np.ndarray:
 
 def decoded_totals(codec, total: np.ndarray, scale: np.ndarray, count: int) -> np.ndarray:
     """``codec.decode`` of the allreduce's summed values ``total``."""
-    out = np.empty(total.shape, dtype=np.float32)
+    out = empty(total.shape)
     if total.dtype == np.float16:  # exact integers: numba has no float16
         total = total.astype(np.float32)
     kernels().decoded_totals(
@@ -269,7 +281,7 @@ def summed_codes(
     every row (packed, their ``table`` ``codes``), summed over the rows and packed in
     ``total_space``."""
     space = codec.code_space
-    out = np.empty(total_space.packed_nbytes(length), dtype=np.uint8)
+    out = empty(total_space.packed_nbytes(length), np.uint8)
     kernels().summed_codes(
         rows, codes, space.width, space.bound, length, total_space.bound, total_space.width, out
     )
@@ -282,7 +294,7 @@ def decoded_sums(
     """The allgather's ``codec.decode`` of the sum over the rows' values (``codes``: their
     ``table``), under the shared scale."""
     space = codec.code_space
-    out = np.empty(numel, dtype=np.float32)
+    out = empty(numel)
     kernels().decoded_sums(
         rows,
         codes,
@@ -302,7 +314,7 @@ def decoded_own_scales(
     """The allgather's sum over the rows of ``codec.decode`` of their values (``codes``:
     their ``table``), each row under its own scales (row of ``scales``)."""
     space = codec.code_space
-    out = np.empty(numel, dtype=np.float32)
+    out = empty(numel)
     kernels().decoded_own_scales(
         rows,
         codes,
@@ -327,7 +339,7 @@ def decoded_segments(
 ) -> np.ndarray:
     """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
     elements r length .. (r + 1) length - 1, packed in ``total_space``."""
-    out = np.empty(numel, dtype=np.float32)
+    out = empty(numel)
     kernels().decoded_segments(
         rows,
         sum_table(total_space),

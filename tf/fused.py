@@ -16,7 +16,6 @@ the graph's ops make one pass each.
 
 import functools
 
-import numpy as np
 import tensorflow as tf
 
 from hvd_compress import fused as core
@@ -143,8 +142,8 @@ def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feed
     spec = exchange.payload()
 
     def run(p, scale, key):
-        payload = np.empty(spec.shape, dtype=spec.dtype.as_numpy_dtype)
-        residual = np.empty_like(p) if feedback else None
+        payload = core.empty(spec.shape, spec.dtype.as_numpy_dtype)
+        residual = core.empty(p.shape) if feedback else None
         payload = core.encode(codec, p, scale, int(key), payload, residual)
         return (payload, residual) if feedback else (payload,)
 
