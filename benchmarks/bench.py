@@ -5,7 +5,8 @@ per network namespace, every link shaped with ``tc tbf`` (``benchmarks.network``
     hvd-compress bench --workers 2 --rates 100M --models cnn --steps 3 --no-accuracy
 
 For each number of workers N the driver builds the test network, starts one Horovod job
-(``benchmarks.worker`` on every rank) and changes the link rate whenever rank 0 asks for it.
+(``benchmarks.worker`` on every rank), then one of the TensorFlow port
+(``benchmarks.tf_worker``), and changes the link rate whenever rank 0 asks for it.
 Per model, N, rate and method it records the median step time, the local compute time, the
 time blocked waiting for Horovod, bytes handed to the collectives, the cost model's bytes on
 the network, the bytes the interfaces counted, and the same collectives replayed bare. It
@@ -29,8 +30,8 @@ from tqdm import tqdm
 from . import network, plots, report
 from .job import HorovodJob, LocalHosts, NamespacedHosts
 from .methods import CODEC_METHODS, METHODS, PEER_METHODS
-from .models import MODELS
-from .worker import EVENT
+from .protocol import EVENT, TF_METHODS
+from .shapes import MODELS
 
 DEFAULT_WORKERS = (2, 4)
 DEFAULT_RATES = ("10G", "1G", "100M")
@@ -115,6 +116,15 @@ def add_arguments(parser):
         help=f"methods (default {','.join(DEFAULT_METHODS)})",
     )
     parser.add_argument(
+        "--tf-methods",
+        type=_list("--tf-methods", TF_METHODS),
+        default=list(TF_METHODS),
+        help=f"TensorFlow methods, in a job of their own (default {','.join(TF_METHODS)})",
+    )
+    parser.add_argument(
+        "--no-tensorflow", action="store_true", help="skip the TensorFlow port's job"
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=None,
@@ -175,6 +185,7 @@ def _spec(args, rates):
     return {
         "models": args.models,
         "methods": args.methods,
+        "tf_methods": [] if args.no_tensorflow else args.tf_methods,
         "rates": rates,
         "seed": args.seed,
         # Timed steps per model, at every rate alike.
@@ -185,15 +196,24 @@ def _spec(args, rates):
 
 
 def _units(spec, workers):
-    """Events that advance the progress bar in one job."""
+    """Events that advance the progress bar in the jobs of ``workers`` workers."""
     # The bare replays at every rate; per method, its compute baseline and every rate.
     per_model = len(spec["rates"]) + len(spec["methods"]) * (1 + len(spec["rates"]))
     accuracy = len(spec["accuracy"]["methods"]) if workers == spec["accuracy"]["workers"] else 0
-    return 1 + len(spec["models"]) * per_model + accuracy  # 1: the idle traffic
+    tensorflow = len(spec["models"]) * len(spec["tf_methods"]) * (1 + len(spec["rates"]))
+    return 1 + len(spec["models"]) * per_model + accuracy + tensorflow  # 1: the idle traffic
 
 
-def run_job(hosts, spec, timeout, shape, progress, events):
-    """Runs one benchmark job on ``hosts``; ``shape(rate)`` sets the links' rate."""
+def run_jobs(hosts, spec, timeout, shape, progress, events):
+    """The PyTorch job on ``hosts``, then the TensorFlow job if the spec has methods for it."""
+    run_job(hosts, spec, timeout, shape, progress, events, "benchmarks.worker")
+    if spec["tf_methods"]:
+        run_job(hosts, spec, timeout, shape, progress, events, "benchmarks.tf_worker")
+
+
+def run_job(hosts, spec, timeout, shape, progress, events, program):
+    """Runs one benchmark job of ``program`` (a worker module) on ``hosts``;
+    ``shape(rate)`` sets the links' rate."""
     with tempfile.TemporaryDirectory(prefix="hvdc-bench-") as workdir:
         spec_path = os.path.join(workdir, "spec.json")
         with open(spec_path, "w") as f:
@@ -208,7 +228,7 @@ def run_job(hosts, spec, timeout, shape, progress, events):
             open(log_path, "w") as log,
             HorovodJob(
                 hosts,
-                [sys.executable, "-m", "benchmarks.worker", spec_path],
+                [sys.executable, "-m", program, spec_path],
                 env=env,
                 rank0_pipes=True,
                 log=log,
@@ -238,7 +258,7 @@ def run_job(hosts, spec, timeout, shape, progress, events):
                 tail = f.read()[-4000:]
             reason = outcome.get("error") or f"exit code {outcome.get('code')}"
             raise RuntimeError(
-                f"benchmark job on {hosts.workers} workers failed ({reason}); "
+                f"benchmark job {program} on {hosts.workers} workers failed ({reason}); "
                 f"worker output:\n{tail}"
             )
 
@@ -334,11 +354,11 @@ def bench(args):
             for workers in args.workers:
                 if reason is None:
                     with network.TestNetwork(workers) as net:
-                        run_job(
+                        run_jobs(
                             NamespacedHosts(net), spec, args.timeout, net.shape, progress, events
                         )
                 else:
-                    run_job(
+                    run_jobs(
                         LocalHosts(workers), spec, args.timeout, lambda rate: None, progress, events
                     )
                 write(result, args.out)

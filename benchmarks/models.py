@@ -17,34 +17,14 @@ from torch import nn
 from examples.mnist1d_torch import CNN
 from hvd_compress.datasets import load_mnist1d
 
-# (planes, blocks) of ResNet-50's four stages of bottleneck blocks; a bottleneck widens its
-# planes EXPANSION times.
-RESNET50_STAGES = ((64, 3), (128, 4), (256, 6), (512, 3))
-EXPANSION = 4
-FEATURES = 2048
-CLASSES = 1000
-
-
-def resnet50_convolutions():
-    """(out, in, k) of every convolution of ResNet-50 in torchvision's parameter order
-    (per bottleneck: conv1, conv2, conv3, then the downsampling convolution of the first)."""
-    convolutions = [(64, 3, 7)]
-    inplanes = 64
-    for planes, blocks in RESNET50_STAGES:
-        for block in range(blocks):
-            convolutions += [
-                (planes, inplanes, 1),
-                (planes, planes, 3),
-                (planes * EXPANSION, planes, 1),
-            ]
-            if block == 0:
-                convolutions.append((planes * EXPANSION, inplanes, 1))
-            inplanes = planes * EXPANSION
-    return convolutions
-
-
-# The widest convolution's fan-in (512 x 3 x 3): every convolution reads a slice of it.
-RESNET50_INPUTS = max(inplanes * k * k for _, inplanes, k in resnet50_convolutions())
+from .shapes import (
+    CLASSES,
+    CNN_GLOBAL_BATCH,
+    FEATURES,
+    RESNET50_INPUTS,
+    RESNET50_LOCAL_BATCH,
+    resnet50_convolutions,
+)
 
 
 class ConvAsMatrix(nn.Module):
@@ -106,12 +86,6 @@ def _seeded(factory, seed):
     return build
 
 
-# Per-worker batch of the synthetic model: enough arithmetic for the compute to be measurable
-# (about 1.2 GFLOP per step), little enough that the 100 Mbit/s steps stay communication-bound.
-RESNET50_LOCAL_BATCH = 8
-CNN_GLOBAL_BATCH = 100
-
-
 def workload(name, rank, world_size, seed=0):
     """The ``Workload`` called ``name`` (``cnn`` or ``resnet50``) for ``rank``."""
     if name == "cnn":
@@ -134,6 +108,3 @@ def workload(name, rank, world_size, seed=0):
             name, _seeded(SyntheticResNet50, seed), RESNET50_LOCAL_BATCH, inputs, targets
         )
     raise ValueError(f"model must be 'cnn' or 'resnet50', got {name!r}")
-
-
-MODELS = ("cnn", "resnet50")

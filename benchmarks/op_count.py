@@ -23,7 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import hvd_compress.pt as hc
 
-from .models import MODELS, workload
+from .models import workload
+from .shapes import MODELS
 
 # Steps before the profiled one: allocations and the compilation of the kernels.
 WARMUP_STEPS = 5

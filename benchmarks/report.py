@@ -26,12 +26,19 @@ Per model, N, link rate and method (one row):
   ``ceiling`` = Horovod's bare fp32 allreduce of the gradients / the method's own
   collectives replayed bare (same sizes, no encode or decode): ``of_ceiling`` is the
   fraction of the bare collectives' speed-up the method reaches.
+
+The TensorFlow port's rows (``tf-`` methods, ``benchmarks.tf_worker``) are measured against
+their own port: their compute is the TensorFlow step without exchange, their speed-ups are
+over ``tf-hvd-none`` and ``tf-hvd-fp16``, and their bare collectives are those the PyTorch
+job replayed for the same codec (both ports hand Horovod the same bytes, tensor by tensor).
+``of_pytorch`` is a TensorFlow row's speed-up over the PyTorch port's, for the same codec.
 """
 
 import collections
 import statistics
 
 from .network import parse_rate
+from .protocol import TF_PREFIX
 
 BASELINE, FP16_BASELINE = "hvd-none", "hvd-fp16"
 # Horovod's own exchanges are exactly these bare collectives.
@@ -54,11 +61,16 @@ def _ratio(numerator, denominator):
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def _port(method):
+    """The prefix of ``method``'s port: ``TF_PREFIX`` for TensorFlow's, "" for PyTorch's."""
+    return TF_PREFIX if method.startswith(TF_PREFIX) else ""
+
+
 def rows(events):
     baselines = collections.defaultdict(list)
     for e in events:
         if e["kind"] == "compute":
-            baselines[e["workers"], e["model"]].append(e["seconds"])
+            baselines[e["workers"], e["model"], _port(e["method"])].append(e["seconds"])
     compute = {key: statistics.median(seconds) for key, seconds in baselines.items()}
     idle = {e["workers"]: e["tx_per_second"] for e in events if e["kind"] == "idle"}
     bare = {
@@ -69,17 +81,21 @@ def rows(events):
     }
     result = []
     for (workers, model, rate, method), e in steps.items():
-        c = compute[workers, model]
+        port = _port(method)
+        twin = method[len(port) :]  # the PyTorch method of a TensorFlow one
+        c = compute[workers, model, port]
         bits = _rate_bits(rate)
         codec = (
             statistics.fmean(e["step_seconds"]) - c - e["wait_seconds"]
             if "wait_seconds" in e
             else None
         )
-        base = steps.get((workers, model, rate, BASELINE))
-        fp16 = steps.get((workers, model, rate, FP16_BASELINE))
+        base = steps.get((workers, model, rate, port + BASELINE))
+        fp16 = steps.get((workers, model, rate, port + FP16_BASELINE))
         exchanges = bare.get((workers, model, rate), {})
-        own_bare = e.get("bare_seconds", exchanges.get(HOROVOD_BARE.get(method), {}).get("seconds"))
+        own_bare = steps.get((workers, model, rate, twin), {}).get(
+            "bare_seconds", exchanges.get(HOROVOD_BARE.get(twin), {}).get("seconds")
+        )
         control = idle[workers] * e["seconds"] if idle.get(workers) is not None else None
         row = {
             "workers": workers,
@@ -107,6 +123,13 @@ def rows(events):
             "bare": own_bare,
         }
         row["of_ceiling"] = _ratio(row["comm_speedup"], row["ceiling"])
+        if port:
+            torch_base = steps.get((workers, model, rate, BASELINE))
+            torch_twin = steps.get((workers, model, rate, twin))
+            row["of_pytorch"] = _ratio(
+                row["speedup"],
+                _ratio(torch_base and torch_base["seconds"], torch_twin and torch_twin["seconds"]),
+            )
         if method.endswith(AUTO_SUFFIX):
             rivals = {
                 m: steps[workers, model, rate, m]["seconds"]
@@ -170,6 +193,43 @@ def _auto_table(rows):
         if lines
         else None
     )
+
+
+def _port_table(rows):
+    """Each TensorFlow row beside its PyTorch twin's step and speed-up."""
+    torch_rows = {(r["workers"], r["rate"], r["method"]): r for r in rows}
+    lines = []
+    for r in rows:
+        if "of_pytorch" not in r:
+            continue
+        twin = torch_rows.get((r["workers"], r["rate"], r["method"][len(TF_PREFIX) :]), {})
+        lines.append(
+            [
+                r["workers"],
+                r["rate"],
+                r["method"],
+                _ms(r["compute"]),
+                _ms(r["seconds"]),
+                _ms(twin.get("seconds")),
+                _x(r["speedup"]),
+                _x(twin.get("speedup")),
+                _x(r["of_pytorch"]),
+                _x(r["of_ceiling"]),
+            ]
+        )
+    header = [
+        "N",
+        "rate",
+        "method",
+        "compute",
+        "step",
+        "PyTorch step",
+        "speed-up (vs tf-hvd-none)",
+        "PyTorch speed-up",
+        "of PyTorch's",
+        "of bare",
+    ]
+    return _table(header, lines) if lines else None
 
 
 def _ms(seconds):
@@ -307,6 +367,10 @@ def markdown(result):
                 ],
             )
         )
+        ports = _port_table(mine)
+        if ports:
+            parts.append(f"\n### {model}: the TensorFlow port against PyTorch's\n")
+            parts.append(ports)
         auto = _auto_table(mine)
         if auto:
             parts.append(f"\n### {model}: the adaptive mode against the fastest fixed choice\n")

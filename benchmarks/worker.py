@@ -24,55 +24,10 @@ import torch
 from .collectives import HorovodProbe, allreduce_of, reference_ceilings, replay
 from .methods import CODEC_METHODS, METHODS, Trainer, init_ddp, needs_ddp, sgd
 from .models import workload
+from .protocol import COMPUTE_STEPS, TIMING_LR, Driver, difference, interface_bytes
 
-EVENT = "@@bench "
-# Learning rate of the timed steps (what is measured does not depend on it).
-TIMING_LR = 0.01
-# Timed steps of each compute baseline, whatever the model: a step without exchange is
-# cheap (0.3 s for the 25M-parameter model at N = 4), and its median steadies with more.
-COMPUTE_STEPS = 10
 # Seconds of idle traffic counted to measure Horovod's control messages.
 IDLE_SECONDS = 2.0
-
-
-class Driver:
-    """Rank 0's line to the driver process; the other ranks only join the barriers."""
-
-    def __init__(self):
-        self.rank0 = hvd.rank() == 0
-        self.barriers = 0
-
-    def emit(self, kind, **fields):
-        if self.rank0:
-            print(EVENT + json.dumps(dict(kind=kind, workers=hvd.size(), **fields)), flush=True)
-
-    def shape(self, rate):
-        """Has the driver set every link to ``rate``; returns when all ranks know it."""
-        if self.rank0:
-            self.emit("shape", rate=rate)
-            if not sys.stdin.readline():
-                raise RuntimeError("the benchmark driver closed its pipe to rank 0")
-        self.barrier()
-
-    def barrier(self):
-        self.barriers += 1
-        hvd.allreduce(torch.zeros(1), name=f"bench.barrier.{self.barriers}")
-
-
-def interface_bytes(interface):
-    """(transmitted, received) bytes counted by this namespace's ``interface``; None on the
-    loopback, whose counters include every other process of the machine."""
-    if interface in (None, "lo"):
-        return None
-    base = f"/sys/class/net/{interface}/statistics"
-    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
-        return int(tx.read()), int(rx.read())
-
-
-def _difference(after, before, steps):
-    if after is None:
-        return None, None
-    return (after[0] - before[0]) / steps, (after[1] - before[1]) / steps
 
 
 def _timed_steps(trainer, batches, steps):
@@ -142,7 +97,7 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
         # queue; the barrier's bytes queue behind it, so once every rank has passed the barrier
         # the step's bytes have been counted.
         driver.barrier()
-        tx, rx = _difference(interface_bytes(interface), before, steps)
+        tx, rx = difference(interface_bytes(interface), before, steps)
         result = dict(
             model=work.name,
             method=method,
@@ -194,12 +149,12 @@ def main(spec_path):
     hvd.init()
     if needs_ddp(spec["methods"]) or needs_ddp(spec["accuracy"]["methods"]):
         init_ddp()
-    driver = Driver()
+    driver = Driver(hvd.rank(), hvd.size(), lambda name: hvd.allreduce(torch.zeros(1), name=name))
     interface = os.environ.get("HOROVOD_GLOO_IFACE")
     driver.barrier()
     before = interface_bytes(interface)
     time.sleep(IDLE_SECONDS)
-    tx, rx = _difference(interface_bytes(interface), before, IDLE_SECONDS)
+    tx, rx = difference(interface_bytes(interface), before, IDLE_SECONDS)
     driver.emit("idle", tx_per_second=tx, rx_per_second=rx)
 
     for model in spec["models"]:

@@ -156,3 +156,17 @@ def check_horovod_defaults(owner, **given):
                 f"{owner}: {name}={value!r} is not supported ({why}); {instead}, "
                 f"or leave it at {default!r}"
             )
+
+
+def check_global_membership(included, is_global, framework):
+    """Refuses a rank outside Horovod's global process set, which holds every rank: it
+    says so only when the process imported both ``horovod.torch`` and
+    ``horovod.tensorflow``, whose process sets share one module that then answers for the
+    other framework. Every compressed exchange would be skipped, silently."""
+    if is_global and not included:
+        raise RuntimeError(
+            f"Horovod's global process set says this rank is not in it, so no gradient "
+            f"would be exchanged: this process imported both horovod.torch and "
+            f"horovod.tensorflow, whose process sets answer for the framework imported last. "
+            f"Import only horovod.{framework} in a process that trains with it."
+        )

@@ -29,6 +29,7 @@ from hvd_compress.adaptive import (
 )
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
+from hvd_compress.validation import check_global_membership
 
 from . import fused, seeding
 from .exchange import (
@@ -154,6 +155,7 @@ class CompressionPipeline:
         self.seed = seed
         self.process_set = process_set
         self.included = bool(process_set.included())
+        check_global_membership(self.included, process_set is hvd.global_process_set, "torch")
         self.world_size = process_set.size()
         # Outside the set the rank exchanges nothing: rank 0 stands in where a rank is read.
         self.rank = process_set.rank() if self.included else 0

@@ -20,6 +20,8 @@ SMOKE = [
     "cnn",
     "--methods",
     "hvd-none,terngrad,terngrad-auto,ef-sign,ddp-fp16",
+    "--tf-methods",
+    "tf-hvd-none,tf-terngrad",
     "--steps",
     "2",
     "--bare-repeats",
@@ -43,9 +45,22 @@ def _run(tmp_path, capsys, *extra):
 
 def _check_results(result, tmp_path):
     rows = {row["method"]: row for row in result["rows"]}
-    assert set(rows) == {"hvd-none", "terngrad", "terngrad-auto", "ef-sign", "ddp-fp16"}
+    assert set(rows) == {
+        "hvd-none",
+        "terngrad",
+        "terngrad-auto",
+        "ef-sign",
+        "ddp-fp16",
+        "tf-hvd-none",
+        "tf-terngrad",
+    }
     none = rows["hvd-none"]
     assert none["handed"] == none["sent"] == 832_552  # fp32 allreduce of 208,138 gradients
+    # The TensorFlow job's rows: the same model's tensors, the same bytes as PyTorch's.
+    assert rows["tf-hvd-none"]["handed"] == none["handed"]
+    assert rows["tf-terngrad"]["handed"] == rows["terngrad"]["handed"]
+    assert rows["tf-terngrad"]["of_pytorch"] is not None
+    assert "the TensorFlow port against PyTorch's" in (tmp_path / "bench.md").read_text()
     assert rows["ddp-fp16"]["handed"] == none["handed"] // 2
     for codec in ("terngrad", "ef-sign"):
         row = rows[codec]
@@ -103,6 +118,7 @@ def test_bench_falls_back_to_localhost(tmp_path, capsys):
         "--localhost",
         "--methods",
         "hvd-none,terngrad",
+        "--no-tensorflow",
         "--no-accuracy",
         "--no-op-counts",
     )

@@ -147,3 +147,31 @@ def test_tape_loop_ranks_agree_and_match_reference(world):
         if codec.code_space is not None:
             assert reasons[0] == "compressed", (codec, results[0]["tensors"])  # hidden/kernel
         _check(codec, exchange, list(results))
+
+
+def _both_horovod_modules():
+    """The TensorFlow tape's exchange in a process that imported horovod.torch after
+    horovod.tensorflow: the refusal's message, or None."""
+    import horovod.tensorflow as hvd
+    import horovod.torch  # noqa: F401  (taking over the process sets)
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    hvd.init()
+    v = tf.Variable(tf.ones(20_000))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * v)
+    try:
+        htf.DistributedGradientTape(tape, compression="terngrad").gradient(loss, [v])
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_both_horovod_modules_in_one_process_are_refused():
+    """The exchange would be skipped (the global process set answers that this rank is
+    not in it); it refuses instead, saying why."""
+    for message in run_parallel(_both_horovod_modules, 2):
+        assert message is not None and "horovod.torch and horovod.tensorflow" in message

@@ -21,6 +21,7 @@ from hvd_compress.server import ServerStep
 from hvd_compress.validation import (
     check_error_feedback,
     check_exchange,
+    check_global_membership,
     check_int,
     check_reduction,
 )
@@ -103,6 +104,7 @@ class CompressionPipeline(tf.Module):
         self.seed = seed
         self.process_set = process_set
         self.included = bool(process_set.included())
+        check_global_membership(self.included, process_set is hvd.global_process_set, "tensorflow")
         self.world_size = process_set.size()
         # Outside the set the rank keeps no shard of a sharded server: rank 0's sizes stand in.
         self.rank = process_set.rank() if self.included else 0

@@ -1,0 +1,71 @@
+"""What the driver (``benchmarks.bench``) and its workers (``benchmarks.worker`` for
+PyTorch, ``benchmarks.tf_worker`` for TensorFlow) share: the events they exchange, the
+settings of the measurements, the TensorFlow methods' names and the interface counters the
+workers read. Free of any framework, so that either worker imports only its own.
+
+Rank 0 reports each measurement as one line ``@@bench {json}`` on its standard output; to
+change the link rate it prints a ``shape`` event and waits for the driver's reply on its
+standard input, and every rank waits for it at a barrier.
+"""
+
+import json
+import sys
+
+EVENT = "@@bench "
+# Learning rate of the timed steps (what is measured does not depend on it).
+TIMING_LR = 0.01
+# Timed steps of each compute baseline, whatever the model: a step without exchange is
+# cheap (0.3 s for the 25M-parameter model at N = 4), and its median steadies with more.
+COMPUTE_STEPS = 10
+# The TensorFlow port's methods (``benchmarks.tf_worker``), as rows of the same tables.
+TF_METHODS = ("tf-hvd-none", "tf-hvd-fp16", "tf-terngrad", "tf-qsgd-inf", "tf-ef-sign")
+TF_PREFIX = "tf-"
+
+
+class Driver:
+    """Rank 0's line to the driver process; the other ranks only join the barriers.
+
+    Args:
+        rank, size: this worker's Horovod rank and the job's size.
+        allreduce: ``allreduce(name)``, a small blocking allreduce of the worker's
+            framework under a collective name: the barrier.
+    """
+
+    def __init__(self, rank, size, allreduce):
+        self.rank0 = rank == 0
+        self.size = size
+        self.allreduce = allreduce
+        self.barriers = 0
+
+    def emit(self, kind, **fields):
+        if self.rank0:
+            print(EVENT + json.dumps(dict(kind=kind, workers=self.size, **fields)), flush=True)
+
+    def shape(self, rate):
+        """Has the driver set every link to ``rate``; returns when all ranks know it."""
+        if self.rank0:
+            self.emit("shape", rate=rate)
+            if not sys.stdin.readline():
+                raise RuntimeError("the benchmark driver closed its pipe to rank 0")
+        self.barrier()
+
+    def barrier(self):
+        self.barriers += 1
+        self.allreduce(f"bench.barrier.{self.barriers}")
+
+
+def interface_bytes(interface):
+    """(transmitted, received) bytes counted by this namespace's ``interface``; None on the
+    loopback, whose counters include every other process of the machine."""
+    if interface in (None, "lo"):
+        return None
+    base = f"/sys/class/net/{interface}/statistics"
+    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+        return int(tx.read()), int(rx.read())
+
+
+def difference(after, before, steps):
+    """Per-step (transmitted, received) bytes between two ``interface_bytes`` readings."""
+    if after is None:
+        return None, None
+    return (after[0] - before[0]) / steps, (after[1] - before[1]) / steps
