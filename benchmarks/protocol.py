@@ -10,6 +10,7 @@ standard input, and every rank waits for it at a barrier.
 
 import json
 import sys
+import time
 
 EVENT = "@@bench "
 # Learning rate of the timed steps (what is measured does not depend on it).
@@ -69,3 +70,14 @@ def difference(after, before, steps):
     if after is None:
         return None, None
     return (after[0] - before[0]) / steps, (after[1] - before[1]) / steps
+
+
+def timed_steps(trainer, batches, steps):
+    """Seconds of each of ``steps`` calls of ``trainer.step`` on the next of ``batches``."""
+    seconds = []
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        start = time.perf_counter()
+        trainer.step(inputs, targets)
+        seconds.append(time.perf_counter() - start)
+    return seconds

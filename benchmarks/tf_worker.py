@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -47,6 +46,7 @@ from .protocol import (  # noqa: E402
     Driver,
     difference,
     interface_bytes,
+    timed_steps,
 )
 from .shapes import (  # noqa: E402
     CLASSES,
@@ -219,24 +219,14 @@ def trainer(method, work, world_size):
     return run, codec_bytes
 
 
-def _timed_steps(run, batches, steps):
-    seconds = []
-    for _ in range(steps):
-        inputs, targets = next(batches)
-        start = time.perf_counter()
-        run.step(inputs, targets)
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
 def measure_compute(driver, work, batches, method):
     """The step with no exchange before each method, as ``benchmarks.worker``'s."""
     run, _ = trainer(None, work, hvd.size())
-    _timed_steps(run, batches, WARMUP_STEPS)
+    timed_steps(run, batches, WARMUP_STEPS)
     seconds = []
     for _ in range(COMPUTE_STEPS):
         driver.barrier()
-        seconds += _timed_steps(run, batches, 1)
+        seconds += timed_steps(run, batches, 1)
     driver.emit("compute", model=work.name, method=method, seconds=statistics.median(seconds))
 
 
@@ -247,10 +237,10 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
         driver.shape(rate)
         if run is None:
             run, sizes = trainer(method, work, hvd.size())
-            _timed_steps(run, batches, WARMUP_STEPS)
+            timed_steps(run, batches, WARMUP_STEPS)
             driver.barrier()
         before = interface_bytes(interface)
-        seconds = _timed_steps(run, batches, steps)
+        seconds = timed_steps(run, batches, steps)
         driver.barrier()  # as benchmarks.worker: the last step's bytes are counted
         tx, rx = difference(interface_bytes(interface), before, steps)
         handed, sent = sizes()

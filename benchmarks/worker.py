@@ -24,20 +24,17 @@ import torch
 from .collectives import HorovodProbe, allreduce_of, reference_ceilings, replay
 from .methods import CODEC_METHODS, METHODS, Trainer, init_ddp, needs_ddp, sgd
 from .models import workload
-from .protocol import COMPUTE_STEPS, TIMING_LR, Driver, difference, interface_bytes
+from .protocol import (
+    COMPUTE_STEPS,
+    TIMING_LR,
+    Driver,
+    difference,
+    interface_bytes,
+    timed_steps,
+)
 
 # Seconds of idle traffic counted to measure Horovod's control messages.
 IDLE_SECONDS = 2.0
-
-
-def _timed_steps(trainer, batches, steps):
-    seconds = []
-    for _ in range(steps):
-        inputs, targets = next(batches)
-        start = time.perf_counter()
-        trainer.step(inputs, targets)
-        seconds.append(time.perf_counter() - start)
-    return seconds
 
 
 def measure_compute(driver, work, batches, method):
@@ -45,14 +42,14 @@ def measure_compute(driver, work, batches, method):
     takes the median of these baselines, which no single disturbed measurement moves."""
     model = work.build()
     trainer = Trainer(model, sgd(model, TIMING_LR), hvd.size())  # no exchange at all
-    _timed_steps(trainer, batches, 2)
+    timed_steps(trainer, batches, 2)
     seconds = []
     for _ in range(COMPUTE_STEPS):
         # Started together, as a method's exchange lines its steps up: ranks left to drift
         # overlap on the cores by chance (the 25M-parameter model at N = 4 took 142-686 ms
         # per step, and medians of 10 steps 270-400 ms; 250-310 ms with the barrier).
         driver.barrier()
-        seconds += _timed_steps(trainer, batches, 1)
+        seconds += timed_steps(trainer, batches, 1)
     driver.emit("compute", model=work.name, method=method, seconds=statistics.median(seconds))
 
 
@@ -85,14 +82,14 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
         driver.shape(rate)
         if trainer is None or trainer.per_rate:
             trainer = METHODS[method](work.build(), hvd.size(), TIMING_LR)
-            _timed_steps(trainer, batches, trainer.warmup_steps - 1)
+            timed_steps(trainer, batches, trainer.warmup_steps - 1)
             with HorovodProbe() as probe:
-                _timed_steps(trainer, batches, 1)
+                timed_steps(trainer, batches, 1)
             recorded = probe.collectives if method in CODEC_METHODS else None
             driver.barrier()
         before = interface_bytes(interface)
         with HorovodProbe() as probe:
-            seconds = _timed_steps(trainer, batches, steps)
+            seconds = timed_steps(trainer, batches, steps)
         # A rank's last step can return while its final send still waits in its link's tbf
         # queue; the barrier's bytes queue behind it, so once every rank has passed the barrier
         # the step's bytes have been counted.

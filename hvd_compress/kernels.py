@@ -9,15 +9,15 @@ compensation, scales and second compression ~100 bytes per element of its shard.
 ranks than cores (4 on 2 in the benchmarks) that traffic, not the network, bounded the step.
 Each kernel here is one or two passes that produce exactly what the eager ops produce
 (same float32 operations in the same order; block sums and norms in float64, as the
-reference; the quantizers' draws those of ``seeding.uniforms``, computed in place), so the
-PyTorch port uses them for CPU tensors and keeps the eager ops, which run anywhere, for
-others. The TensorFlow port runs its steps inside ``tf.function`` graphs, where these do not.
+reference; the quantizers' draws those of ``seeding.uniforms``, computed in place), so
+both ports use them for CPU tensors (through ``hvd_compress.fused``) and keep their own ops,
+which run anywhere, for others.
 
 Signs follow ``codes.SignCodes``: bit k of byte j is element 8 j + k, set for -1, and
 -1 is every element that is not >= 0 (NaN included), as ``BlockSign.encode``; the
 quantizers' codes and sums ``codes.IntCodes``.
 
-Needs numba (``pip install hvd_compress[cpu]``); ``hvd_compress.pt.fused`` imports this module
+Needs numba (``pip install hvd_compress[cpu]``); ``hvd_compress.fused`` imports this module
 only where numba is installed, and only when a kernel is first needed.
 """
 
