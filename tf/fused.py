@@ -5,11 +5,11 @@ Mirrors ``hvd_compress.pt.fused``.
 
 Each call is one ``tf.numpy_function`` around ``hvd_compress.fused``'s call of a kernel,
 so it runs inside the pipeline's ``tf.function`` graphs as well as eagerly; the kernels
-release the GIL. The codec, memory and exchange ops (``BlockSign``, ``TernGrad``, ``QSGD``,
-..., ``ErrorFeedback``, ``ServerStep``, ``tf.exchange``)
-define the step and are what GPU tensors run; on CPU float32 tensors these calls give the
-same codes, packed bytes, decoded values and residuals bit for bit, in a few passes where
-the graph's ops make one pass each.
+release the GIL. The codec, memory and exchange ops (``BlockSign``, ``TernGrad``,
+``QSGD``, ..., ``ErrorFeedback``, ``ServerStep``, ``tf.exchange``) define the step and are
+what GPU tensors run; on CPU float32 tensors these calls give the same codes, packed
+bytes, decoded values and residuals bit for bit, in a few passes where the graph's ops
+make one pass each.
 
 ``HVD_COMPRESS_KERNELS=0`` in the environment keeps the ops everywhere, to compare the two.
 """
