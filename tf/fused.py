@@ -55,8 +55,8 @@ def _floats(numel):
 
 
 def _scales(codec, numel):
-    """The spec of ``codec``'s local scales of ``numel`` elements."""
-    return _floats(1 if codec.name == "terngrad" else codec.buckets(numel))
+    """The spec of ``codec``'s local scales of ``numel`` elements, one per bucket."""
+    return _floats(codec.buckets(numel))
 
 
 def _signs(numel):
