@@ -30,9 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hvd_compress.pt as hc
 from hvd_compress import cost
-from hvd_compress.accounting import HALF, UNCOMPRESSED
 from hvd_compress.adaptive import TRIAL_STEPS
 from hvd_compress.registry import resolve
+
+from .protocol import sent_bytes
 
 MOMENTUM = 0.9
 # PowerSGD (Vogels et al., NeurIPS 2019): rank r = 2 matched full-precision accuracy on
@@ -120,20 +121,7 @@ class CodecTrainer(Trainer):
         return self.optimizer.compression_stats()["bytes_handed"]
 
     def sent(self):
-        if self.codec.message == "factors":  # factors and whole tensors alike by allreduce
-            return cost.allreduce_traffic(self.handed(), self.world_size).sent
-        stats = self.optimizer.compression_stats()
-        total = 0.0
-        for _, numel, exchange, _ in stats["tensors"]:
-            if exchange in (UNCOMPRESSED, HALF):
-                itemsize = 2 if exchange == HALF else 4
-                total += cost.uncompressed_traffic(numel, self.world_size, itemsize).sent
-            elif self.codec.message == "own_indices":  # k of the last step
-                k = self.codec.k(numel, stats["step"] - 1)
-                total += cost.top_k_traffic(k, self.world_size).sent
-            else:
-                total += cost.compressed_traffic(self.codec, numel, self.world_size, exchange).sent
-        return total
+        return sent_bytes(self.codec, self.optimizer.compression_stats(), self.world_size)
 
 
 class DDPTrainer(Trainer):

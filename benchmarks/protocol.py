@@ -12,6 +12,9 @@ import json
 import sys
 import time
 
+from hvd_compress import cost
+from hvd_compress.accounting import HALF, UNCOMPRESSED
+
 EVENT = "@@bench "
 # Learning rate of the timed steps (what is measured does not depend on it).
 TIMING_LR = 0.01
@@ -81,3 +84,21 @@ def timed_steps(trainer, batches, steps):
         trainer.step(inputs, targets)
         seconds.append(time.perf_counter() - start)
     return seconds
+
+
+def sent_bytes(codec, stats, world_size):
+    """Bytes a worker puts on the network in the step ``stats`` (a wrapper's
+    ``compression_stats()``) describes, by ``hvd_compress.cost``: each tensor by the path
+    it took."""
+    if codec.message == "factors":  # factors and whole tensors alike by allreduce
+        return cost.allreduce_traffic(stats["bytes_handed"], world_size).sent
+    total = 0.0
+    for _, numel, exchange, _ in stats["tensors"]:
+        if exchange in (UNCOMPRESSED, HALF):
+            itemsize = 2 if exchange == HALF else 4
+            total += cost.uncompressed_traffic(numel, world_size, itemsize).sent
+        elif codec.message == "own_indices":  # k of the last step
+            total += cost.top_k_traffic(codec.k(numel, stats["step"] - 1), world_size).sent
+        else:
+            total += cost.compressed_traffic(codec, numel, world_size, exchange).sent
+    return total

@@ -36,7 +36,6 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_compress.tf as htf  # noqa: E402
 from hvd_compress import cost  # noqa: E402
-from hvd_compress.accounting import UNCOMPRESSED  # noqa: E402
 from hvd_compress.datasets import load_mnist1d  # noqa: E402
 
 from .protocol import (  # noqa: E402
@@ -46,6 +45,7 @@ from .protocol import (  # noqa: E402
     Driver,
     difference,
     interface_bytes,
+    sent_bytes,
     timed_steps,
 )
 from .shapes import (  # noqa: E402
@@ -208,13 +208,7 @@ def trainer(method, work, world_size):
     def codec_bytes():
         pipeline = run.tape.pipeline
         stats = pipeline.compression_stats()
-        sent = 0.0
-        for _, numel, exchange, _ in stats["tensors"]:
-            if exchange == UNCOMPRESSED:
-                sent += cost.uncompressed_traffic(numel, world_size, 4).sent
-            else:
-                sent += cost.compressed_traffic(pipeline.codec, numel, world_size, exchange).sent
-        return stats["bytes_handed"], sent
+        return stats["bytes_handed"], sent_bytes(pipeline.codec, stats, world_size)
 
     return run, codec_bytes
 
