@@ -195,10 +195,13 @@ def _tensorflow_quantizer(codec, key):
     def step(grad):
         numel = grad.shape[0]
         exchange = tf_make_exchange("allgather", codec, numel, 1, TFMeter(), 1)
-        scale = codec.local_scale(grad)
         if tf_fused.applies(codec, grad):
-            payload, _ = tf_fused.encode(codec, exchange, grad, scale, key, feedback=False)
+            # One call, as the pipeline encodes where no collective shares the scale.
+            payload, scale, _ = tf_fused.compensated_encode(
+                codec, exchange, grad, None, 1.0, key, False
+            )
             return tf_fused.decoded_sums(codec, payload[None], scale, 1, numel)
+        scale = codec.local_scale(grad)
         codes = codec.encode(grad, scale, tf_seeding.uniforms(key, numel))
         packed = tf_pack(codes[None], codec.code_space)
         return codec.decode(codec.values(tf_unpack(packed, codec.code_space, numel)), scale, 1)
@@ -207,15 +210,18 @@ def _tensorflow_quantizer(codec, key):
 
 
 def _tensorflow_signs(codec):
-    """ef-sign's worker (its momentum, as ``hvd_compress.tf.momentum`` runs it, then the
-    pipeline's compensation, scales, signs and residual, and the decoding of the servers'
-    signs) and one server's step, for ``tf.function``\\ s: through
+    """ef-sign's worker (its momentum, then the pipeline's compensation, scales, signs and
+    residual, as ``hvd_compress.tf.momentum`` and the pipeline run them, and the decoding
+    of the servers' signs) and one server's step, for ``tf.function``\\ s: through
     ``hvd_compress.tf.fused`` where its ``applies`` holds, else through the ops."""
     import tensorflow as tf
 
     from hvd_compress.codes import SignCodes
     from hvd_compress.tf import fused as tf_fused
+    from hvd_compress.tf.exchange import Allgather as TFAllgather
+    from hvd_compress.tf.exchange import Meter as TFMeter
     from hvd_compress.tf.memory import ErrorFeedback as TFErrorFeedback
+    from hvd_compress.tf.momentum import WorkerMomentum
     from hvd_compress.tf.packing import pack as tf_pack
     from hvd_compress.tf.packing import unpack as tf_unpack
 
@@ -229,17 +235,20 @@ def _tensorflow_signs(codec):
         return codec.decode(signs, scales, 1)
 
     def worker(grad, buffer, residual, bits, scales):
+        if tf_fused.applies(codec, grad):
+            step = WorkerMomentum.Deferred(buffer, MU, True)
+            exchange = TFAllgather(codec, grad.shape[0], 1, TFMeter(), 1)
+            packed, _, kept = tf_fused.compensated_encode(
+                codec, exchange, grad, residual, 1.0, tf.constant(KEY, tf.int64), True, step
+            )
+            return step.out, packed, kept, decode_signs(bits, scales)
         m = buffer * MU + grad
         u = grad + m * MU
-        if tf_fused.applies(codec, u):
-            p, scale = tf_fused.compensated_scale(codec, u, residual, 1.0)
-            packed, kept = tf_fused.signs_with_feedback(codec, p, scale)
-        else:
-            p = u + residual * 1.0
-            scale = codec.local_scale(p)
-            codes = codec.encode(p, scale, None)
-            kept = p - codec.decode(codec.values(codes), scale, 1)
-            packed = tf_pack(codes[None], SignCodes())
+        p = u + residual * 1.0
+        scale = codec.local_scale(p)
+        codes = codec.encode(p, scale, None)
+        kept = p - codec.decode(codec.values(codes), scale, 1)
+        packed = tf_pack(codes[None], SignCodes())
         return m, packed, kept, decode_signs(bits, scales)
 
     def server(bits, scales, residual):
@@ -255,6 +264,14 @@ def _tensorflow_signs(codec):
         return tf_pack(codes[None], SignCodes())
 
     return worker, server
+
+
+def _graph(step, args):
+    """A ``tf.function`` of ``step`` over every tensor's ``args``, captured as a pipeline's
+    graph captures its gradients (not bound as the function's inputs)."""
+    import tensorflow as tf
+
+    return tf.function(lambda: [step(*a) for a in args])
 
 
 def tensorflow_encode_decode(name, grads, repeats=3):
@@ -299,10 +316,7 @@ def tensorflow_encode_decode(name, grads, repeats=3):
 
     def timed():
         """Each row's seconds, its steps over all tensors in one graph."""
-        graphs = [
-            tf.function(lambda step=step, args=args: [step(*a) for a in args])
-            for step, args in zip(steps, inputs)
-        ]
+        graphs = [_graph(step, args) for step, args in zip(steps, inputs)]
         return [
             best_seconds(
                 lambda graph=graph: tf.nest.map_structure(np.asarray, graph()),

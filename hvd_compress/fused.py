@@ -70,9 +70,17 @@ def quantizes(codec) -> bool:
     return codec.name in QUANTIZERS and codec.wire == "fixed"
 
 
-def momentum(grad: np.ndarray, buffer: np.ndarray, mu: float, nesterov: bool) -> np.ndarray:
+def momentum_factor(mu: float, rounded_per_op: bool) -> np.floating:
+    """The momentum mu as the kernels take it, which sets how they round m = mu m + g and
+    u = g + mu m: once from float64, as PyTorch's ``add(alpha=mu)`` (a float64 of the
+    float32 mu), or after the product and after the sum, as TensorFlow's multiply and add
+    ops (``rounded_per_op``: a float32)."""
+    return np.float32(mu) if rounded_per_op else np.float64(np.float32(mu))
+
+
+def momentum(grad: np.ndarray, buffer: np.ndarray, mu: np.floating, nesterov: bool) -> np.ndarray:
     """``WorkerMomentum``'s m = mu m + g and u = g + mu m (or m) in one pass over ``grad``,
-    which becomes u; returns the new m."""
+    which becomes u, with ``mu`` from ``momentum_factor``; returns the new m."""
     out = empty(grad.shape)
     kernels().momentum(grad, buffer, mu, nesterov, out)
     return out
@@ -86,12 +94,12 @@ def compensated_scale(
     momentum: tuple | None = None,
 ) -> tuple:
     """``ErrorFeedback.compensate`` and ``codec.local_scale``: (p, scale), p = u + residual
-    * ratio. u is ``vector``, or with a ``momentum`` (buffer, mu, nesterov, new buffer:
-    ``WorkerMomentum.Deferred``'s) the direction of ``WorkerMomentum.before_exchange``,
-    whose new buffer is written in the same pass. Without either, p is ``vector`` itself.
-    ``BlockSign``'s scales are summed in that pass; the quantizers' (a standard deviation,
-    norms) take passes over p of their own (``local_scale``), and leave the pass's one
-    sum unused."""
+    * ratio. u is ``vector``, or with a ``momentum`` (buffer, mu from ``momentum_factor``,
+    nesterov, new buffer: ``WorkerMomentum.Deferred``'s) the direction of
+    ``WorkerMomentum.before_exchange``, whose new buffer is written in the same pass.
+    Without either, p is ``vector`` itself. ``BlockSign``'s scales are summed in that
+    pass; the quantizers' (a standard deviation, norms) take passes over p of their own
+    (``local_scale``), and leave the pass's one sum unused."""
     blocks = isinstance(codec, BlockSign)
     if not blocks and residual is None and momentum is None:
         return vector, local_scale(codec, vector)
@@ -109,6 +117,27 @@ def compensated_scale(
     if blocks:
         return p, BlockSign.scale_from_sums(codec, sums, vector.size)
     return p, local_scale(codec, p)
+
+
+def compensated_encode(
+    codec,
+    vector: np.ndarray,
+    residual: np.ndarray | None,
+    ratio: float,
+    momentum: tuple | None,
+    key: int,
+    payload: np.ndarray,
+    feedback: bool,
+) -> tuple:
+    """``compensated_scale`` then ``encode`` (``BlockSign``: ``signs_with_feedback``), for
+    a scale that no collective shares between them: (payload, scale, residual, None without
+    ``feedback``). ``payload`` is an empty array in the exchange's format."""
+    p, scale = compensated_scale(codec, vector, residual, ratio, momentum)
+    if isinstance(codec, BlockSign):
+        packed, kept = signs_with_feedback(codec, p, scale)
+        return packed, scale, kept if feedback else None
+    kept = empty(p.shape) if feedback else None
+    return encode(codec, p, scale, key, payload, kept), scale, kept
 
 
 def signs_with_feedback(codec, p: np.ndarray, scale: np.ndarray) -> tuple:

@@ -36,19 +36,20 @@ def _jit(function=None, **options):
 @_jit
 def _momentum_at(grad, buffer, mu, nesterov):
     """dist-EF-blockSGDM's worker momentum of one element: (m, u) with m = grad + mu buffer
-    and u = grad + mu m (Nesterov) or m; ``mu`` is the float32 momentum as a float64. Each
-    is rounded once to float32 from float64, where the product of two float32 values is
-    exact: what the eager ``torch.add(..., alpha=mu)``'s fused multiply-add gives, but
-    where the float64 sum falls within half a float64 unit of a float32 rounding boundary
-    (~2^-29 of elements)."""
-    m = np.float32(np.float64(grad) + np.float64(buffer) * mu)
-    return m, np.float32(np.float64(grad) + np.float64(m) * mu) if nesterov else m
+    and u = grad + mu m (Nesterov) or m, float32. The type of ``mu`` (the float32 momentum,
+    ``hvd_compress.fused.momentum_factor``) sets the rounding. A float64: each is rounded
+    once to float32 from float64, where the product of two float32 values is exact: what
+    the eager ``torch.add(..., alpha=mu)``'s fused multiply-add gives, but where the float64
+    sum falls within half a float64 unit of a float32 rounding boundary (~2^-29 of
+    elements). A float32: the product and the sum are each rounded, as TensorFlow's
+    multiply and add ops round them."""
+    m = np.float32(grad + buffer * mu)
+    return m, np.float32(grad + m * mu) if nesterov else m
 
 
 @_jit
 def momentum(grad, buffer, mu, nesterov, out):
     """The worker momentum in one pass: out = m, and grad becomes u (``_momentum_at``)."""
-    mu = np.float64(np.float32(mu))
     for i in range(grad.size):
         out[i], grad[i] = _momentum_at(grad[i], buffer[i], mu, nesterov)
 
@@ -106,7 +107,7 @@ def compensated_block_l1(
     (float64). u is ``vector``, or with a momentum ``buffer`` the u of ``_momentum_at``,
     whose m goes to ``new_buffer``. Empty ``buffer`` and ``residual`` mean none; with
     neither, out is not written and the sums are of ``vector``."""
-    ratio, mu = np.float32(ratio), np.float64(np.float32(mu))
+    ratio = np.float32(ratio)
     for b in range(sums.size):
         s = slice(b * block, min(vector.size, (b + 1) * block))
         if buffer.size and residual.size:

@@ -38,10 +38,15 @@ def applies(codec, tensor):
     )
 
 
+def _factor(mu):
+    """mu for the kernels: m = mu m + g rounded once, as ``torch.add(alpha=mu)`` rounds."""
+    return core.momentum_factor(mu, rounded_per_op=False)
+
+
 def momentum(grad, buffer, mu, nesterov):
     """``WorkerMomentum``'s m = mu m + g and u = g + mu m (or m) in one pass over a
     contiguous ``grad``, which becomes u; returns the new m."""
-    out = core.momentum(grad.view(-1).numpy(), buffer.reshape(-1).numpy(), mu, nesterov)
+    out = core.momentum(grad.view(-1).numpy(), buffer.reshape(-1).numpy(), _factor(mu), nesterov)
     return torch.from_numpy(out).view(grad.shape)
 
 
@@ -54,7 +59,7 @@ def compensated_scale(codec, vector, residual, ratio, momentum=None):
     if momentum is not None:
         accelerate = (
             momentum.buffer.reshape(-1).numpy(),
-            momentum.mu,
+            _factor(momentum.mu),
             momentum.nesterov,
             momentum.out.view(-1).numpy(),
         )

@@ -4,7 +4,8 @@ the float64 reference), signs, residual, server step and decoding; TernGrad's an
 family's scales (equal to the float64 reference), every exchange's payload (packed codes of
 full and partial bytes and buckets, the sharded padding, allreduce values), residuals, and
 every exchange's receiving side; eagerly and inside ``tf.function``; and a tape loop on 2
-ranks that exchanges the same gradients with the kernels as without them.
+ranks that exchanges the same gradients with the kernels as without them, as does ef-sign's
+optimizer with the worker momentum the kernels apply.
 
 TensorFlow runs in child processes only (see ``test_tf_codecs``).
 """
@@ -29,6 +30,8 @@ QUANTIZERS = [
     hvd_compress.NUQSGD(bucket_size=2048),
 ]
 LENGTHS = [1, 9, 4097, 100_003]
+# The SGD momentum of the worker momentum's cases.
+MU = 0.9
 BLOCKS = [None, 7, 4096]
 
 
@@ -58,13 +61,21 @@ def _sign_cases(blocks, lengths):
     from hvd_compress.server import ServerStep
     from hvd_compress.tf import fused
     from hvd_compress.tf.memory import ErrorFeedback
+    from hvd_compress.tf.momentum import WorkerMomentum
     from hvd_compress.tf.packing import pack, unpack
+
+    def accelerated(codec, vector, buffer, residual, ratio, nesterov):
+        """The compensation with the worker momentum step of ``nesterov`` (None: none):
+        (p, scale, new m or None)."""
+        step = None if nesterov is None else WorkerMomentum.Deferred(buffer, MU, nesterov)
+        p, scale = fused.compensated_scale(codec, vector, residual, ratio, step)
+        return p, scale, None if step is None else step.out
 
     differ = []
     traced = {
-        "eager": (fused.compensated_scale, fused.signs_with_feedback),
+        "eager": (accelerated, fused.signs_with_feedback),
         "traced": (
-            tf.function(fused.compensated_scale, autograph=False),
+            tf.function(accelerated, autograph=False),
             tf.function(fused.signs_with_feedback, autograph=False),
         ),
     }
@@ -75,8 +86,14 @@ def _sign_cases(blocks, lengths):
                 label = f"block={block} numel={numel} bad={bad}"
                 vector = tf.constant(_vector(numel, numel, bad))
                 residual = tf.constant(_vector(numel, 1) / 10)
-                for ratio in (1.0, 0.3):
-                    want = vector + residual * ratio
+                buffer = tf.constant(_vector(numel, 2))
+                for ratio, nesterov in ((1.0, None), (0.3, None), (0.3, False), (0.3, True)):
+                    # ``WorkerMomentum.before_exchange``'s ops.
+                    u, want_m = vector, None
+                    if nesterov is not None:
+                        want_m = buffer * MU + vector
+                        u = vector + want_m * MU if nesterov else want_m
+                    want = u + residual * ratio
                     want_scale = hvd_compress.BlockSign(block).local_scale(want.numpy())
                     want_sent = codec.decode(
                         codec.values(codec.encode(want, None, None)), want_scale, 1
@@ -85,8 +102,11 @@ def _sign_cases(blocks, lengths):
                         pack(codec.encode(want, None, None)[None], SignCodes()), [-1]
                     )
                     for how, (compensate, signs) in traced.items():
-                        p, scale = compensate(codec, vector, residual, ratio)
-                        _check(differ, f"{label} {how} ratio={ratio}: p", p, want)
+                        p, scale, m = compensate(codec, vector, buffer, residual, ratio, nesterov)
+                        case = f"{label} {how} ratio={ratio} nesterov={nesterov}"
+                        _check(differ, f"{case}: p", p, want)
+                        if want_m is not None:
+                            _check(differ, f"{case}: momentum", m, want_m)
                         _check(differ, f"{label} {how}: scale", scale, want_scale)
                         packed, kept = signs(codec, p, scale)
                         _check(differ, f"{label} {how}: packed", packed, want_packed)
@@ -263,9 +283,44 @@ TAPE_CONFIGS = [
 ]
 
 
+def _momentum_steps(nesterov, steps=3):
+    """The weights and worker momentum after each of ``steps`` traced steps of ef-sign's
+    ``DistributedOptimizer`` over an SGD with (``nesterov``) momentum 0.9."""
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(300), keras.layers.Dense(10)])
+    optimizer = htf.DistributedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=MU, nesterov=nesterov),
+        compression=hvd_compress.BlockSign(max_block_size=700, min_size=0),
+    )
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+            )
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    data = np.random.default_rng(100 + hvd.rank())
+    states = []
+    for _ in range(steps):
+        step(data.standard_normal((8, 64)).astype(np.float32), data.integers(0, 10, 8))
+        states.append([v.numpy() for v in model.trainable_variables])
+        states.append([v.numpy() for v in optimizer.compression_variables])
+    return states
+
+
 def _tape_with_and_without_kernels(configs):
-    """The exchanged gradients of 3 traced steps per config, with the kernels and without,
-    and how often the pipeline encoded through the kernels in either case."""
+    """The exchanged gradients of 3 traced steps per config, and the states of
+    ``_momentum_steps``, with the kernels and without, and how often the pipeline encoded
+    through the kernels in either case."""
     import horovod.tensorflow as hvd
 
     from hvd_compress.tf import fused
@@ -294,6 +349,7 @@ def _tape_with_and_without_kernels(configs):
                 ]
                 for codec, exchange, options in configs
             ]
+            + [_momentum_steps(nesterov) for nesterov in (False, True)]
         )
     return runs, calls
 
@@ -303,7 +359,9 @@ def test_tape_exchanges_the_same_gradients_with_the_kernels():
     for (kernels, ops), calls in run_parallel(_tape_with_and_without_kernels, 2, TAPE_CONFIGS):
         # Traced once per config: an encode per compressed tensor, only with the kernels.
         assert calls[True] >= len(TAPE_CONFIGS) and calls[False] == 0, calls
-        for config, got, want in zip(TAPE_CONFIGS, kernels, ops):
+        configs = TAPE_CONFIGS + ["worker momentum", "worker momentum, Nesterov"]
+        assert len(kernels) == len(ops) == len(configs)
+        for config, got, want in zip(configs, kernels, ops):
             for step, (got_step, want_step) in enumerate(zip(got, want)):
                 for g, w in zip(got_step, want_step):
                     np.testing.assert_array_equal(g, w, err_msg=f"{config} step {step}")

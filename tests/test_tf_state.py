@@ -137,3 +137,128 @@ def test_ranks_with_different_configurations_fail_fast_on_every_rank(kind):
             assert f"{kind}: rank 0: " in message and "rank 1: " in message
     if kind == "codec":
         assert "TernGrad(" in results[0]["tape"] and "QSGDInf(" in results[0]["tape"]
+
+
+# (label, codec, error_feedback, exchange): ef-sign's servers know their result's finiteness
+# from the server scales (``_Exchange.finite``): the replicated one at N = 2 ("auto"), the
+# sharded one; error feedback on a one-way codec is checked over every gradient.
+POISONED = [
+    ("terngrad+ef", hvd_compress.TernGrad(**SMALL), True, "auto"),
+    ("ef-sign", hvd_compress.BlockSign(min_size=0), None, "auto"),
+    ("ef-sign sharded", hvd_compress.BlockSign(min_size=0), None, "sharded"),
+]
+POISON_AT = 2
+
+
+def _poisoned(steps):
+    """Rank 1's loss is NaN at ``POISON_AT``. Each case of ``POISONED`` trains through
+    ``DistributedGradientTape`` in a ``tf.function``, skipping the base step when the
+    exchanged gradients are not finite; the worker-momentum mode of ``DistributedOptimizer``
+    (ef-sign over an SGD with momentum) runs up to the poisoned step. Per case and step:
+    the weights, the compression state and whether the exchanged gradients were finite
+    (for the optimizer, which applies them: whether the weights are)."""
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    hvd.init()
+
+    def batch(step):
+        data = np.random.default_rng(1000 * step + hvd.rank())
+        x = data.standard_normal((8, 64)).astype(np.float32)
+        poison = np.float32("nan" if step == POISON_AT and hvd.rank() == 1 else 1.0)
+        return x, data.integers(0, 10, 8), poison
+
+    def model_and_loss():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
+        )
+
+        def loss(x, y, poison):
+            logits = model(x)
+            return poison * tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            )
+
+        return model, loss
+
+    def record(model, variables, finite):
+        return {
+            "weights": np.concatenate([w.ravel() for w in model.get_weights()]),
+            "state": [v.numpy().copy() for v in variables],
+            "finite": finite,
+        }
+
+    records = {}
+    for label, codec, error_feedback, exchange in POISONED:
+        model, loss = model_and_loss()
+        sgd = keras.optimizers.SGD(0.05)
+        tapes = []
+
+        @tf.function
+        def exchanged(x, y, poison):
+            with tf.GradientTape() as tape:
+                value = loss(x, y, poison)
+            tape = htf.DistributedGradientTape(
+                tape, compression=codec, exchange=exchange, error_feedback=error_feedback, seed=3
+            )
+            tapes.append(tape)
+            return tape.gradient(value, model.trainable_variables)
+
+        records[label] = []
+        for step in range(steps):
+            grads = exchanged(*batch(step))
+            finite = all(np.isfinite(g.numpy()).all() for g in grads)
+            if finite:
+                sgd.apply_gradients(zip(grads, model.trainable_variables))
+            records[label].append(record(model, tapes[0].pipeline.variables, finite))
+
+    model, loss = model_and_loss()
+    optimizer = htf.DistributedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), compression=hvd_compress.BlockSign(min_size=0)
+    )
+    optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def train(x, y, poison):
+        with tf.GradientTape() as tape:
+            value = loss(x, y, poison)
+        grads = tape.gradient(value, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    records["ef-sign, worker momentum"] = []
+    for step in range(POISON_AT + 1):
+        train(*batch(step))
+        # The optimizer applies the exchanged gradients: NaN weights on every rank.
+        finite = all(np.isfinite(w).all() for w in model.get_weights())
+        records["ef-sign, worker momentum"].append(
+            record(model, optimizer.compression_variables, finite)
+        )
+    return records
+
+
+def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace():
+    """The PyTorch port's check (``tests/test_state.py``): residuals (worker and server),
+    the step counter aside, and worker momentum are untouched by the poisoned step on every
+    rank, and training goes on, finite and identical on every rank."""
+    results = run_parallel(_poisoned, 2, POISON_AT + 3, timeout=400)
+    for records in results:
+        for label, steps in records.items():
+            before, skipped = steps[POISON_AT - 1], steps[POISON_AT]
+            assert before["finite"] and not skipped["finite"], label
+            # The step counter (a scalar) moves on; every other state variable stays.
+            kept = [(a, b) for a, b in zip(before["state"], skipped["state"]) if a.ndim]
+            assert len(kept) >= 2, label
+            for a, b in kept:
+                np.testing.assert_array_equal(a, b, err_msg=label)
+            if label in {case[0] for case in POISONED}:
+                np.testing.assert_array_equal(before["weights"], skipped["weights"])
+                for later in steps[POISON_AT + 1 :]:
+                    assert later["finite"], label
+                    assert not np.array_equal(later["weights"], skipped["weights"]), label
+    for label in results[0]:
+        for a, b in zip(results[0][label], results[1][label]):
+            np.testing.assert_array_equal(a["weights"], b["weights"], err_msg=label)

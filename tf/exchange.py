@@ -119,6 +119,9 @@ def _sum_rows(rows):
 
 
 class _Exchange:
+    # Whether the last result of ``finish`` is all finite (a boolean tensor), where the
+    # exchange knows it without reading the result; None where it does not.
+    finite = None
     # The indices ([k, 1] int64) of the velocity this worker sent, which its momentum
     # forgets (DGC's momentum factor masking); None for exchanges that send no part of it.
     selected = None
@@ -156,6 +159,17 @@ class _Exchange:
         """The format this exchange hands over one worker's codes in, for a kernel to
         encode into (``fused.encode``; ``start_packed`` sends it)."""
         return tf.TensorSpec([self.codec.code_space.packed_nbytes(self.numel)], tf.uint8)
+
+    def _servers_signs(self, packed, scales, length):
+        """The first ``length`` signs of each server's row of ``packed`` times that server's
+        one scale (``scales``, one per row). Every value is +-its server's scale, NaN for a
+        non-finite one, so ``finite`` is read off the scales (a tensor: nothing waits for
+        the device, which is why every device gets it here, unlike in the PyTorch port)."""
+        self.finite = tf.reduce_all(tf.math.is_finite(scales))
+        if self._fused(scales):
+            return fused.scaled_signs(packed, scales, length)
+        signs = unpack(packed, self.codec.code_space, length)
+        return self.codec.decode(signs, tf.reshape(scales, [-1, 1]), 1)
 
 
 class Allreduce(_Exchange):
@@ -248,7 +262,7 @@ class Allgather(_Exchange):
                 self.count,
                 self.numel,
             )
-            return fused.scaled_signs(packed[None], server_scale, self.numel)[0]
+            return self._servers_signs(packed[None], server_scale, self.numel)[0]
         if not self.elias and self.server is None and self._fused(scale):
             rows = gathered[:, self.scale_bytes :]
             if not self.own_scale:
@@ -389,10 +403,8 @@ class ShardedServer(_Exchange):
         )
         rows = _gather_rows(self.meter.hand(message), f"{name}.server", self.process_set)
         server_scales = _floats(rows[:, : self.server_scale_bytes])
-        if self.server_scale_bytes == 4 and self._fused(server_scales):  # one block per shard
-            decoded = fused.scaled_signs(
-                rows[:, self.server_scale_bytes :], server_scales, self.length
-            )
+        if self.server_scale_bytes == 4:  # one block per shard
+            decoded = self._servers_signs(rows[:, 4:], server_scales, self.length)
             return tf.reshape(decoded, [-1])[: self.numel]
         signs = unpack(rows[:, self.server_scale_bytes :], self.codec.code_space, self.length)
         return tf.concat(

@@ -71,23 +71,107 @@ def local_scale(codec, grad: tf.Tensor) -> tf.Tensor:
     return scale
 
 
-def compensated_scale(codec, vector: tf.Tensor, residual, ratio) -> tuple:
+def _worker_state(numel, residual, momentum):
+    """What the worker's calls take after the vector and the ratio: the tensors (the
+    residual, the momentum buffer, where given), and the function of their arrays that
+    gives the residual (or None) and ``hvd_compress.fused``'s momentum step (or None)."""
+    tensors = [] if residual is None else [residual]
+    if momentum is not None:
+        tensors.append(tf.reshape(momentum.buffer, [-1]))
+
+    def arrays(values):
+        values = list(values)
+        residual_array = None if residual is None else values.pop(0)
+        if momentum is None:
+            return residual_array, None
+        factor = core.momentum_factor(momentum.mu, rounded_per_op=True)
+        return residual_array, (values.pop(0), factor, momentum.nesterov, core.empty(numel))
+
+    return tensors, arrays
+
+
+def _buffer_spec(momentum, numel):
+    """The spec of a call's new momentum buffer, its last output: none without one."""
+    return [] if momentum is None else [_floats(numel)]
+
+
+def _set_buffer(momentum, results):
+    """Makes a call's last output the new buffer of its ``momentum``, if any."""
+    if momentum is not None:
+        momentum.out = tf.reshape(results[-1], tf.shape(momentum.buffer))
+
+
+def compensated_scale(codec, vector: tf.Tensor, residual, ratio, momentum=None) -> tuple:
     """``ErrorFeedback.compensate`` and ``codec.local_scale`` (``hvd_compress.fused``):
-    (p, scale), p = vector + residual * ratio (``ratio`` may be a tensor); without a
-    ``residual``, p is ``vector`` itself."""
+    (p, scale), p = u + residual * ratio (``ratio`` may be a tensor). u is ``vector``, or
+    with a ``momentum`` (``WorkerMomentum.Deferred``) its direction, whose new buffer
+    becomes ``momentum.out`` in the same pass. Without either, p is ``vector`` itself."""
     numel = vector.shape[0]
-    if residual is None:
+    if residual is None and momentum is None:
         (scale,) = _call(
             lambda v: (core.compensated_scale(codec, v, None, 1.0)[1],),
             [vector],
             [_scales(codec, numel)],
         )
         return vector, scale
-    return _call(
-        lambda v, r, ratio: core.compensated_scale(codec, v, r, float(ratio)),
-        [vector, residual, tf.cast(ratio, tf.float32)],
-        [_floats(numel), _scales(codec, numel)],
+    state, arrays = _worker_state(numel, residual, momentum)
+
+    def run(vector, ratio, *values):
+        residual, step = arrays(values)
+        p, scale = core.compensated_scale(codec, vector, residual, float(ratio), step)
+        return [p, scale] + ([] if step is None else [step[3]])
+
+    results = _call(
+        run,
+        [vector, tf.cast(ratio, tf.float32), *state],
+        [_floats(numel), _scales(codec, numel)] + _buffer_spec(momentum, numel),
     )
+    _set_buffer(momentum, results)
+    return results[0], results[1]
+
+
+def compensated_encode(
+    codec,
+    exchange,
+    vector: tf.Tensor,
+    residual,
+    ratio,
+    key: tf.Tensor,
+    feedback: bool,
+    momentum=None,
+) -> tuple:
+    """``compensated_scale`` then ``encode`` in one call, for a scale that no collective
+    shares between them: (payload, scale, residual or None). p never becomes a tensor:
+    TensorFlow frees an array it adopted only when it next hands Python the GIL, so each
+    tensor's p would take memory of its own, touched page by page, where within the call
+    the next one reuses it."""
+    numel = vector.shape[0]
+    spec = exchange.payload()
+    state, arrays = _worker_state(numel, residual, momentum)
+
+    def run(vector, ratio, key, *values):
+        residual, step = arrays(values)
+        payload, scale, kept = core.compensated_encode(
+            codec,
+            vector,
+            residual,
+            float(ratio),
+            step,
+            int(key),
+            core.empty(spec.shape, spec.dtype.as_numpy_dtype),
+            feedback,
+        )
+        kept = [kept] if feedback else []
+        return [payload, scale, *kept] + ([] if step is None else [step[3]])
+
+    outputs = [spec, _scales(codec, numel), *([_floats(numel)] if feedback else [])]
+    results = _call(
+        run,
+        [vector, tf.cast(ratio, tf.float32), key, *state],
+        outputs + _buffer_spec(momentum, numel),
+    )
+    _set_buffer(momentum, results)
+    return results[0], results[1], results[2] if feedback else None
 
 
 def signs_with_feedback(codec, p: tf.Tensor, scale: tf.Tensor) -> tuple:

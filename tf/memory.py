@@ -3,6 +3,19 @@
 import tensorflow as tf
 
 
+def assign_if(keep, assignments):
+    """Assigns each (variable, value) pair of ``assignments`` where ``keep`` (a boolean,
+    may be a tensor) holds, and nothing otherwise: one ``tf.cond`` rather than a
+    ``tf.where`` per variable, which would read the old and the new value of every element
+    on every step (a variable adopts a kept value's buffer instead of copying it)."""
+
+    def assign():
+        for variable, value in assignments:
+            variable.assign(value)
+
+    tf.cond(keep, assign, lambda: None)
+
+
 class ErrorFeedback(tf.Module):
     """Residuals keyed by tensor name (parameter names, and shard names on a server).
 
@@ -54,9 +67,7 @@ class ErrorFeedback(tf.Module):
         self.proposed[name] = residual
 
     def commit(self, keep):
-        for name, residual in self.proposed.items():
-            previous = self.residuals[name]
-            previous.assign(tf.where(keep, residual, previous))
+        assign_if(keep, [(self.residuals[name], value) for name, value in self.proposed.items()])
         self.proposed = {}
 
 

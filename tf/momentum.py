@@ -17,10 +17,13 @@ Learning-rate schedules are seen through ``optimizer.learning_rate``.
 """
 
 import contextlib
+import dataclasses
 import sys
 
 import keras
 import tensorflow as tf
+
+from .memory import assign_if
 
 
 def keras2_class(name):
@@ -34,6 +37,16 @@ class WorkerMomentum(tf.Module):
     """The momentum buffers m (``tf.Variable``\\ s in gradient units, saved by
     ``tf.train.Checkpoint`` with the optimizer) and eta of the last exchange, for the
     variables of ``pipeline`` in its order; committed with the pipeline's residuals."""
+
+    @dataclasses.dataclass
+    class Deferred:
+        """One gradient's momentum step, left to the pipeline's fused compensation
+        (``fused.compensated_scale``), which sets the new m as ``out``."""
+
+        buffer: tf.Tensor  # m
+        mu: float
+        nesterov: bool
+        out: tf.Tensor = None
 
     def __init__(self, pipeline):
         super().__init__(name="worker_momentum")
@@ -84,28 +97,41 @@ class WorkerMomentum(tf.Module):
                 f"worker_momentum needs a keras.optimizers.SGD, got {type(optimizer).__name__}"
             )
 
-    def before_exchange(self, optimizer, grads):
+    def before_exchange(self, optimizer, grads, defer=None):
         """The momentum directions u for ``grads`` (in the pipeline's order; None stays None),
-        and eta_{t-1} / eta_t."""
+        eta_{t-1} / eta_t, and per gradient a ``Deferred`` or None. Where ``defer`` (one
+        boolean per gradient: the pipeline's ``fuses``) holds, the step is left to the
+        pipeline's fused compensation: the direction is the gradient itself and its
+        ``Deferred`` carries the step."""
         mu, rate = optimizer.momentum, tf.cast(optimizer.learning_rate, tf.float32)
-        directions, buffers = [], {}
-        for name, grad in zip(self.names, grads):
-            if grad is None or mu == 0:
-                directions.append(grad)
-                continue
-            grad = tf.convert_to_tensor(grad)
-            buffer = self.momentum[name] * mu + grad
-            buffers[name] = buffer
-            directions.append(grad + buffer * mu if optimizer.nesterov else buffer)
+        defer = defer or [False] * len(grads)
+        directions, buffers, deferred = [], {}, []
+        for name, grad, later in zip(self.names, grads, defer):
+            step = None
+            if grad is not None and mu != 0:
+                grad = tf.convert_to_tensor(grad)
+                if later:
+                    step = buffers[name] = self.Deferred(
+                        tf.convert_to_tensor(self.momentum[name]), mu, optimizer.nesterov
+                    )
+                else:
+                    buffer = buffers[name] = self.momentum[name] * mu + grad
+                    grad = grad + buffer * mu if optimizer.nesterov else buffer
+            directions.append(grad)
+            deferred.append(step)
         self.proposed = {"momentum": buffers, "learning_rate": rate}
         previous = self.learning_rate
-        return directions, tf.where(previous > 0, previous / rate, 1.0)
+        return directions, tf.where(previous > 0, previous / rate, 1.0), deferred
 
     def commit(self, keep):
-        for name, buffer in self.proposed["momentum"].items():
-            self.momentum[name].assign(tf.where(keep, buffer, self.momentum[name]))
-        self.learning_rate.assign(
-            tf.where(keep, self.proposed["learning_rate"], self.learning_rate)
+        buffers = {
+            name: buffer.out if isinstance(buffer, self.Deferred) else buffer
+            for name, buffer in self.proposed["momentum"].items()
+        }
+        assign_if(
+            keep,
+            [(self.momentum[name], buffer) for name, buffer in buffers.items()]
+            + [(self.learning_rate, self.proposed["learning_rate"])],
         )
         self.proposed = {}
 

@@ -68,11 +68,13 @@ class _DistributedOptimizer:
         # collectives) and still reach the base optimizer without one.
         ordered, ratio, whole = [by_key.get(key) for key in self._hvdc_keys], 1.0, None
         ordered = self._hvdc_pipeline.clip_locally(ordered)
+        momentum = None
         if self._hvdc_momentum is not None:
-            ordered, ratio = self._hvdc_momentum.before_exchange(self, ordered)
+            defer = [self._hvdc_pipeline.fuses(i, g) for i, g in enumerate(ordered)]
+            ordered, ratio, momentum = self._hvdc_momentum.before_exchange(self, ordered, defer)
         if self._hvdc_adam is not None:
             ordered, whole = self._hvdc_adam.before_exchange(ordered), ~self._hvdc_adam.compressing
-        reduced = self._hvdc_pipeline.reduce(ordered, ratio, whole)
+        reduced = self._hvdc_pipeline.reduce(ordered, ratio, whole, momentum)
         if self._hvdc_adam is not None:
             reduced = self._hvdc_adam.after_exchange(reduced)
         reduced = dict(zip(self._hvdc_keys, reduced))

@@ -251,13 +251,27 @@ class CompressionPipeline(tf.Module):
         that clip locally (DGC), as they are otherwise; None stays None."""
         return [None if g is None else self.codec.local_clip(g, self.world_size) for g in grads]
 
-    def reduce(self, grads, ratio=1.0, whole=None):
+    def fuses(self, index, grad):
+        """Whether gradient ``index``'s worker error feedback runs in ``fused``'s kernels,
+        which can also take its momentum step (``WorkerMomentum.Deferred``)."""
+        return (
+            self.worker_memory is not None
+            and self.plans[index].exchange != UNCOMPRESSED
+            and not self.codec.sparse
+            and not self.codec.uncompressed_steps
+            and grad is not None
+            and not isinstance(grad, tf.IndexedSlices)
+            and fused.applies(self.codec, grad)
+        )
+
+    def reduce(self, grads, ratio=1.0, whole=None, momentum=None):
         """Exchanges one step's gradients, one per variable in the order of construction
         (None for a variable without a gradient: zeros are exchanged, because every rank
         must take part in the same collectives); returns the averaged (or summed) ones.
         ``ratio`` (eta_{t-1} / eta_t, may be a tensor) rescales residuals kept in gradient
         units. ``whole`` (a boolean, may be a tensor): this step every tensor goes by a
-        plain allreduce, and no residual changes (compressed Adam's warm-up)."""
+        plain allreduce, and no residual changes (compressed Adam's warm-up). ``momentum``:
+        per gradient a ``WorkerMomentum.Deferred`` (only where ``fuses``) or None."""
         if len(grads) != len(self.plans):
             raise ValueError(
                 f"CompressionPipeline: got {len(grads)} gradients for {len(self.plans)} variables"
@@ -274,11 +288,14 @@ class CompressionPipeline(tf.Module):
             # PowerSGD's start_iter: every tensor whole at first.
             warming_up = self.step < self.codec.uncompressed_steps
             whole = warming_up if whole is None else whole | warming_up
+        momentum = momentum or [None] * len(grads)
         if whole is None:
-            outputs = self._exchange(grads, ratio)
+            outputs = self._exchange(grads, ratio, momentum)
         else:
             outputs = tf.cond(
-                whole, lambda: self._exchange_whole(grads), lambda: self._exchange(grads, ratio)
+                whole,
+                lambda: self._exchange_whole(grads),
+                lambda: self._exchange(grads, ratio, momentum),
             )
         self.step.assign_add(1)
         return outputs
@@ -292,13 +309,13 @@ class CompressionPipeline(tf.Module):
         self._account([plan.numel for plan in self.plans])
         return outputs
 
-    def _exchange(self, grads, ratio):
+    def _exchange(self, grads, ratio, momentum):
         """Every gradient by its plan, committing the step's residuals."""
         fusions = self._fusion_groups()
         outputs = [None] * len(self.plans)
         sent_elements = [plan.numel for plan in self.plans]
         started = {}  # index -> (what the exchange's ``finish`` takes, the gradient's dtype)
-        for index, (plan, grad) in enumerate(zip(self.plans, grads)):
+        for index, (plan, grad, step) in enumerate(zip(self.plans, grads, momentum)):
             with self.meter.charging(plan.name):
                 if plan.exchange == UNCOMPRESSED or isinstance(grad, tf.IndexedSlices):
                     # Sparse gradients (embeddings) go through Horovod's sparse allreduce
@@ -311,16 +328,22 @@ class CompressionPipeline(tf.Module):
                     sent_elements[index] = self.exchanges[plan.name].sent_elements
                 else:
                     started[index] = (
-                        self._start(plan, grad, ratio, fusions.get(plan.name)),
+                        self._start(plan, grad, ratio, fusions.get(plan.name), step),
                         grad.dtype,
                     )
+        known = {}  # index -> whether its gradient is finite, as its exchange knows
         for index, (pending, dtype) in started.items():
             plan = self.plans[index]
+            exchange = self.exchanges[plan.name]
             with self.meter.charging(plan.name):
-                decoded = self.exchanges[plan.name].finish(pending)
+                decoded = exchange.finish(pending)
             outputs[index] = tf.cast(tf.reshape(decoded, self.shapes[index]), dtype)
+            # A cast into another dtype could overflow: only an adopted result is known.
+            if exchange.finite is not None and dtype == decoded.dtype:
+                known[index] = exchange.finite
         if self.step_state:
-            keep = self.all_finite(outputs)
+            unknown = [output for index, output in enumerate(outputs) if index not in known]
+            keep = tf.reduce_all(tf.stack([self.all_finite(unknown), *known.values()]))
             for state in self.step_state:
                 state.commit(keep)
         self._account(sent_elements)
@@ -384,28 +407,38 @@ class CompressionPipeline(tf.Module):
             self.worker_momentum.mask(plan.name, exchange.selected)
         return tf.cast(tf.reshape(decoded, grad.shape), grad.dtype)
 
-    def _start(self, plan, grad, ratio, alltoall_fusion):
-        """Compensates, encodes and starts the exchange of ``grad``; returns what its
-        ``finish`` takes."""
+    def _start(self, plan, grad, ratio, alltoall_fusion, momentum=None):
+        """Compensates (applying a ``momentum`` step, where ``fuses``), encodes and starts
+        the exchange of ``grad``; returns what its ``finish`` takes."""
         name = collective_name(plan)
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
         fuses = fused.applies(self.codec, vector)
-        scale = None
-        if self.worker_memory is not None:
-            if fuses:
-                vector, scale = fused.compensated_scale(
-                    self.codec, vector, self.worker_memory.residuals[plan.name], ratio
-                )
-            else:
-                vector = self.worker_memory.compensate(plan.name, vector, ratio)
+        residual = None if self.worker_memory is None else self.worker_memory.residuals[plan.name]
         exchange = self.exchanges[plan.name]
         exchange.fusion = alltoall_fusion
         if self.codec.two_way:
             exchange.server = ServerStep(self.server_memory, plan.name, ratio)
+        shared = self.codec.scaled and self.codec.shares_scale(plan.exchange)
+        key = seeding.stream_seed(self.seed, self.rank, self.step, plan.index)
+        if fuses and not shared:
+            payload, scale, kept = fused.compensated_encode(
+                self.codec, exchange, vector, residual, ratio, key, residual is not None, momentum
+            )
+            if residual is not None:
+                self.worker_memory.propose(plan.name, kept)
+            return exchange.start_packed(payload, scale, _codes_name(plan))
+        scale = None
+        if residual is not None:
+            if fuses:
+                vector, scale = fused.compensated_scale(
+                    self.codec, vector, residual, ratio, momentum
+                )
+            else:
+                vector = self.worker_memory.compensate(plan.name, vector, ratio)
         if self.codec.scaled:
             if scale is None:
                 scale = self.codec.local_scale(vector)
-            if self.codec.shares_scale(plan.exchange):
+            if shared:
                 scale = hvd.allreduce(
                     self.meter.hand(scale),
                     op=hvd.Max,
@@ -414,12 +447,11 @@ class CompressionPipeline(tf.Module):
                     process_set=self.process_set,
                 )
         if fuses:
-            key = seeding.stream_seed(self.seed, self.rank, self.step, plan.index)
-            payload, residual = fused.encode(
-                self.codec, exchange, vector, scale, key, feedback=self.worker_memory is not None
+            payload, kept = fused.encode(
+                self.codec, exchange, vector, scale, key, feedback=residual is not None
             )
-            if self.worker_memory is not None:
-                self.worker_memory.propose(plan.name, residual)
+            if residual is not None:
+                self.worker_memory.propose(plan.name, kept)
             return exchange.start_packed(payload, scale, _codes_name(plan))
         draws = None
         if self.codec.stochastic:
