@@ -274,12 +274,14 @@ def _graph(step, args):
     return tf.function(lambda: [step(*a) for a in args])
 
 
-def tensorflow_encode_decode(name, grads, repeats=3):
+def tensorflow_encode_decode(name, grads, repeats=7):
     """[(label, PyTorch kernels, TensorFlow kernels, TensorFlow ops)]: wall seconds of
     encoding and decoding ``grads`` as ``encode_decode``'s rows, TensorFlow's as one
     ``tf.function`` over all tensors, as its pipeline runs a step. TensorFlow runs its
     graphs on threads of its own, whose time ``time.thread_time`` would not see: all
-    three are wall times of the same run, so that their ratios hold."""
+    three are wall times of the same run, so that their ratios hold, each the best of
+    ``repeats``: TensorFlow frees the arrays its graph adopted late, so a run's time
+    depends on the heap's state, and the best of 3 swung by a factor of 1.5."""
     import tensorflow as tf
 
     import hvd_compress.tf as htf
