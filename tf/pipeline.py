@@ -455,7 +455,7 @@ class CompressionPipeline(tf.Module):
             return exchange.start_packed(payload, scale, _codes_name(plan))
         draws = None
         if self.codec.stochastic:
-            draws = uniforms(self.seed, self.rank, self.step, plan.index, [plan.numel])
+            draws = seeding.uniforms(key, plan.numel)
         codes = self.codec.encode(vector, scale, draws)
         if self.worker_memory is not None:
             sent = self.codec.decode(self.codec.values(codes), scale, 1)
