@@ -15,6 +15,7 @@ the two.
 
 import functools
 
+import numpy as np
 import torch
 
 from hvd_compress import fused as core
@@ -24,6 +25,56 @@ from .blocksign import BlockSign
 
 # Whether the kernels run at all (tests and benchmarks switch it to compare).
 ENABLED = core.AVAILABLE
+
+
+# numpy's type string of each dtype whose tensors the kernels read or write.
+_TYPESTRS = {
+    dtype: torch.empty(0, dtype=dtype).numpy().dtype.str
+    for dtype in (
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+    )
+}
+_DTYPES = {np.dtype(typestr): dtype for dtype, typestr in _TYPESTRS.items()}
+
+
+class _Borrowed:
+    """The base of a numpy array made by ``_array``: it keeps the viewed tensor alive."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+
+def _array(tensor: torch.Tensor, flat: bool = True) -> np.ndarray:
+    """A numpy array sharing the memory of CPU ``tensor``, flattened unless not ``flat``
+    (of a copy if ``tensor`` is not contiguous: only inputs, such as a column of scales,
+    are). Made without torch's dispatcher: ``Tensor.numpy()`` is four aten
+    ops (detach, to, resolve_conj, resolve_neg) and ``reshape(-1)`` two more, none of which
+    does any work, but a profiler counts them, and each costs a dispatch."""
+    tensor = tensor.contiguous()
+    borrowed = _Borrowed()
+    borrowed.tensor = tensor
+    borrowed.__array_interface__ = {
+        "data": (tensor.data_ptr(), False),
+        "shape": (tensor.numel(),) if flat else tuple(tensor.shape),
+        "typestr": _TYPESTRS[tensor.dtype],
+        "version": 3,
+    }
+    return np.asarray(borrowed)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing the memory of a kernel's result ``array`` (which it keeps alive):
+    ``torch.frombuffer`` of a 1-D array goes without the dispatcher, where
+    ``torch.from_numpy`` is an aten op (lift_fresh)."""
+    if array.ndim != 1 or not array.size:
+        return torch.from_numpy(array)
+    return torch.frombuffer(array, dtype=_DTYPES[array.dtype])
 
 
 def applies(codec, tensor):
@@ -46,8 +97,8 @@ def _factor(mu):
 def momentum(grad, buffer, mu, nesterov):
     """``WorkerMomentum``'s m = mu m + g and u = g + mu m (or m) in one pass over a
     contiguous ``grad``, which becomes u; returns the new m."""
-    out = core.momentum(grad.view(-1).numpy(), buffer.reshape(-1).numpy(), _factor(mu), nesterov)
-    return torch.from_numpy(out).view(grad.shape)
+    out = core.momentum(_array(grad), _array(buffer), _factor(mu), nesterov)
+    return _tensor(out).view(grad.shape)
 
 
 def compensated_scale(codec, vector, residual, ratio, momentum=None):
@@ -58,27 +109,27 @@ def compensated_scale(codec, vector, residual, ratio, momentum=None):
     accelerate = None
     if momentum is not None:
         accelerate = (
-            momentum.buffer.reshape(-1).numpy(),
+            _array(momentum.buffer),
             _factor(momentum.mu),
             momentum.nesterov,
-            momentum.out.view(-1).numpy(),
+            _array(momentum.out),
         )
     p, scale = core.compensated_scale(
         codec,
-        vector.detach().numpy(),
-        None if residual is None else residual.numpy(),
+        _array(vector),
+        None if residual is None else _array(residual),
         ratio,
         accelerate,
     )
     same = residual is None and momentum is None
-    return vector if same else torch.from_numpy(p), torch.as_tensor(scale)
+    return vector if same else _tensor(p), _tensor(scale)
 
 
 def signs_with_feedback(codec, p, scale):
     """``BlockSign.encode``, packing, and the residual p - decode(codes) that
     ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
-    packed, residual = core.signs_with_feedback(codec, p.detach().numpy(), scale.numpy())
-    return torch.from_numpy(packed), torch.from_numpy(residual)
+    packed, residual = core.signs_with_feedback(codec, _array(p), _array(scale))
+    return _tensor(packed), _tensor(residual)
 
 
 def server_step(server, codec, bits, scales, count, numel):
@@ -89,28 +140,26 @@ def server_step(server, codec, bits, scales, count, numel):
     previous = server.memory.residuals.get(server.key)
     packed, scale, residual = core.server_step(
         codec,
-        bits.numpy(),
-        scales.contiguous().numpy(),
+        _array(bits, flat=False),
+        _array(scales, flat=False),
         count,
-        None if previous is None else previous.numpy(),
+        None if previous is None else _array(previous),
         server.ratio,
         numel,
     )
-    server.memory.propose(server.key, torch.from_numpy(residual))
-    return torch.from_numpy(packed), torch.from_numpy(scale)
+    server.memory.propose(server.key, _tensor(residual))
+    return _tensor(packed), _tensor(scale)
 
 
 def scaled_signs(bits, scales, numel):
     """``packing.unpack_scaled_signs``: the first ``numel`` signs of each row of ``bits``
     times that row's scale, as float32 rows."""
-    return torch.from_numpy(
-        core.scaled_signs(bits.numpy(), scales.reshape(-1).contiguous().numpy(), numel)
-    )
+    return _tensor(core.scaled_signs(_array(bits, flat=False), _array(scales), numel))
 
 
 def local_scale(codec, grad: torch.Tensor) -> torch.Tensor:
     """``TernGrad.local_scale`` or the QSGD family's (``hvd_compress.fused.local_scale``)."""
-    return torch.from_numpy(core.local_scale(codec, grad.detach().reshape(-1).numpy()))
+    return _tensor(core.local_scale(codec, _array(grad)))
 
 
 def encode(
@@ -127,14 +176,14 @@ def encode(
     residual = torch.empty_like(p) if feedback else None
     values = core.encode(
         codec,
-        p.detach().numpy(),
-        scale.reshape(-1).contiguous().numpy(),
+        _array(p),
+        _array(scale),
         key,
-        payload.numpy(),
-        None if residual is None else residual.numpy(),
+        _array(payload),
+        None if residual is None else _array(residual),
     )
     if payload.dtype != torch.uint8:
-        payload = torch.from_numpy(values)
+        payload = _tensor(values)
     return payload, residual
 
 
@@ -146,16 +195,16 @@ def _table(codec, space):
 
 def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
-    return torch.from_numpy(
-        core.decoded_totals(codec, total.numpy(), scale.reshape(-1).contiguous().numpy(), count)
-    )
+    return _tensor(core.decoded_totals(codec, _array(total), _array(scale), count))
 
 
 def summed_codes(codec, rows: torch.Tensor, length: int, total_space: IntCodes) -> torch.Tensor:
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
     every row, summed over the rows and packed in ``total_space``."""
-    return torch.from_numpy(
-        core.summed_codes(codec, rows.numpy(), _table(codec, codec.code_space), length, total_space)
+    return _tensor(
+        core.summed_codes(
+            codec, _array(rows, flat=False), _table(codec, codec.code_space), length, total_space
+        )
     )
 
 
@@ -163,12 +212,12 @@ def decoded_sums(
     codec, rows: torch.Tensor, scale: torch.Tensor, count: int, numel: int
 ) -> torch.Tensor:
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
-    return torch.from_numpy(
+    return _tensor(
         core.decoded_sums(
             codec,
-            rows.numpy(),
+            _array(rows, flat=False),
             _table(codec, codec.code_space),
-            scale.reshape(-1).contiguous().numpy(),
+            _array(scale),
             count,
             numel,
         )
@@ -180,12 +229,12 @@ def decoded_own_scales(
 ) -> torch.Tensor:
     """The allgather's sum over the rows of ``codec.decode`` of their values, each row
     under its own scales (row of ``scales``)."""
-    return torch.from_numpy(
+    return _tensor(
         core.decoded_own_scales(
             codec,
-            rows.numpy(),
+            _array(rows, flat=False),
             _table(codec, codec.code_space),
-            scales.contiguous().numpy(),
+            _array(scales, flat=False),
             count,
             numel,
         )
@@ -203,13 +252,13 @@ def decoded_segments(
 ) -> torch.Tensor:
     """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
     elements r length .. (r + 1) length - 1, packed in ``total_space``."""
-    return torch.from_numpy(
+    return _tensor(
         core.decoded_segments(
             codec,
-            rows.numpy(),
+            _array(rows, flat=False),
             total_space,
             length,
-            scale.reshape(-1).contiguous().numpy(),
+            _array(scale),
             count,
             numel,
         )
