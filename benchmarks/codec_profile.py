@@ -117,11 +117,17 @@ def _fused_quantizer(codec, grad):
     return fused.decoded_sums(codec, packed.reshape(1, -1), scale, 1, grad.numel())
 
 
+def server_messages(bits, scales):
+    """Workers' messages as a server receives them: each row's float32 scale, then its
+    bits."""
+    return torch.cat([scales.view(torch.uint8), bits], dim=1)
+
+
 def _sign_inputs(grads):
     """ef-sign's inputs for ``grads``: per tensor the worker's (gradient, momentum buffer,
     residual), the 4 servers' (sign bits of a quarter of the tensor each, one scale each)
-    that the worker decodes, and one server's (4 workers' bits of its shard, their
-    scales, its residual)."""
+    that the worker decodes, and one server's (4 workers' messages of its shard, its
+    residual)."""
     generator = torch.Generator().manual_seed(1)
     workers = [
         (
@@ -136,7 +142,7 @@ def _sign_inputs(grads):
         for grad in grads
     ]
     servers = [
-        (bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
+        (server_messages(bits, scales), torch.randn(bits.shape[1] * 8, generator=generator))
         for bits, scales in shards
     ]
     return workers, shards, servers
@@ -251,14 +257,16 @@ def _tensorflow_signs(codec):
         packed = tf_pack(codes[None], SignCodes())
         return m, packed, kept, decode_signs(bits, scales)
 
-    def server(bits, scales, residual):
+    def server(messages, residual):
         memory = TFErrorFeedback({})
         memory.residuals["s"] = residual
         step = ServerStep(memory, "s")
         numel = residual.shape[0]
-        if tf_fused.applies(codec, scales):
-            packed, _ = tf_fused.server_step(step, codec, bits, scales[:, 0], 4, numel)
+        if tf_fused.applies(codec, residual):
+            packed, _ = tf_fused.server_step(step, codec, messages, 4, 0, 4, numel)
             return packed
+        scales = tf.bitcast(tf.reshape(messages[:, :4], [4, 1, 4]), tf.float32)
+        bits = messages[:, 4:]
         signs = tf.cast(tf_unpack(bits, SignCodes(), numel), tf.float32)
         codes, _, _ = step(codec, tf.reduce_sum(signs * scales, axis=0) / 4)
         return tf_pack(codes[None], SignCodes())

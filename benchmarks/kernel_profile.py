@@ -19,7 +19,7 @@ from hvd_compress.pt.momentum import WorkerMomentum
 from hvd_compress.pt.packing import pack, unpack_scaled_signs
 from hvd_compress.server import ServerStep
 
-from .codec_profile import best_seconds, compressed_shapes
+from .codec_profile import best_seconds, compressed_shapes, server_messages
 from .models import SyntheticResNet50
 
 MU = 0.9
@@ -46,8 +46,10 @@ def fused_worker(codec, grad, buffer, residual):
     return fused.signs_with_feedback(codec, p, scale)
 
 
-def eager_server(codec, bits, scales, residual):
-    """The sharded server's eager calls for one shard: decode, average, ``ServerStep``."""
+def eager_server(codec, messages, residual):
+    """The sharded server's eager calls for one shard of ``messages`` (rows: a worker's
+    one scale, then its signs): decode, average, ``ServerStep``."""
+    scales, bits = messages[:, :4].contiguous().view(torch.float32), messages[:, 4:]
     average = unpack_scaled_signs(bits, scales, residual.numel()).sum(dim=0) / len(bits)
     memory = ErrorFeedback()
     memory.residuals["s"] = residual
@@ -55,11 +57,11 @@ def eager_server(codec, bits, scales, residual):
     return pack(codes.reshape(1, -1), codec.code_space)
 
 
-def fused_server(codec, bits, scales, residual):
+def fused_server(codec, messages, residual):
     memory = ErrorFeedback()
     memory.residuals["s"] = residual
     return fused.server_step(
-        ServerStep(memory, "s"), codec, bits, scales.reshape(-1), len(bits), residual.numel()
+        ServerStep(memory, "s"), codec, messages, 4, 0, len(messages), residual.numel()
     )
 
 
@@ -86,7 +88,7 @@ def main(argv=None):
         for grad, _, _ in tensors
     ]
     servers = [
-        (bits, scales, torch.randn(bits.shape[1] * 8, generator=generator))
+        (server_messages(bits, scales), torch.randn(bits.shape[1] * 8, generator=generator))
         for bits, scales in shards
     ]
     rows = [

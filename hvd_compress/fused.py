@@ -179,6 +179,22 @@ def server_step(
     return packed, scale, residual
 
 
+def headed(scale: np.ndarray, packed: np.ndarray) -> np.ndarray:
+    """One worker's message of an exchange that sends its own scales: the bytes of its
+    float32 ``scale``, then its ``packed`` codes."""
+    head = scale.astype(np.float32, copy=False).view(np.uint8)
+    message = np.empty(head.size + packed.size, np.uint8)
+    message[: head.size] = head
+    message[head.size :] = packed
+    return message
+
+
+def split_messages(messages: np.ndarray, head: int) -> tuple:
+    """Gathered messages (rows) of ``head`` bytes of float32 scales, then packed codes:
+    (the scales, a row per message; the codes, a view of the rows)."""
+    return np.ascontiguousarray(messages[:, :head]).view(np.float32), messages[:, head:]
+
+
 def scaled_signs(bits: np.ndarray, scales: np.ndarray, numel: int) -> np.ndarray:
     """``packing.unpack_scaled_signs``: the first ``numel`` signs of each row of ``bits``
     times that row's scale, as float32 rows."""

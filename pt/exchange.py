@@ -189,7 +189,7 @@ class _Exchange:
         non-finite one, so ``finite`` is read off the scales: on the CPU only, where reading
         it costs nothing; on a GPU it would wait for the device once per tensor, so there it
         stays None and the pipeline's one finiteness check of the step covers this result."""
-        self.finite = bool(torch.isfinite(scales).all()) if scales.device.type == "cpu" else None
+        self.finite = fused.finite(scales) if scales.device.type == "cpu" else None
         unpack_signs = (
             fused.scaled_signs if fused.applies(self.codec, scales) else unpack_scaled_signs
         )
@@ -257,11 +257,15 @@ class Allgather(_Exchange):
     def start_packed(self, payload, scale, name):
         """``start`` for codes already packed (``fused``)."""
         if self.own_scale:
-            payload = torch.cat([scale.to(torch.float32).reshape(-1).view(torch.uint8), payload])
+            payload = (
+                fused.headed(scale, payload)
+                if self._fused(scale)
+                else torch.cat([scale.to(torch.float32).reshape(-1).view(torch.uint8), payload])
+            )
         if self.elias:
             return _allgather_with_sizes(payload, name, self.meter, self.process_set), scale
         # Equal lengths: gathered as rows.
-        payload = self.meter.hand(payload.reshape(1, -1))
+        payload = self.meter.hand(payload.view(1, -1))
         return [hvd.allgather_async(payload, name=name, process_set=self.process_set)], scale
 
     def _codes(self, gathered):
@@ -290,19 +294,18 @@ class Allgather(_Exchange):
         handles, scale = pending
         gathered = _gathered_payloads(handles) if self.elias else wait(handles[0])
         if self.server is not None:  # two-way codecs pack at a fixed width
-            return self._serve(gathered)
+            return self._serve(gathered, scale)
         return self.decode(gathered, scale)
 
     def decode(self, gathered, scale):
         """The decoded average (or sum) of every worker's payload: ``gathered`` holds them
         as rows, or for Elias codes as a list; ``scale`` is the shared scale, if any."""
         if not self.elias and self._fused(scale):
-            codes = gathered[:, self.scale_bytes :]
-            if not self.own_scale:
-                return fused.decoded_sums(self.codec, codes, scale, self.count, self.numel)
-            return fused.decoded_own_scales(
-                self.codec, codes, _floats(gathered[:, : self.scale_bytes]), self.count, self.numel
-            )
+            if self.own_scale:
+                return fused.decoded_own_scales(
+                    self.codec, gathered, self.scale_bytes, self.count, self.numel
+                )
+            return fused.decoded_sums(self.codec, gathered, scale, self.count, self.numel)
         if self.own_scale:
             return self._decoded_sum(self._codes(gathered), self.count)
         total = None
@@ -311,16 +314,17 @@ class Allgather(_Exchange):
             total = _sum_rows(values) if total is None else total.add_(values[0])
         return self.codec.decode(total, scale, self.count)
 
-    def _serve(self, rows):
+    def _serve(self, rows, scale):
         """The replicated server: every rank runs the same server step on every worker's
-        message, averaged as the sharded server averages its shard (sum, then divide)."""
+        message (rows; this worker's ``scale``), averaged as the sharded server averages
+        its shard (sum, then divide)."""
+        if self.scale_bytes == 4 and self._fused(scale):  # one block per tensor
+            packed, server_scale = fused.server_step(
+                self.server, self.codec, rows, self.scale_bytes, 0, self.count, self.numel
+            )
+            return self._servers_signs(packed.view(1, -1), server_scale, self.numel)[0]
         own_scales = _floats(rows[:, : self.scale_bytes])
         bits = rows[:, self.scale_bytes :]
-        if own_scales.shape[1] == 1 and fused.applies(self.codec, own_scales):
-            packed, server_scale = fused.server_step(
-                self.server, self.codec, bits, own_scales[:, 0], self.count, self.numel
-            )
-            return self._servers_signs(packed.reshape(1, -1), server_scale, self.numel)[0]
         rows = (
             (unpack(bits[r : r + 1], self.codec.code_space, self.numel), own_scales[r : r + 1])
             for r in range(bits.shape[0])
@@ -410,25 +414,25 @@ class ShardedServer(_Exchange):
         shards = self._shards(packed, self.world_size)
         heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
         payload = torch.cat([heads.expand(self.world_size, -1), shards], dim=1)
-        return self.fusion.send(name, self.meter.hand(payload)), name
+        return self.fusion.send(name, self.meter.hand(payload)), scale, name
 
     def advance(self, pending):
-        fusion, name = pending
+        fusion, scale, name = pending
         received = fusion.receive(name)
         rank = self.process_set.rank()
-        scales = _floats(received[:, : self.scale_bytes])
         shard = self.shard(rank)
         valid = shard.stop - shard.start
         # Every worker's signs times its scales of the blocks this shard's elements are in.
         block_length = self.codec.bucket_length(self.numel)
         first_block = shard.start // block_length
-        bits = received[:, self.scale_bytes :]
         one_block = valid and (shard.stop - 1) // block_length == first_block
-        if one_block and fused.applies(self.codec, scales[:, first_block]):
+        if one_block and self._fused(scale):
             packed, server_scale = fused.server_step(
-                self.server, self.codec, bits, scales[:, first_block], self.count, valid
+                self.server, self.codec, received, self.scale_bytes, first_block, self.count, valid
             )
         else:
+            scales = _floats(received[:, : self.scale_bytes])
+            bits = received[:, self.scale_bytes :]
             if one_block:
                 scaled = unpack_scaled_signs(bits, scales[:, first_block], valid)
             else:

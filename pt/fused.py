@@ -51,17 +51,20 @@ class _Borrowed:
 
 
 def _array(tensor: torch.Tensor, flat: bool = True) -> np.ndarray:
-    """A numpy array sharing the memory of CPU ``tensor``, flattened unless not ``flat``
-    (of a copy if ``tensor`` is not contiguous: only inputs, such as a column of scales,
-    are). Made without torch's dispatcher: ``Tensor.numpy()`` is four aten
-    ops (detach, to, resolve_conj, resolve_neg) and ``reshape(-1)`` two more, none of which
-    does any work, but a profiler counts them, and each costs a dispatch."""
-    tensor = tensor.contiguous()
+    """A numpy array sharing the memory of CPU ``tensor``: flattened (a contiguous copy of
+    a strided input, such as a column of scales), or if not ``flat`` with its shape and
+    strides (rows sliced out of a gathered message). Made without torch's dispatcher:
+    ``Tensor.numpy()`` is four aten ops (detach, to, resolve_conj, resolve_neg) and
+    ``reshape(-1)`` two more, none of which does any work, but each costs a dispatch and a
+    profiler counts them."""
+    if flat:
+        tensor = tensor.contiguous()
     borrowed = _Borrowed()
     borrowed.tensor = tensor
     borrowed.__array_interface__ = {
         "data": (tensor.data_ptr(), False),
         "shape": (tensor.numel(),) if flat else tuple(tensor.shape),
+        "strides": None if flat else tuple(s * tensor.element_size() for s in tensor.stride()),
         "typestr": _TYPESTRS[tensor.dtype],
         "version": 3,
     }
@@ -132,16 +135,18 @@ def signs_with_feedback(codec, p, scale):
     return _tensor(packed), _tensor(residual)
 
 
-def server_step(server, codec, bits, scales, count, numel):
+def server_step(server, codec, messages, head, block, count, numel):
     """``ServerStep`` of a server (of one shard, or replicated over a whole tensor) whose
-    workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
-    (``scales``): the average, the server residual and the second compression. Returns
-    (packed signs, scale) and proposes the new server residual."""
+    workers each sent a message (row of ``messages``: ``head`` bytes of float32 block
+    scales, then the server's ``numel`` packed signs, all in scale block ``block``): the
+    average, the server residual and the second compression. Returns (packed signs,
+    scale) and proposes the new server residual."""
+    scales, bits = core.split_messages(_array(messages, flat=False), head)
     previous = server.memory.residuals.get(server.key)
     packed, scale, residual = core.server_step(
         codec,
-        _array(bits, flat=False),
-        _array(scales, flat=False),
+        bits,
+        np.ascontiguousarray(scales[:, block]),
         count,
         None if previous is None else _array(previous),
         server.ratio,
@@ -149,6 +154,18 @@ def server_step(server, codec, bits, scales, count, numel):
     )
     server.memory.propose(server.key, _tensor(residual))
     return _tensor(packed), _tensor(scale)
+
+
+def headed(scale: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """One worker's message of an exchange that sends its own scales: the bytes of its
+    float32 ``scale``, then its ``packed`` codes (``torch.cat`` of the two would take four
+    more dispatches to view the scale as bytes)."""
+    return _tensor(core.headed(_array(scale), _array(packed)))
+
+
+def finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of CPU ``tensor`` is finite, read without a dispatch."""
+    return bool(np.isfinite(_array(tensor)).all())
 
 
 def scaled_signs(bits, scales, numel):
@@ -225,19 +242,13 @@ def decoded_sums(
 
 
 def decoded_own_scales(
-    codec, rows: torch.Tensor, scales: torch.Tensor, count: int, numel: int
+    codec, messages: torch.Tensor, head: int, count: int, numel: int
 ) -> torch.Tensor:
-    """The allgather's sum over the rows of ``codec.decode`` of their values, each row
-    under its own scales (row of ``scales``)."""
+    """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
+    scales, then the codes) of ``codec.decode`` of their values, each under its own scales."""
+    scales, rows = core.split_messages(_array(messages, flat=False), head)
     return _tensor(
-        core.decoded_own_scales(
-            codec,
-            _array(rows, flat=False),
-            _table(codec, codec.code_space),
-            _array(scales, flat=False),
-            count,
-            numel,
-        )
+        core.decoded_own_scales(codec, rows, _table(codec, codec.code_space), scales, count, numel)
     )
 
 

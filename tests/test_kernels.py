@@ -84,8 +84,12 @@ def test_server_step_is_the_eager_server_step(block, numel, rows):
         if residual is not None:
             eager_memory.residuals["s"] = fused_memory.residuals["s"] = residual
         p = eager_memory.compensate("s", average, ratio)
+        # Messages as the sharded server receives them: a head of 3 block scales (this
+        # server's elements in block 1), then the signs.
+        heads = torch.stack([scales + 1, scales, scales * 3], dim=1)
+        messages = torch.cat([heads.view(torch.uint8), bits], dim=1)
         packed, scale = fused.server_step(
-            ServerStep(fused_memory, "s", ratio), codec, bits, scales, rows, numel
+            ServerStep(fused_memory, "s", ratio), codec, messages, 12, 1, rows, numel
         )
         np.testing.assert_array_equal(scale.numpy(), reference.local_scale(p.numpy()))
         want_packed, want_kept = _eager_message(codec, p, scale)
@@ -109,7 +113,7 @@ def test_replicated_server_is_the_eager_server_step(numel, bad):
     memory = ErrorFeedback()
     memory.residuals["t"] = residual
     exchange = Allgather(codec, numel, 4, Meter(), 4, ServerStep(memory, "t", 0.5))
-    got = exchange._serve(rows)
+    got = exchange._serve(rows, scales[:1])
     # The eager replicated server: every message decoded, summed, divided, compensated.
     values = codec.values(unpack(bits, SignCodes(), numel))
     average = codec.decode(values, scales.reshape(4, 1), 1).sum(dim=0) / 4
@@ -429,8 +433,11 @@ def test_quantizer_receiving_side_is_the_eager_exchange(reference, numel, world,
         codec.decode(_sum_rows(values), scale, world).numpy(),
     )
     own = _scales(codec, numel, world, numel + 1, bad)
+    messages = torch.cat([own.view(torch.uint8), rows], dim=1)
     np.testing.assert_array_equal(
-        fused.decoded_own_scales(codec, rows, own, world, numel).numpy(),
+        fused.decoded_own_scales(
+            codec, messages, own.element_size() * own.shape[1], world, numel
+        ).numpy(),
         codec.decode(values, own, world).sum(dim=0).numpy(),
     )
     sharded = make_exchange("sharded", codec, numel, world, Meter(), world)

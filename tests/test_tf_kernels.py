@@ -124,8 +124,12 @@ def _sign_cases(blocks, lengths):
                     memory.residuals["x"].assign(residual)
                     memories.append(memory)
                 codes, want_scale, want_sent = ServerStep(memories[0], "x", 0.3)(codec, average)
+                # Messages as the sharded server receives them: a head of 2 block
+                # scales (this server's elements in block 1), then the signs.
+                heads = tf.stack([scales + 1, scales], axis=1)
+                messages = tf.concat([tf.reshape(tf.bitcast(heads, tf.uint8), [3, 8]), bits], 1)
                 packed, scale = fused.server_step(
-                    ServerStep(memories[1], "x", 0.3), codec, bits, scales, 3, numel
+                    ServerStep(memories[1], "x", 0.3), codec, messages, 8, 1, 3, numel
                 )
                 want_packed = tf.reshape(pack(codes[None], SignCodes()), [-1])
                 _check(differ, f"{label}: server packed", packed, want_packed)
@@ -230,7 +234,13 @@ def _kernel_cases(quantizers, lengths):
                 _check(
                     differ,
                     f"{label}: allgather own-scale decode",
-                    fused.decoded_own_scales(codec, rows, own, world, numel),
+                    fused.decoded_own_scales(
+                        codec,
+                        tf.concat([tf.reshape(tf.bitcast(own, tf.uint8), [world, -1]), rows], 1),
+                        4 * own.shape[1],
+                        world,
+                        numel,
+                    ),
                     tf.reduce_sum(codec.decode(values, own, world), axis=0),
                 )
                 sharded = make_exchange("sharded", codec, numel, world, Meter(), world)

@@ -255,21 +255,15 @@ class Allgather(_Exchange):
         if self.server is not None and self.scale_bytes == 4 and self._fused(scale):
             # The replicated server of one block per tensor.
             packed, server_scale = fused.server_step(
-                self.server,
-                self.codec,
-                gathered[:, 4:],
-                _floats(gathered[:, :4])[:, 0],
-                self.count,
-                self.numel,
+                self.server, self.codec, gathered, self.scale_bytes, 0, self.count, self.numel
             )
             return self._servers_signs(packed[None], server_scale, self.numel)[0]
         if not self.elias and self.server is None and self._fused(scale):
-            rows = gathered[:, self.scale_bytes :]
-            if not self.own_scale:
-                return fused.decoded_sums(self.codec, rows, scale, self.count, self.numel)
-            return fused.decoded_own_scales(
-                self.codec, rows, _floats(gathered[:, : self.scale_bytes]), self.count, self.numel
-            )
+            if self.own_scale:
+                return fused.decoded_own_scales(
+                    self.codec, gathered, self.scale_bytes, self.count, self.numel
+                )
+            return fused.decoded_sums(self.codec, gathered, scale, self.count, self.numel)
         codes, own_scales = self._codes(gathered)
         values = self.codec.values(codes)
         if not self.own_scale:
@@ -374,12 +368,7 @@ class ShardedServer(_Exchange):
         one_block = valid and (start + valid - 1) // block_length == first_block
         if one_block and self._fused(scales):
             packed, server_scale = fused.server_step(
-                self.server,
-                self.codec,
-                received[:, self.scale_bytes :],
-                scales[:, first_block],
-                self.count,
-                valid,
+                self.server, self.codec, received, self.scale_bytes, first_block, self.count, valid
             )
         else:
             signs = unpack(received[:, self.scale_bytes :], self.codec.code_space, self.length)

@@ -16,6 +16,7 @@ make one pass each.
 
 import functools
 
+import numpy as np
 import tensorflow as tf
 
 from hvd_compress import fused as core
@@ -185,19 +186,29 @@ def signs_with_feedback(codec, p: tf.Tensor, scale: tf.Tensor) -> tuple:
     )
 
 
-def server_step(server, codec, bits: tf.Tensor, scales: tf.Tensor, count: int, numel: int):
+def server_step(server, codec, messages: tf.Tensor, head: int, block: int, count: int, numel: int):
     """``ServerStep`` of a server (of one shard, or replicated over a whole tensor) whose
-    workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
-    (``scales``): the average, the server residual and the second compression. Returns
-    (packed signs, scale) and proposes the new server residual."""
+    workers each sent a message (row of ``messages``: ``head`` bytes of float32 block
+    scales, then the server's ``numel`` packed signs, all in scale block ``block``): the
+    average, the server residual and the second compression. Returns (packed signs,
+    scale) and proposes the new server residual."""
     previous = server.memory.residuals[server.key]
 
-    def run(bits, scales, previous, ratio):
-        return core.server_step(codec, bits, scales, count, previous, float(ratio), numel)
+    def run(messages, previous, ratio):
+        scales, bits = core.split_messages(messages, head)
+        return core.server_step(
+            codec,
+            bits,
+            np.ascontiguousarray(scales[:, block]),
+            count,
+            previous,
+            float(ratio),
+            numel,
+        )
 
     packed, scale, residual = _call(
         run,
-        [bits, scales, previous, tf.cast(server.ratio, tf.float32)],
+        [messages, previous, tf.cast(server.ratio, tf.float32)],
         [_signs(numel), _floats(codec.buckets(numel)), _floats(numel)],
     )
     server.memory.propose(server.key, residual)
@@ -277,17 +288,16 @@ def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: in
     return out
 
 
-def decoded_own_scales(
-    codec, rows: tf.Tensor, scales: tf.Tensor, count: int, numel: int
-) -> tf.Tensor:
-    """The allgather's sum over the rows of ``codec.decode`` of their values, each row
-    under its own scales (row of ``scales``)."""
+def decoded_own_scales(codec, messages: tf.Tensor, head: int, count: int, numel: int) -> tf.Tensor:
+    """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
+    scales, then the codes) of ``codec.decode`` of their values, each under its own scales."""
     codes = _table(codec, codec.code_space)
-    (out,) = _call(
-        lambda rows, scales: (core.decoded_own_scales(codec, rows, codes, scales, count, numel),),
-        [rows, scales],
-        [_floats(numel)],
-    )
+
+    def run(messages):
+        scales, rows = core.split_messages(messages, head)
+        return (core.decoded_own_scales(codec, rows, codes, scales, count, numel),)
+
+    (out,) = _call(run, [messages], [_floats(numel)])
     return out
 
 
