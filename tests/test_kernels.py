@@ -540,3 +540,64 @@ def test_optimizer_runs_the_quantizer_kernels_and_trains_as_the_eager_calls():
                 assert torch.equal(params, eager_params)
                 for name, grad in exchanged.items():
                     assert torch.equal(grad, eager_exchanged[name]), name
+
+
+def _ops_added_per_compressed_tensor(exchanges):
+    """Top-level torch ops that each codec adds to one step of ``Net``, per compressed
+    tensor, by exchange (``benchmarks.op_count``'s count)."""
+    import horovod.torch as hvd
+    from torch.profiler import ProfilerActivity, profile
+
+    import hvd_compress.pt as hc
+    from benchmarks.op_count import top_level_aten_ops
+
+    from .test_pt_distributed import Net
+
+    hvd.init()
+    inputs, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def ops(codec, exchange):
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            model.named_parameters(),
+            compression=codec,
+            exchange=exchange,
+        )
+
+        def step():
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+
+        for _ in range(3):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            step()
+        tensors = optimizer.compression_stats()["tensors"]
+        compressed = sum(1 for _, _, route, _ in tensors if not route.startswith("allreduce ("))
+        return top_level_aten_ops(profiler.events()), compressed
+
+    baseline, _ = ops(hc.NoneCodec(), "auto")
+    codecs = {
+        "terngrad": hc.TernGrad(min_size=100),
+        "qsgd-inf": hc.QSGDInf(min_size=100),
+        "ef-sign": hc.BlockSign(min_size=0),
+    }
+    added = {}
+    for name, codec in codecs.items():
+        for exchange in exchanges:
+            count, compressed = ops(codec, exchange)
+            added[name, exchange] = (count - baseline) / compressed
+    return added
+
+
+@pytest.mark.multiprocess
+def test_the_kernels_add_a_few_torch_ops_per_compressed_tensor():
+    """On CPU a codec's work is the kernels' calls, which take and give arrays without
+    torch's dispatcher, so over the allgather (each codec's exchange at N = 2) compression
+    adds a few ops per compressed tensor: the collective, the payload, the result's view.
+    Views through ``Tensor.numpy()`` or framing by torch ops add 10 to 40."""
+    added = run_parallel(_ops_added_per_compressed_tensor, 2, ("allgather",))[0]
+    assert all(count <= 8 for count in added.values()), added
