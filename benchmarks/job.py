@@ -48,17 +48,20 @@ class NamespacedHosts:
 
 
 class LocalHosts:
-    """Every worker on this machine's loopback, unshaped."""
+    """Every worker on this machine's loopback, unshaped; placed on ``hosts``
+    (``"nodeA:2,nodeB:2"``: Horovod's local and cross ranks as on two nodes) or all on
+    localhost."""
 
     shaped = False
 
-    def __init__(self, workers):
+    def __init__(self, workers, hosts=None):
         self.workers = workers
         self.interface = "lo"
         self.rendezvous_address = self.ddp_address = "127.0.0.1"
+        self._hosts = hosts or f"localhost:{workers}"
 
     def hosts(self):
-        return f"localhost:{self.workers}"
+        return self._hosts
 
     def worker_prefix(self, rank):
         return []

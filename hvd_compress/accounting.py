@@ -31,14 +31,19 @@ class Sent:
     sent_elements: int = None  # elements its codec sent last step (None: all)
 
 
-def expected_bytes(codec, tensors, world_size, allreduce_dtypes):
+def expected_bytes(codec, tensors, world_size, allreduce_dtypes, nodes=None):
     """Bytes per step that the wire formats of ``hvd_compress.cost`` predict for ``tensors``
     (``Sent``) among ``world_size`` ranks; ``allreduce_dtypes``: the carriers the port's
-    allreduce sums. A sparse codec's variable-length messages are counted at the sizes of the
-    last step's selections."""
+    allreduce sums; ``nodes``: the ``topology.Nodes`` of two-level exchanges. A sparse
+    codec's variable-length messages are counted at the sizes of the last step's
+    selections."""
     total = 0
     for t in tensors:
-        if t.route in (UNCOMPRESSED, HALF):
+        if t.route == cost.TWO_LEVEL:
+            total += cost.two_level_traffic(
+                codec, t.numel, nodes.local_size, nodes.cross_size, allreduce_dtypes, t.itemsize
+            ).handed
+        elif t.route in (UNCOMPRESSED, HALF):
             itemsize = 2 if t.route == HALF else t.itemsize
             total += cost.uncompressed_traffic(t.numel, world_size, itemsize).handed
         elif codec.message == "own_indices":

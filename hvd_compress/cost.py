@@ -30,6 +30,11 @@ from dataclasses import dataclass
 from .codes import ITEMSIZE, shard_length
 
 EXCHANGES = ("allreduce", "allgather", "sharded")
+# The exchange that sums inside each node uncompressed and compresses between nodes only
+# (``hvd_compress.topology``): its compressed part among the nodes is one of
+# ``TWO_LEVEL_INNER``, which need no fusion groups.
+TWO_LEVEL = "two-level"
+TWO_LEVEL_INNER = ("allreduce", "allgather")
 
 # Collectives the PyTorch allreduce can sum (horovod.torch rejects int8 and uint8).
 TORCH_ALLREDUCE_DTYPES = ("float16", "int32", "int64")
@@ -114,6 +119,38 @@ def compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes=TORC
     phase1, phase2 = _sharded_phases(codec, numel, world_size)
     sent = (world_size - 1) / world_size * phase1 + (world_size - 1) * phase2
     return scale + Traffic(phase1 + phase2, sent, 2)
+
+
+def two_level_inner(codec, numel, cross_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
+    """The exchange among the nodes of a two-level exchange's shards of ``numel``
+    elements: the one of ``TWO_LEVEL_INNER`` that ``codec`` can take and that sends the
+    fewest bytes (on a tie, fewer collectives)."""
+    candidates = [e for e in TWO_LEVEL_INNER if e in exchanges_for(codec)]
+
+    def traffic(exchange):
+        t = compressed_traffic(codec, numel, cross_size, exchange, allreduce_dtypes)
+        return t.sent, t.collectives
+
+    return min(candidates, key=traffic)
+
+
+def two_level_traffic(
+    codec, numel, local_size, cross_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES, itemsize=4
+):
+    """Traffic of one tensor through the two-level exchange, on both tiers: the node's
+    reduce-scatter of the zero-padded gradient, the codec's exchange of the shard among the
+    nodes (none on one node), the node's allgather of the decoded shards."""
+    length = -(-numel // local_size)
+    nbytes = length * itemsize
+    inner = NO_TRAFFIC
+    if cross_size > 1:
+        exchange = two_level_inner(codec, length, cross_size, allreduce_dtypes)
+        inner = compressed_traffic(codec, length, cross_size, exchange, allreduce_dtypes)
+    if local_size == 1:
+        return inner
+    scatter = Traffic(local_size * nbytes, (local_size - 1) * nbytes, 1)
+    gather = Traffic(nbytes, (local_size - 1) * nbytes, 1)
+    return scatter + inner + gather
 
 
 def _sharded_phases(codec, numel, world_size):

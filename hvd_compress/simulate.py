@@ -41,3 +41,42 @@ def exchange_step(codec, grads, uniforms=None, exchange="allgather", average=Tru
             total = total.astype(codes[0].dtype)
         result = codec.decode(total, scales[0], count)
     return result.reshape(shape)
+
+
+def two_level_step(codec, grads, nodes, uniforms=None, exchange="allgather", average=True):
+    """What every worker holds after one two-level exchange of one tensor
+    (``hvd_compress.topology``): each node's average, cut into L shards (zero-padded to
+    equal lengths); shard l of every node through ``exchange_step`` among the M nodes'
+    local ranks l; the decoded shards joined again.
+
+    Args:
+        grads: one float32 array per global rank, all of the same shape.
+        nodes: the ``topology.Nodes`` the ranks sit on.
+        uniforms: one array of uniform draws per global rank, each as long as a shard.
+        exchange, average: as for ``exchange_step``; the average is over all ranks.
+
+    On one node nothing crosses a network, so nothing is compressed: the result is the
+    node's average.
+    """
+    shape = grads[0].shape
+    numel = grads[0].size
+    local_size = nodes.local_size
+    length = nodes.shard_length(numel)
+    padded = np.zeros(local_size * length, dtype=np.float32)
+    node_means = []
+    for ranks in nodes.ranks:
+        total = np.zeros(local_size * length, dtype=np.float32)
+        for rank in ranks:
+            padded[:numel] = grads[rank].astype(np.float32).ravel()
+            total += padded
+        node_means.append(total / np.float32(local_size) if average else total)
+    if nodes.cross_size == 1:
+        return node_means[0][:numel].reshape(shape)
+    shards = []
+    node_of = {rank: node for node, ranks in enumerate(nodes.ranks) for rank in ranks}
+    for shard, ranks in enumerate(nodes.cross_sets()):
+        cut = slice(shard * length, (shard + 1) * length)
+        draws = None if uniforms is None else [uniforms[rank] for rank in ranks]
+        vectors = [node_means[node_of[rank]][cut] for rank in ranks]
+        shards.append(exchange_step(codec, vectors, draws, exchange, average))
+    return np.concatenate(shards)[:numel].reshape(shape)

@@ -3,7 +3,7 @@
 import math
 import numbers
 
-from .cost import EXCHANGES, exchanges_for
+from .cost import EXCHANGES, TWO_LEVEL, exchanges_for
 
 
 def check_int(owner, name, value, *, low=None, high=None):
@@ -59,9 +59,18 @@ def check_reduction(owner, op, gradient_predivide_factor, *, average, sum_):
     return op == average, (1.0 / predivide, predivide)
 
 
-def check_exchange(owner, codec, exchange):
-    """``exchange`` checked: ``"auto"`` or an exchange that ``codec``'s codes can take."""
-    check_choice(owner, "exchange", exchange, ("auto",) + EXCHANGES)
+def check_exchange(owner, codec, exchange, two_level=False):
+    """``exchange`` checked: ``"auto"`` or an exchange that ``codec``'s codes can take; with
+    ``two_level``, also ``"two-level"`` for a dense codec."""
+    check_choice(owner, "exchange", exchange, ("auto",) + EXCHANGES + ((TWO_LEVEL,) * two_level))
+    if exchange == TWO_LEVEL:
+        if codec.sparse:
+            raise ValueError(
+                f"{owner}: exchange='two-level' compresses each node's average of a tensor; "
+                f"{codec.name} selects what it sends from each worker's own memory, so it "
+                f"cannot (dense codecs can)"
+            )
+        return exchange
     if exchange != "auto" and codec.code_space is not None and exchange not in exchanges_for(codec):
         raise ValueError(
             f"{owner}: {codec.name} codes cannot travel by exchange={exchange!r}; they can "

@@ -267,7 +267,11 @@ def DistributedOptimizer(
             shared scale, shard and agreement check stays inside it. Ranks outside it step
             on their own gradients, as with Horovod's optimizer.
         exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
-            ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
+            ``"allreduce"``, ``"allgather"`` or ``"sharded"``; or ``"two-level"``: each
+            node's ranks sum their gradients uncompressed (a reduce-scatter), rank l of
+            every node exchanges the codes of shard l with rank l of the others, and the
+            node gathers the decoded shards (``hvd_compress.topology``; Horovod must be
+            initialised with ``hvd.init(process_sets="dynamic")``).
         seed: base seed of the random streams of stochastic codecs; each (rank, step,
             tensor) draws from its own stream.
         uncompressed: parameter names always sent whole, in addition to those the codec
@@ -310,7 +314,7 @@ def DistributedOptimizer(
         "DistributedOptimizer", op, gradient_predivide_factor, average=hvd.Average, sum_=hvd.Sum
     )
     check_horovod_defaults("DistributedOptimizer", num_groups=num_groups, groups=groups)
-    check_exchange("DistributedOptimizer", codec, exchange)
+    check_exchange("DistributedOptimizer", codec, exchange, two_level=True)
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
     adaptive = Adaptive.of(adaptive)
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)

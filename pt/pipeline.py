@@ -27,11 +27,12 @@ from hvd_compress.adaptive import (
     path_traffic,
     probe_sent,
 )
+from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_global_membership
 
-from . import fused, seeding
+from . import fused, seeding, topology
 from .exchange import (
     Meter,
     allgather_object,
@@ -71,12 +72,15 @@ class TensorPlan:
 class _InFlight:
     plan: TensorPlan
     param: torch.Tensor
-    stage: str  # "scale", "codes" or "plain" (an allreduce, fp32 or fp16)
+    # "shard" (a two-level exchange's node reduce-scatter), "scale", "codes", "gather"
+    # (its node allgather) or "plain" (an allreduce, fp32 or fp16)
+    stage: str
     handle: object = None
     vector: torch.Tensor = None  # the flattened gradient, plus the worker residual
     scale: torch.Tensor = None
     exchange: object = None
     fused: bool = False  # worker error feedback by ``fused``'s kernels
+    ratio: float = 1.0  # eta_{t-1} / eta_t of the step, for residuals compensated later
 
 
 log = logging.getLogger("hvd_compress")
@@ -165,6 +169,16 @@ class CompressionPipeline:
         self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
         self.exchange = exchange
+        # The two-level exchange's layout and this rank's process sets (``topology.join``).
+        self.nodes = self.node_set = self.shard_set = None
+        if exchange == TWO_LEVEL and self.included:
+            if process_set is not hvd.global_process_set:
+                raise ValueError(
+                    "exchange='two-level' groups the ranks by node itself; it runs on the "
+                    "global process set only"
+                )
+            self.nodes = topology.current_nodes()
+            self.node_set, self.shard_set = topology.join(self.nodes)
         self.step = 0
         self.meter = Meter()
         # The wrapper's ``WorkerMomentum``, if any: exchanges that send part of the
@@ -199,6 +213,11 @@ class CompressionPipeline:
         self.step_state = [m for m in self._memories().values() if m is not None]
         self.planner = None
         if adaptive is not None:
+            if exchange == TWO_LEVEL:
+                raise ValueError(
+                    "adaptive: the adaptive mode chooses between a flat exchange and "
+                    "allreduces; it does not take exchange='two-level'"
+                )
             if codec.sparse:
                 raise ValueError(
                     f"adaptive: {codec.name} selects what it sends from its "
@@ -267,7 +286,7 @@ class CompressionPipeline:
         grad = param.grad
         return (
             self.worker_memory is not None
-            and self.plans[param].route not in (UNCOMPRESSED, HALF)
+            and self.plans[param].route not in (UNCOMPRESSED, HALF, TWO_LEVEL)
             and not self.codec.sparse
             and grad is not None
             and not grad.is_sparse
@@ -331,6 +350,8 @@ class CompressionPipeline:
             )
             if plan.name in self._fusions:
                 self._fusions[plan.name].withdraw(_codes_name(plan.name))
+        elif plan.exchange == TWO_LEVEL:
+            self._in_flight[param] = self._launch_two_level(plan, param, grad, ratio)
         elif self.codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
             flight = _InFlight(plan, param, "codes")
@@ -351,43 +372,96 @@ class CompressionPipeline:
             self._in_flight[param] = flight
         else:
             flight = _InFlight(
-                plan, param, "scale", vector=grad.reshape(-1), fused=self.fuses(param)
+                plan, param, "scale", vector=grad.reshape(-1), fused=self.fuses(param), ratio=ratio
             )
-            if flight.fused:
-                flight.vector, flight.scale = fused.compensated_scale(
-                    self.codec,
-                    flight.vector,
-                    self.worker_memory.residuals.get(plan.name),
-                    ratio,
-                    momentum=momentum,
-                )
-            elif self.worker_memory is not None:
-                flight.vector = self.worker_memory.compensate(plan.name, flight.vector, ratio)
-            server = None
-            if self.codec.two_way:
-                server = ServerStep(self.server_memory, plan.name, ratio)
-            flight.exchange = make_exchange(
-                plan.exchange,
-                self.codec,
-                plan.numel,
-                self.world_size,
-                self.meter,
-                count,
-                server,
-                self._fusions.get(plan.name),
-                process_set=self.process_set,
-            )
-            if self.codec.scaled:
-                if not flight.fused:
-                    flight.scale = self.codec.local_scale(flight.vector)
-                if self.codec.shares_scale(plan.exchange):
-                    flight.handle = hvd.allreduce_async(
-                        self.meter.hand(flight.scale),
-                        op=hvd.Max,
-                        name=f"hvdc.{plan.name}.scale",
-                        process_set=self.process_set,
-                    )
+            self._start_scale(flight, momentum, plan.exchange, self.world_size, self.process_set)
             self._in_flight[param] = flight
+
+    def _start_scale(self, flight, momentum, exchange, world_size, process_set):
+        """Compensates ``flight.vector`` with its worker residual, computes its scale and
+        starts the scale's Max-allreduce where ``exchange`` shares it among ``world_size``
+        ranks of ``process_set``."""
+        plan = flight.plan
+        flight.handle = None
+        if flight.fused:
+            flight.vector, flight.scale = fused.compensated_scale(
+                self.codec,
+                flight.vector,
+                self.worker_memory.residuals.get(plan.name),
+                flight.ratio,
+                momentum=momentum,
+            )
+        elif self.worker_memory is not None:
+            flight.vector = self.worker_memory.compensate(plan.name, flight.vector, flight.ratio)
+        server = None
+        if self.codec.two_way:
+            server = ServerStep(self.server_memory, plan.name, flight.ratio)
+        flight.exchange = make_exchange(
+            exchange,
+            self.codec,
+            flight.vector.numel(),
+            world_size,
+            self.meter,
+            world_size if self.average else 1,
+            server,
+            self._fusions.get(plan.name),
+            process_set=process_set,
+        )
+        if self.codec.scaled:
+            if not flight.fused:
+                flight.scale = self.codec.local_scale(flight.vector)
+            if self.codec.shares_scale(exchange):
+                flight.handle = hvd.allreduce_async(
+                    self.meter.hand(flight.scale),
+                    op=hvd.Max,
+                    name=f"hvdc.{plan.name}.scale",
+                    process_set=process_set,
+                )
+        flight.stage = "scale"
+
+    def _launch_two_level(self, plan, param, grad, ratio):
+        """Starts the node's reduce-scatter of ``grad``, zero-padded to the node's shards
+        (``hvd_compress.topology``); on a node of one rank the shard is the gradient."""
+        flight = _InFlight(plan, param, "shard", ratio=ratio)
+        local_size, length = self.nodes.local_size, self.nodes.shard_length(plan.numel)
+        vector = grad.reshape(-1)
+        if self.node_set is None:
+            flight.vector = vector
+            self._start_shard(flight)
+            return flight
+        padded = vector.new_zeros(local_size * length)
+        padded[: plan.numel] = vector
+        flight.handle = hvd.reducescatter_async(
+            self.meter.hand(padded),
+            name=f"hvdc.{plan.name}.node",
+            op=hvd.Average if self.average else hvd.Sum,
+            process_set=self.node_set,
+        )
+        return flight
+
+    def _start_shard(self, flight):
+        """The exchange among the nodes of a two-level flight's shard (``flight.vector``):
+        by the codec where there are other nodes, else straight to the node's allgather."""
+        if self.shard_set is None:
+            self._gather_shard(flight, flight.vector)
+            return
+        exchange = cost.two_level_inner(
+            self.codec, flight.vector.numel(), self.nodes.cross_size, cost.TORCH_ALLREDUCE_DTYPES
+        )
+        flight.fused = self.worker_memory is not None and fused.applies(self.codec, flight.vector)
+        self._start_scale(flight, None, exchange, self.nodes.cross_size, self.shard_set)
+
+    def _gather_shard(self, flight, shard):
+        """Starts the node's allgather of a two-level flight's decoded ``shard``."""
+        flight.stage = "gather"
+        if self.node_set is None:
+            flight.handle = shard
+            return
+        flight.handle = hvd.allgather_async(
+            self.meter.hand(shard.contiguous()),
+            name=f"hvdc.{flight.plan.name}.gather",
+            process_set=self.node_set,
+        )
 
     def _fusion_groups(self):
         """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``)."""
@@ -426,7 +500,15 @@ class CompressionPipeline:
         )
 
     def _start_ready_codes(self, block=False):
-        """Encodes and hands over the codes of every tensor whose shared scale has arrived."""
+        """Starts the nodes' exchange of every two-level shard that its node has summed,
+        then encodes and hands over the codes of every tensor whose shared scale has
+        arrived."""
+        for flight in self._in_flight.values():
+            if flight.stage == "shard" and (block or hvd.poll(flight.handle)):
+                name = flight.plan.name
+                with self.meter.charging(name), self._cpu(name, "before"):
+                    flight.vector = wait(flight.handle)
+                    self._start_shard(flight)
         for flight in self._in_flight.values():
             if flight.stage != "scale":
                 continue
@@ -439,7 +521,10 @@ class CompressionPipeline:
 
     def _start_codes(self, flight):
         vector, name = flight.vector, flight.plan.name
-        key = stream_seed(self.seed, self.rank, self.step, flight.plan.index)
+        # A two-level exchange's shard sets hold one rank of each node: the global rank
+        # keeps every rank's draws its own.
+        rank = hvd.rank() if flight.plan.exchange == TWO_LEVEL else self.rank
+        key = stream_seed(self.seed, rank, self.step, flight.plan.index)
         if fused.applies(self.codec, vector):
             codes, residual = fused.encode(
                 self.codec,
@@ -483,6 +568,8 @@ class CompressionPipeline:
                     flight.handle = flight.exchange.advance(flight.handle)
         known = {}  # param -> whether its gradient is finite, as its exchange knows
         for param, flight in self._in_flight.items():
+            if flight.stage == "gather":  # a two-level shard that crossed no network
+                continue
             if flight.stage == "plain":
                 output = wait(flight.handle) if isinstance(flight.handle, int) else flight.handle()
                 if output.is_sparse:
@@ -491,12 +578,21 @@ class CompressionPipeline:
                     with self._cpu(flight.plan.name, "after"):
                         _write_grad(param, output.to(param.grad.dtype))
                 continue
-            with self._cpu(flight.plan.name, "after"):
+            name = flight.plan.name
+            if flight.plan.exchange == TWO_LEVEL:
+                with self.meter.charging(name), self._cpu(name, "after"):
+                    self._gather_shard(flight, flight.exchange.finish(flight.handle))
+                continue
+            with self._cpu(name, "after"):
                 decoded = flight.exchange.finish(flight.handle)
                 _write_grad(param, decoded)
             # A copy into another dtype could overflow: only an adopted result is known.
             if flight.exchange.finite is not None and param.grad.dtype == decoded.dtype:
                 known[param] = flight.exchange.finite
+        for param, flight in self._in_flight.items():
+            if flight.stage == "gather":
+                gathered = wait(flight.handle) if self.node_set is not None else flight.handle
+                _write_grad(param, gathered[: flight.plan.numel])
         if self.step_state:
             keep = all(known.values()) and self.all_finite(skip=known)
             for state in self.step_state:
@@ -562,6 +658,12 @@ class CompressionPipeline:
         size, rank = self.process_set.size(), self.process_set.rank()
         if (size, rank) == (self.world_size, self.rank):
             return
+        if self.nodes is not None:
+            raise RuntimeError(
+                f"exchange='two-level': the world changed from {self.world_size} to {size} "
+                f"ranks, and the two-level exchange's residuals are of shards of the old "
+                f"nodes; it does not follow elastic world changes"
+            )
         if self.worker_memory is not None:
             for name, residual in self.worker_memory.residuals.items():
                 self.worker_memory.residuals[name] = residual * (size / self.world_size)
@@ -708,6 +810,8 @@ class CompressionPipeline:
         # The world the residuals were made in: a state restored into another world is
         # adapted to it at the next step (``_follow_world``).
         state = {"step": self.step, "world_size": self.world_size, "rank": self.rank}
+        if self.nodes is not None:  # the residuals are of this layout's shards
+            state["nodes"] = self.nodes.node_sets()
         for role, memory in self._memories().items():
             if memory is not None:
                 state[role] = memory.state_dict()
@@ -722,6 +826,12 @@ class CompressionPipeline:
         }
 
     def load_state_dict(self, state):
+        nodes = None if self.nodes is None else self.nodes.node_sets()
+        if state.get("nodes", nodes) != nodes:
+            raise ValueError(
+                f"load_state_dict: the state's residuals are of a two-level exchange's "
+                f"shards on the nodes {state.get('nodes')}; this pipeline's nodes are {nodes}"
+            )
         self.step = int(state["step"])
         self.world_size = int(state.get("world_size", self.world_size))
         self.rank = int(state.get("rank", self.rank))
@@ -763,7 +873,7 @@ class CompressionPipeline:
     def expected_bytes(self):
         """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
         return accounting.expected_bytes(
-            self.codec, self._sent(), self.world_size, cost.TORCH_ALLREDUCE_DTYPES
+            self.codec, self._sent(), self.world_size, cost.TORCH_ALLREDUCE_DTYPES, self.nodes
         )
 
     def compression_stats(self):

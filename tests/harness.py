@@ -11,6 +11,7 @@ whole CI run. Every rank's process gets one thread (``OMP_NUM_THREADS=1``).
 import importlib
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,8 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# ``run_parallel``'s launcher of M nodes of L ranks each, on this machine: "2x2".
+_NODES = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
 BIN = os.path.dirname(sys.executable)
 
 
@@ -42,8 +45,17 @@ def run_parallel(body, np, *args, launcher="horovodrun", timeout=300, **kwargs):
             ] + worker
         elif launcher == "mpirun":
             command = mpirun_command(np) + worker
+        elif _NODES.fullmatch(launcher):
+            nodes, local = map(int, launcher.split("x"))
+            if nodes * local != np:
+                raise ValueError(f"launcher {launcher!r} places {nodes * local} ranks, not {np}")
+            hosts = ",".join(f"node{k}:{local}" for k in range(nodes))
+            command = [sys.executable, "-m", "tests.nodes", hosts, str(timeout)] + worker
         else:
-            raise ValueError(f"launcher must be 'horovodrun' or 'mpirun', got {launcher!r}")
+            raise ValueError(
+                f"launcher must be 'horovodrun', 'mpirun' or 'MxL' (M nodes of L ranks), "
+                f"got {launcher!r}"
+            )
         run_job(command, f"{body.__qualname__} on {np} ranks", timeout)
         results = []
         for rank in range(np):

@@ -6,6 +6,8 @@ data-parallel groups, ``THREE`` leaves rank 3 outside its one group.
 """
 
 SETS = ((0, 1), (2, 3), (0, 1, 2))
+# No sets at initialisation: the body adds its own (``hvd.add_process_set``).
+DYNAMIC = "dynamic"
 PAIRS = ((0, 1), (2, 3))
 THREE = ((0, 1, 2),)
 
@@ -16,8 +18,8 @@ def join(hvd, layout=None):
     """Initialises Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) and returns
     this rank's process set of ``layout``: the set that holds it, else the layout's first
     set, which it is outside of; the global set for ``layout=None``."""
-    if layout is None:
-        hvd.init()
+    if layout is None or layout == DYNAMIC:
+        hvd.init(**({"process_sets": DYNAMIC} if layout == DYNAMIC else {}))
         return hvd.global_process_set
     if not _registered:
         sets = {ranks: hvd.ProcessSet(list(ranks)) for ranks in SETS}

@@ -4,6 +4,7 @@ with non-finite gradients that leave no trace."""
 import pytest
 import torch
 
+from . import process_sets
 from .devices import DEVICES, rank_device
 from .harness import run_parallel
 from .test_pt_distributed import Net, _flat
@@ -67,15 +68,17 @@ def _step(model, optimizer, schedule, step, rank, scaler=None, poison=False):
     schedule.step()
 
 
-def _train_and_checkpoint(directory, steps, save_at, device):
+def _train_and_checkpoint(
+    directory, steps, save_at, device, cases=CASES, exchange="auto", layout=None
+):
     """Every case trains ``steps`` steps; each rank saves its own checkpoint at ``save_at``
-    (worker residuals are per rank)."""
+    (worker residuals are per rank). ``layout``: the process sets (``tests.process_sets``)."""
     import horovod.torch as hvd
 
-    hvd.init()
+    process_sets.join(hvd, layout)
     trajectories = {}
-    for label, name, params, error_feedback in CASES:
-        model, optimizer, schedule = _setup(name, params, error_feedback, device=device)
+    for label, name, params, error_feedback in cases:
+        model, optimizer, schedule = _setup(name, params, error_feedback, exchange, device)
         hvd.broadcast_parameters(model.state_dict(), 0)
         trajectory = []
         for step in range(steps):
@@ -94,15 +97,15 @@ def _train_and_checkpoint(directory, steps, save_at, device):
     return trajectories
 
 
-def _resume(directory, steps, save_at, device):
+def _resume(directory, steps, save_at, device, cases=CASES, exchange="auto", layout=None):
     """Resumes every case from its checkpoint, loaded the usual way: onto the CPU, whatever
     the device it was saved from (the state must follow the parameters to theirs)."""
     import horovod.torch as hvd
 
-    hvd.init()
+    process_sets.join(hvd, layout)
     trajectories = {}
-    for label, name, params, error_feedback in CASES:
-        model, optimizer, schedule = _setup(name, params, error_feedback, device=device)
+    for label, name, params, error_feedback in cases:
+        model, optimizer, schedule = _setup(name, params, error_feedback, exchange, device)
         checkpoint = torch.load(
             f"{directory}/{label}-rank{hvd.rank()}.pt", map_location="cpu", weights_only=True
         )

@@ -1,0 +1,88 @@
+"""Which ranks share a node: the layout of the two-level exchange.
+
+A GPU cluster's nodes hold L ranks each, joined by fast links inside (NVLink, PCIe, shared
+memory) and a slower network between the M nodes. The two-level exchange sums inside each
+node first, uncompressed, and compresses only what crosses the network: rank l of every
+node exchanges the codes of shard l of its node's average with rank l of the other nodes.
+Its collectives run in two families of Horovod process sets: each node's L ranks, and each
+local rank's M ranks across the nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """Global ranks grouped by node.
+
+    Horovod orders a process set's ranks by global rank, and a reduce-scatter gives the
+    set's k-th rank the k-th part: so rank ``ranks[m][k]``, the k-th smallest of node m's,
+    holds shard k of node m's sum, and exchanges it with the k-th rank of every other node.
+
+    Args:
+        ranks: each node's global ranks, ascending; nodes ordered by their smallest rank.
+            Every node holds the same number of ranks, as Horovod's hierarchical
+            collectives require.
+    """
+
+    ranks: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        sizes = {len(node) for node in self.ranks}
+        if not self.ranks or len(sizes) != 1 or 0 in sizes:
+            raise ValueError(
+                f"Nodes: every node must hold the same number of ranks (at least one); "
+                f"got ranks per node {[len(node) for node in self.ranks]}"
+            )
+        flat = [rank for node in self.ranks for rank in node]
+        if sorted(flat) != list(range(len(flat))):
+            raise ValueError(f"Nodes: the ranks must be 0..N-1, each once; got {self.ranks}")
+        if any(list(node) != sorted(node) for node in self.ranks) or [
+            node[0] for node in self.ranks
+        ] != sorted(node[0] for node in self.ranks):
+            raise ValueError(
+                f"Nodes: each node's ranks ascending, nodes by their smallest; got {self.ranks}"
+            )
+
+    @classmethod
+    def from_placement(cls, nodes: Sequence[int]) -> Nodes:
+        """The layout of ranks whose nodes are ``nodes``, in global rank order (each
+        rank's ``hvd.cross_rank()``, which numbers the nodes)."""
+        grouped: dict[int, list[int]] = {}
+        for rank, node in enumerate(nodes):
+            grouped.setdefault(node, []).append(rank)
+        return cls(tuple(sorted(tuple(ranks) for ranks in grouped.values())))
+
+    @property
+    def local_size(self) -> int:
+        """L: ranks per node."""
+        return len(self.ranks[0])
+
+    @property
+    def cross_size(self) -> int:
+        """M: nodes."""
+        return len(self.ranks)
+
+    def node_sets(self) -> list[list[int]]:
+        """Each node's ranks: the uncompressed collectives'."""
+        return [list(node) for node in self.ranks]
+
+    def cross_sets(self) -> list[list[int]]:
+        """For each shard k, the ranks that hold it (the k-th of every node), ascending:
+        the compressed exchange's."""
+        return [sorted(node[k] for node in self.ranks) for k in range(self.local_size)]
+
+    def shard_of(self, rank: int) -> int:
+        """The shard that global ``rank`` holds: its position among its node's ranks."""
+        for node in self.ranks:
+            if rank in node:
+                return node.index(rank)
+        raise ValueError(f"Nodes: rank {rank} is on no node of {self.ranks}")
+
+    def shard_length(self, numel: int) -> int:
+        """Elements of each shard of a tensor of ``numel`` elements: the tensor is padded
+        with zeros to L shards of equal length."""
+        return -(-numel // self.local_size)
