@@ -29,7 +29,7 @@ def _process_set(ranks):
     if key not in _ADDED:
         try:
             _ADDED[key] = hvd.add_process_set(list(ranks))
-        except Exception as error:
+        except ValueError as error:  # not dynamic, or a set of these ranks exists
             raise RuntimeError(
                 f"exchange='two-level' runs collectives among the ranks {list(ranks)}; "
                 f"Horovod adds such process sets only when initialised with "

@@ -93,3 +93,30 @@ def test_two_level_exchange_resumes_bitwise(tmp_path, monkeypatch):
         for label, *_ in cases:
             for offset, params in enumerate(resumed[rank][label]):
                 assert np.array_equal(params, uninterrupted[rank][label][save_at + offset])
+
+
+def _without_dynamic_process_sets():
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_compress.pt as hc
+
+    from .test_pt_distributed import Net
+
+    hvd.init()
+    model = Net()
+    try:
+        hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            compression="terngrad",
+            exchange="two-level",
+        )
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_two_level_exchange_says_how_to_initialise_horovod():
+    messages = run_parallel(_without_dynamic_process_sets, 4, launcher="2x2")
+    assert all("hvd.init(process_sets='dynamic')" in (m or "") for m in messages), messages
