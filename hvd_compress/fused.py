@@ -151,22 +151,25 @@ def signs_with_feedback(codec, p: np.ndarray, scale: np.ndarray) -> tuple:
 
 def server_step(
     codec,
-    bits: np.ndarray,
-    scales: np.ndarray,
+    messages: np.ndarray,
+    head: int,
+    block: int,
     count: int,
     previous: np.ndarray | None,
     ratio: float,
     numel: int,
 ) -> tuple:
     """``ServerStep`` of a server (of one shard, or replicated over a whole tensor) whose
-    workers each sent their ``numel`` signs (rows of ``bits``) under one scale each
-    (``scales``), with its ``previous`` residual: the average, the compensation and the
-    second compression. Returns (packed signs, scale, new residual)."""
+    workers each sent a message (row of ``messages``: ``head`` bytes of float32 block
+    scales, then the server's ``numel`` packed signs, all in scale block ``block``), with
+    its ``previous`` residual: the average, the compensation and the second compression.
+    Returns (packed signs, scale, new residual)."""
+    scales, bits = split_messages(messages, head)
     p = empty(numel)
     sums = np.empty(codec.buckets(numel), dtype=np.float64)
     kernels().averaged_block_l1(
         bits,
-        scales,
+        np.ascontiguousarray(scales[:, block]),
         count,
         NONE if previous is None else previous,
         ratio,
@@ -354,10 +357,12 @@ def decoded_sums(
 
 
 def decoded_own_scales(
-    codec, rows: np.ndarray, codes: np.ndarray, scales: np.ndarray, count: int, numel: int
+    codec, messages: np.ndarray, head: int, codes: np.ndarray, count: int, numel: int
 ) -> np.ndarray:
-    """The allgather's sum over the rows of ``codec.decode`` of their values (``codes``:
-    their ``table``), each row under its own scales (row of ``scales``)."""
+    """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
+    scales, then the codes) of ``codec.decode`` of their values (``codes``: their
+    ``table``), each under its own scales."""
+    scales, rows = split_messages(messages, head)
     space = codec.code_space
     out = empty(numel)
     kernels().decoded_own_scales(

@@ -141,12 +141,12 @@ def server_step(server, codec, messages, head, block, count, numel):
     scales, then the server's ``numel`` packed signs, all in scale block ``block``): the
     average, the server residual and the second compression. Returns (packed signs,
     scale) and proposes the new server residual."""
-    scales, bits = core.split_messages(_array(messages, flat=False), head)
     previous = server.memory.residuals.get(server.key)
     packed, scale, residual = core.server_step(
         codec,
-        bits,
-        np.ascontiguousarray(scales[:, block]),
+        _array(messages, flat=False),
+        head,
+        block,
         count,
         None if previous is None else _array(previous),
         server.ratio,
@@ -246,9 +246,9 @@ def decoded_own_scales(
 ) -> torch.Tensor:
     """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
     scales, then the codes) of ``codec.decode`` of their values, each under its own scales."""
-    scales, rows = core.split_messages(_array(messages, flat=False), head)
+    table = _table(codec, codec.code_space)
     return _tensor(
-        core.decoded_own_scales(codec, rows, _table(codec, codec.code_space), scales, count, numel)
+        core.decoded_own_scales(codec, _array(messages, flat=False), head, table, count, numel)
     )
 
 

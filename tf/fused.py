@@ -16,7 +16,6 @@ make one pass each.
 
 import functools
 
-import numpy as np
 import tensorflow as tf
 
 from hvd_compress import fused as core
@@ -195,16 +194,7 @@ def server_step(server, codec, messages: tf.Tensor, head: int, block: int, count
     previous = server.memory.residuals[server.key]
 
     def run(messages, previous, ratio):
-        scales, bits = core.split_messages(messages, head)
-        return core.server_step(
-            codec,
-            bits,
-            np.ascontiguousarray(scales[:, block]),
-            count,
-            previous,
-            float(ratio),
-            numel,
-        )
+        return core.server_step(codec, messages, head, block, count, previous, float(ratio), numel)
 
     packed, scale, residual = _call(
         run,
@@ -294,8 +284,7 @@ def decoded_own_scales(codec, messages: tf.Tensor, head: int, count: int, numel:
     codes = _table(codec, codec.code_space)
 
     def run(messages):
-        scales, rows = core.split_messages(messages, head)
-        return (core.decoded_own_scales(codec, rows, codes, scales, count, numel),)
+        return (core.decoded_own_scales(codec, messages, head, codes, count, numel),)
 
     (out,) = _call(run, [messages], [_floats(numel)])
     return out
