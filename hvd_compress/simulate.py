@@ -73,10 +73,9 @@ def two_level_step(codec, grads, nodes, uniforms=None, exchange="allgather", ave
     if nodes.cross_size == 1:
         return node_means[0][:numel].reshape(shape)
     shards = []
-    node_of = {rank: node for node, ranks in enumerate(nodes.ranks) for rank in ranks}
     for shard, ranks in enumerate(nodes.cross_sets()):
         cut = slice(shard * length, (shard + 1) * length)
         draws = None if uniforms is None else [uniforms[rank] for rank in ranks]
-        vectors = [node_means[node_of[rank]][cut] for rank in ranks]
+        vectors = [node_means[nodes.locate(rank)[0]][cut] for rank in ranks]
         shards.append(exchange_step(codec, vectors, draws, exchange, average))
     return np.concatenate(shards)[:numel].reshape(shape)

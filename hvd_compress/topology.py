@@ -75,11 +75,12 @@ class Nodes:
         the compressed exchange's."""
         return [sorted(node[k] for node in self.ranks) for k in range(self.local_size)]
 
-    def shard_of(self, rank: int) -> int:
-        """The shard that global ``rank`` holds: its position among its node's ranks."""
-        for node in self.ranks:
-            if rank in node:
-                return node.index(rank)
+    def locate(self, rank: int) -> tuple[int, int]:
+        """(node, shard) of global ``rank``: its node's index, and the shard it holds (its
+        position among the node's ranks)."""
+        for node, ranks in enumerate(self.ranks):
+            if rank in ranks:
+                return node, ranks.index(rank)
         raise ValueError(f"Nodes: rank {rank} is on no node of {self.ranks}")
 
     def shard_length(self, numel: int) -> int:

@@ -27,6 +27,9 @@ def _process_set(ranks):
         return hvd.global_process_set
     key = tuple(ranks)
     if key not in _ADDED:
+        if not _ADDED:
+            # Registered after Horovod's own exit handler, so that it runs before it.
+            atexit.register(_barrier_at_exit)
         try:
             _ADDED[key] = hvd.add_process_set(list(ranks))
         except ValueError as error:  # not dynamic, or a set of these ranks exists
@@ -52,11 +55,7 @@ def join(nodes: Nodes) -> tuple:
     """This rank's (node set, shard set): the process sets of its node's ranks and of the
     ranks that hold its shard on every node; None for a set of this rank alone. Collective:
     every rank adds every set, in one order, as Horovod requires."""
-    if not _ADDED:
-        # After Horovod's own exit handler, so that it runs before it.
-        atexit.register(_barrier_at_exit)
     node_sets = [_process_set(r) if len(r) > 1 else None for r in nodes.node_sets()]
     shard_sets = [_process_set(r) if len(r) > 1 else None for r in nodes.cross_sets()]
-    rank = hvd.rank()
-    node = next(i for i, ranks in enumerate(nodes.ranks) if rank in ranks)
-    return node_sets[node], shard_sets[nodes.shard_of(rank)]
+    node, shard = nodes.locate(hvd.rank())
+    return node_sets[node], shard_sets[shard]

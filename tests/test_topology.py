@@ -13,7 +13,14 @@ def test_nodes_from_each_ranks_node():
     assert nodes.ranks == ((0, 1), (2, 3), (4, 5))
     assert (nodes.local_size, nodes.cross_size) == (2, 3)
     assert nodes.cross_sets() == [[0, 2, 4], [1, 3, 5]]
-    assert [nodes.shard_of(rank) for rank in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert [nodes.locate(rank) for rank in range(6)] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
     assert nodes.shard_length(7) == 4
 
 
