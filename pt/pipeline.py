@@ -283,15 +283,20 @@ class CompressionPipeline:
     def fuses(self, param):
         """Whether ``param``'s worker error feedback runs in ``fused``'s kernels, which can
         also take its momentum step (``WorkerMomentum.Deferred``)."""
-        grad = param.grad
+        return (
+            self.plans[param].route not in (UNCOMPRESSED, HALF, TWO_LEVEL)
+            and param.grad is not None
+            and self._compensates_in_kernels(param.grad)
+        )
+
+    def _compensates_in_kernels(self, vector):
+        """Whether the worker error feedback of ``vector`` runs in ``fused``'s kernels."""
         return (
             self.worker_memory is not None
-            and self.plans[param].route not in (UNCOMPRESSED, HALF, TWO_LEVEL)
             and not self.codec.sparse
-            and grad is not None
-            and not grad.is_sparse
-            and grad.is_contiguous()
-            and fused.applies(self.codec, grad)
+            and not vector.is_sparse
+            and vector.is_contiguous()
+            and fused.applies(self.codec, vector)
         )
 
     def launch(self, param, ratio=1.0, momentum=None):
@@ -341,7 +346,6 @@ class CompressionPipeline:
             self.planner.spent(name, phase, time.thread_time() - start, time.perf_counter() - wall)
 
     def _launch(self, plan, param, grad, ratio, momentum):
-        count = self.world_size if self.average else 1
         if plan.route in (UNCOMPRESSED, HALF) or grad.is_sparse:
             # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
             # unless sparse_as_dense densified them.
@@ -360,7 +364,7 @@ class CompressionPipeline:
                 plan,
                 self.world_size,
                 self.meter,
-                count,
+                self.world_size if self.average else 1,
                 self.worker_memory,
                 self.step,
                 process_set=self.process_set,
@@ -448,7 +452,7 @@ class CompressionPipeline:
         exchange = cost.two_level_inner(
             self.codec, flight.vector.numel(), self.nodes.cross_size, cost.TORCH_ALLREDUCE_DTYPES
         )
-        flight.fused = self.worker_memory is not None and fused.applies(self.codec, flight.vector)
+        flight.fused = self._compensates_in_kernels(flight.vector)
         self._start_scale(flight, None, exchange, self.nodes.cross_size, self.shard_set)
 
     def _gather_shard(self, flight, shard):
