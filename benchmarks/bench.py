@@ -3,8 +3,10 @@ per network namespace, every link shaped with ``tc tbf`` (``benchmarks.network``
 
     hvd-compress bench                 # the whole matrix (make bench), about 22 minutes
     hvd-compress bench --workers 2 --rates 100M --models cnn --steps 3 --no-accuracy
+    hvd-compress bench --workers 4 --per-node 2 --methods hvd-none,ef-sign,ef-sign-2l ...
 
-For each number of workers N the driver builds the test network, starts one Horovod job
+For each number of workers N the driver builds the test network (N nodes of one worker, or
+with ``--per-node L`` N / L nodes of L workers, shaped only between nodes), starts one Horovod job
 (``benchmarks.worker`` on every rank), then one of the TensorFlow port
 (``benchmarks.tf_worker``), and changes the link rate whenever rank 0 asks for it.
 Per model, N, rate and method it records the median step time, the local compute time, the
@@ -29,7 +31,7 @@ from tqdm import tqdm
 
 from . import network, plots, report
 from .job import HorovodJob, LocalHosts, NamespacedHosts
-from .methods import CODEC_METHODS, METHODS, PEER_METHODS
+from .methods import CODEC_METHODS, METHODS, PEER_METHODS, TWO_LEVEL_METHODS
 from .protocol import EVENT, TF_METHODS
 from .shapes import MODELS
 
@@ -38,7 +40,8 @@ DEFAULT_RATES = ("10G", "1G", "100M")
 # The peers' codecs run on request (--methods): one worker process measures every method
 # of a model and N in turn, keeping ~400 MB more per method at the 25M-parameter model, and
 # with them the four workers of N = 4 outgrew the 24 GiB of this project's machines.
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in PEER_METHODS)
+# The two-level exchanges run on request too: they need nodes of several workers.
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in PEER_METHODS + TWO_LEVEL_METHODS)
 ACCURACY_METHODS = ("hvd-none", "hvd-fp16", "terngrad", "qsgd-inf", "ef-sign", "ddp-powersgd")
 LOCALHOST = "localhost"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +99,13 @@ def add_arguments(parser):
         type=_workers,
         default=list(DEFAULT_WORKERS),
         help="numbers of workers N (default 2,4)",
+    )
+    parser.add_argument(
+        "--per-node",
+        type=int,
+        default=1,
+        help="workers per node, L (default 1): each node a namespace whose workers talk "
+        "unshaped, the links between nodes shaped; the two-level methods (-2l) need L > 1",
     )
     parser.add_argument(
         "--rates",
@@ -187,6 +197,7 @@ def _spec(args, rates):
         "methods": args.methods,
         "tf_methods": [] if args.no_tensorflow else args.tf_methods,
         "rates": rates,
+        "per_node": args.per_node,
         "seed": args.seed,
         # Timed steps per model, at every rate alike.
         "steps": {m: args.steps or timed_steps(m) for m in args.models},
@@ -322,7 +333,18 @@ def _machine():
     }
 
 
+def _local_hosts(workers, per_node):
+    """Workers on this machine's loopback: on one host, or placed on named nodes of
+    ``per_node`` (Horovod's local and cross ranks as on a cluster)."""
+    if per_node == 1:
+        return LocalHosts(workers)
+    nodes = workers // per_node
+    return LocalHosts(workers, ",".join(f"node{k}:{per_node}" for k in range(nodes)))
+
+
 def bench(args):
+    for workers in args.workers:
+        network.check_topology(workers, args.per_node)
     reason = "--localhost given" if args.localhost else network.unavailable_reason()
     rates = args.rates if reason is None else [LOCALHOST]
     if reason is not None:
@@ -343,7 +365,10 @@ def bench(args):
     )
     result = {
         "arguments": arguments,
-        "network": "namespaces, tc tbf" if reason is None else f"localhost ({reason})",
+        "network": (
+            ("namespaces, tc tbf" if reason is None else f"localhost ({reason})")
+            + (f"; {args.per_node} workers per node, unshaped inside" if args.per_node > 1 else "")
+        ),
         "machine": {"before": _machine()},
         "spec": spec,
         "events": events,
@@ -353,14 +378,13 @@ def bench(args):
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
             for workers in args.workers:
                 if reason is None:
-                    with network.TestNetwork(workers) as net:
+                    with network.TestNetwork(workers, args.per_node) as net:
                         run_jobs(
                             NamespacedHosts(net), spec, args.timeout, net.shape, progress, events
                         )
                 else:
-                    run_jobs(
-                        LocalHosts(workers), spec, args.timeout, lambda rate: None, progress, events
-                    )
+                    hosts = _local_hosts(workers, args.per_node)
+                    run_jobs(hosts, spec, args.timeout, lambda rate: None, progress, events)
                 write(result, args.out)
         codecs = [
             m for m in args.methods if m in CODEC_METHODS and not m.endswith(report.AUTO_SUFFIX)
@@ -381,7 +405,7 @@ def bench(args):
 def write(result, out):
     """Writes ``bench.json`` and ``bench.md`` (returned) of the events so far."""
     result["machine"]["after"] = _machine()
-    result["rows"] = report.rows(result["events"])
+    result["rows"] = report.rows(result["events"], result["spec"]["per_node"])
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -4,7 +4,7 @@ server, and each worker given the environment ``horovodrun --gloo`` would have s
     with HorovodJob(NamespacedHosts(network), [python, "train.py"]) as job:
         ...job.rank0 is rank 0's process...
 
-``NamespacedHosts`` puts worker k in network namespace k of a ``TestNetwork`` (the
+``NamespacedHosts`` puts the workers in the node namespaces of a ``TestNetwork`` (the
 rendezvous server runs in the switch namespace); ``LocalHosts`` runs every worker on this
 machine's loopback, the fallback when namespaces cannot be created. Every worker is started
 in its own process group, and leaving the ``with`` block kills the ones still running.
@@ -26,7 +26,8 @@ POLL_SECONDS = 0.2
 
 
 class NamespacedHosts:
-    """Worker k in namespace k of ``network`` (a ``TestNetwork``), one slot per host."""
+    """The workers of ``network`` (a ``TestNetwork``) in its node namespaces, each node a
+    host with a slot per worker."""
 
     shaped = True
 
@@ -38,7 +39,10 @@ class NamespacedHosts:
         self.ddp_address = network.address(0)
 
     def hosts(self):
-        return ",".join(f"{self.network.namespace(k)}:1" for k in range(self.workers))
+        return ",".join(
+            f"{self.network.namespace(k)}:{self.network.per_node}"
+            for k in range(self.network.nodes)
+        )
 
     def worker_prefix(self, rank):
         return self.network.exec_prefix(rank)

@@ -9,6 +9,8 @@
                    feedback (worker momentum, since the optimizer is SGD with momentum)
 ``<codec>-auto``   the same codec with ``adaptive=True``: each tensor by the codec, fp16 or
                    fp32, as the model of ``hvd_compress.adaptive`` predicts fastest
+``<codec>-2l``     the same codec with ``exchange="two-level"``: summed uncompressed inside
+                   a node, compressed between nodes (``bench --per-node L``)
 ``ddp``            PyTorch ``DistributedDataParallel`` over Gloo, fp32 allreduce
 ``ddp-fp16``       DDP with its ``fp16_compress_hook``
 ``dgc``            the same, DGC: top-k of the accumulated velocity (0.1%) over allgather
@@ -31,9 +33,11 @@ from torch.nn.parallel import DistributedDataParallel
 import hvd_compress.pt as hc
 from hvd_compress import cost
 from hvd_compress.adaptive import TRIAL_STEPS
+from hvd_compress.cost import TWO_LEVEL
+from hvd_compress.pt.topology import current_nodes
 from hvd_compress.registry import resolve
 
-from .protocol import sent_bytes
+from .protocol import TWO_LEVEL_SUFFIX, sent_bytes
 
 MOMENTUM = 0.9
 # PowerSGD (Vogels et al., NeurIPS 2019): rank r = 2 matched full-precision accuracy on
@@ -103,12 +107,17 @@ class HorovodTrainer(Trainer):
 class CodecTrainer(Trainer):
     """``hvd_compress.pt.DistributedOptimizer`` with a codec of the registry."""
 
-    def __init__(self, model, world_size, lr, codec, adaptive=False):
+    def __init__(self, model, world_size, lr, codec, adaptive=False, exchange="auto"):
         optimizer = hc.DistributedOptimizer(
-            sgd(model, lr), model.named_parameters(), compression=codec, adaptive=adaptive
+            sgd(model, lr),
+            model.named_parameters(),
+            compression=codec,
+            adaptive=adaptive,
+            exchange=exchange,
         )
         super().__init__(model, optimizer, world_size)
         self.codec = resolve(codec, hc.CODECS)
+        self.nodes = current_nodes() if exchange == TWO_LEVEL else None
         # Timed once the codec compresses: after PowerSGD's uncompressed start.
         self.warmup_steps = max(self.warmup_steps, self.codec.uncompressed_steps + 1)
         if adaptive:
@@ -121,7 +130,9 @@ class CodecTrainer(Trainer):
         return self.optimizer.compression_stats()["bytes_handed"]
 
     def sent(self):
-        return sent_bytes(self.codec, self.optimizer.compression_stats(), self.world_size)
+        return sent_bytes(
+            self.codec, self.optimizer.compression_stats(), self.world_size, self.nodes
+        )
 
 
 class DDPTrainer(Trainer):
@@ -195,6 +206,9 @@ METHODS = {
     "terngrad-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "terngrad", True),
     "qsgd-inf-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf", True),
     "ef-sign-auto": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign", True),
+    "terngrad-2l": lambda model, n, lr: CodecTrainer(model, n, lr, "terngrad", exchange=TWO_LEVEL),
+    "qsgd-inf-2l": lambda model, n, lr: CodecTrainer(model, n, lr, "qsgd-inf", exchange=TWO_LEVEL),
+    "ef-sign-2l": lambda model, n, lr: CodecTrainer(model, n, lr, "ef-sign", exchange=TWO_LEVEL),
     "ddp": lambda model, n, lr: DDPTrainer(model, n, lr),
     "ddp-fp16": lambda model, n, lr: DDPTrainer(
         model, n, lr, default_hooks.fp16_compress_hook, itemsize=2
@@ -215,8 +229,19 @@ CODEC_METHODS = (
 )
 
 
+# The two-level exchanges, whose collectives run on process sets that Horovod's bare
+# replay (``benchmarks.collectives.replay``) does not reproduce: timed as steps only.
+TWO_LEVEL_METHODS = tuple(m for m in METHODS if m.endswith(TWO_LEVEL_SUFFIX))
+
+
 def needs_ddp(methods):
     return any(name.startswith("ddp") for name in methods)
+
+
+def needs_process_sets(methods):
+    """Whether ``methods`` need ``hvd.init(process_sets="dynamic")``: the two-level
+    exchanges add their node and shard sets at their first step."""
+    return any(name in TWO_LEVEL_METHODS for name in methods)
 
 
 def init_ddp():

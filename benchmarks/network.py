@@ -1,14 +1,19 @@
-"""A bandwidth-limited test network on one machine: one Linux network namespace per worker,
+"""A bandwidth-limited test network on one machine: one Linux network namespace per node,
 joined to a bridge by veth pairs whose both directions are rate-limited with ``tc tbf``.
 
     with TestNetwork(4) as network:      # needs root (CAP_NET_ADMIN)
         network.shape("100mbit")
-        ...start worker k with network.exec_prefix(k) on network.address(k)...
+        ...start worker k with network.exec_prefix(k) on network.address(network.node(k))...
+
+A node holds one worker, or ``per_node`` = L of them: M = N / L nodes of a cluster whose
+workers inside a node talk over the namespace's loopback, unshaped (the fast tier: NVLink,
+shared memory), and between nodes over the shaped links (the network).
 
 Layout (benchmarks/README.md, "The test network", describes its use): the
 namespace ``<prefix>sw`` is the switch, holding the bridge ``br0`` at ``SWITCH_ADDRESS``;
-worker k lives in ``<prefix>w<k>`` with its end of the link named ``eth0`` at
-``10.231.0.<k+1>``. Nothing is created in the caller's namespace, so no traffic leaves
+node k lives in ``<prefix>w<k>`` with its end of the link named ``eth0`` at
+``10.231.0.<k+1>``; its workers are ranks k L .. (k + 1) L - 1, as Horovod places ranks on
+hosts in order. Nothing is created in the caller's namespace, so no traffic leaves
 these namespaces. Everything is removed on exit, on an exception and on SIGTERM/SIGINT/SIGHUP
 (turned into ``SystemExit`` so that ``with`` blocks unwind); ``teardown(prefix)`` also clears
 what a killed run left behind.
@@ -29,7 +34,7 @@ PREFIX = "hvdcb-"
 SUBNET = "10.231.0"
 SWITCH_ADDRESS = f"{SUBNET}.254"
 WORKER_INTERFACE = "eth0"
-MAX_WORKERS = 200
+MAX_NODES = 200  # addresses .1 to .200 of SUBNET
 
 # tbf's bucket must hold at least one timer tick of traffic or the rate is not reached:
 # 256 KB held 100 Mbit/s to 95.5 Mbit/s on this harness's links; faster rates get 2 ms.
@@ -78,6 +83,18 @@ def _ip(*args, namespace=None):
 
 def _tc(namespace, *args):
     _run(["tc", "-n", namespace] + list(args))
+
+
+def check_topology(workers, per_node):
+    """Raises ValueError unless N = ``workers`` fills nodes of L = ``per_node`` workers."""
+    if not isinstance(workers, int) or not 1 <= workers:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if not isinstance(per_node, int) or per_node < 1 or workers % per_node:
+        raise ValueError(
+            f"per_node must be a positive divisor of the {workers} workers, got {per_node!r}"
+        )
+    if workers // per_node > MAX_NODES:
+        raise ValueError(f"at most {MAX_NODES} nodes, got {workers} / {per_node}")
 
 
 def unavailable_reason():
@@ -139,36 +156,42 @@ def _exit_on_signal(signum, frame):
 
 
 class TestNetwork:
-    """N worker namespaces on one bridge, each link shaped in both directions.
+    """N workers in M = N / L node namespaces on one bridge, each node's link shaped in both
+    directions.
 
     Args:
-        workers (int): number of worker namespaces, N.
+        workers (int): number of workers, N.
+        per_node (int): workers per node namespace, L (a divisor of N).
         prefix (str): names of the namespaces and hosts files; a teardown removes only
             names with this prefix.
     """
 
-    def __init__(self, workers, prefix=PREFIX):
-        if not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-            raise ValueError(f"workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")
+    def __init__(self, workers, per_node=1, prefix=PREFIX):
+        check_topology(workers, per_node)
         reason = unavailable_reason()
         if reason is not None:
             raise PermissionError(f"TestNetwork: {reason}")
-        self.workers, self.prefix = workers, prefix
+        self.workers, self.per_node, self.prefix = workers, per_node, prefix
+        self.nodes = workers // per_node
         self.switch = f"{prefix}sw"
         self.switch_address = SWITCH_ADDRESS
         self.rate = None
         self._previous_handlers = {}
         self._lock = None
 
-    def namespace(self, rank):
-        return f"{self.prefix}w{rank}"
+    def node(self, rank):
+        """The node that holds worker ``rank``."""
+        return rank // self.per_node
 
-    def address(self, rank):
-        return f"{SUBNET}.{rank + 1}"
+    def namespace(self, node):
+        return f"{self.prefix}w{node}"
+
+    def address(self, node):
+        return f"{SUBNET}.{node + 1}"
 
     def exec_prefix(self, rank):
-        """The command prefix that runs a program inside worker ``rank``'s namespace."""
-        return ["ip", "netns", "exec", self.namespace(rank)]
+        """The command prefix that runs a program inside worker ``rank``'s node namespace."""
+        return ["ip", "netns", "exec", self.namespace(self.node(rank))]
 
     def switch_exec_prefix(self):
         return ["ip", "netns", "exec", self.switch]
@@ -202,14 +225,14 @@ class TestNetwork:
         # (Horovod 0.28.1 ignores HOROVOD_GLOO_IFACE there); `ip netns exec` mounts
         # /etc/netns/<ns>/hosts over /etc/hosts, so map the name to the worker's address.
         hostname = socket.gethostname()
-        for rank in range(self.workers):
-            namespace = self.namespace(rank)
+        for node in range(self.nodes):
+            namespace = self.namespace(node)
             _ip("netns", "add", namespace)
             _ip("link", "set", "lo", "up", namespace=namespace)
             _ip(
                 "link",
                 "add",
-                self._port(rank),
+                self._port(node),
                 "type",
                 "veth",
                 "peer",
@@ -219,11 +242,11 @@ class TestNetwork:
                 namespace,
                 namespace=self.switch,
             )
-            _ip("link", "set", self._port(rank), "master", "br0", "up", namespace=self.switch)
+            _ip("link", "set", self._port(node), "master", "br0", "up", namespace=self.switch)
             _ip(
                 "addr",
                 "add",
-                f"{self.address(rank)}/24",
+                f"{self.address(node)}/24",
                 "dev",
                 WORKER_INTERFACE,
                 namespace=namespace,
@@ -231,15 +254,15 @@ class TestNetwork:
             _ip("link", "set", WORKER_INTERFACE, "up", namespace=namespace)
             os.makedirs(f"/etc/netns/{namespace}", exist_ok=True)
             with open(f"/etc/netns/{namespace}/hosts", "w") as f:
-                f.write(f"127.0.0.1 localhost\n{self.address(rank)} {hostname}\n")
+                f.write(f"127.0.0.1 localhost\n{self.address(node)} {hostname}\n")
 
-    def _port(self, rank):
-        """The bridge's end of worker ``rank``'s link."""
-        return f"p{rank}"
+    def _port(self, node):
+        """The bridge's end of ``node``'s link."""
+        return f"p{node}"
 
     def shape(self, rate):
-        """Limits every link to ``rate`` (``"100M"``, ``"1G"``, bits per second) in both
-        directions: the worker's uplink (its ``eth0``) and its downlink (the bridge port)."""
+        """Limits every node's link to ``rate`` (``"100M"``, ``"1G"``, bits per second) in
+        both directions: the node's uplink (its ``eth0``) and its downlink (the bridge port)."""
         bits = parse_rate(rate)
         burst = max(MIN_BURST_BYTES, int(bits / 8 * BURST_SECONDS))
         tbf = [
@@ -252,9 +275,9 @@ class TestNetwork:
             "latency",
             QUEUE_LATENCY,
         ]
-        for rank in range(self.workers):
-            _tc(self.namespace(rank), "qdisc", "replace", "dev", WORKER_INTERFACE, *tbf)
-            _tc(self.switch, "qdisc", "replace", "dev", self._port(rank), *tbf)
+        for node in range(self.nodes):
+            _tc(self.namespace(node), "qdisc", "replace", "dev", WORKER_INTERFACE, *tbf)
+            _tc(self.switch, "qdisc", "replace", "dev", self._port(node), *tbf)
         self.rate = bits
 
 
@@ -262,10 +285,17 @@ def main(argv=None):
     """``launch/netns.sh``: runs a command as a Horovod job, one worker per namespace."""
     parser = argparse.ArgumentParser(
         prog="launch/netns.sh",
-        description="Run a Horovod job over Gloo with one worker per "
-        "network namespace, every link shaped with tc tbf; everything is torn down on exit.",
+        description="Run a Horovod job over Gloo with one worker (or --per-node L) per "
+        "network namespace, every namespace's link shaped with tc tbf; everything is torn "
+        "down on exit.",
     )
     parser.add_argument("-n", "--workers", type=int, default=2, help="N (default 2)")
+    parser.add_argument(
+        "--per-node",
+        type=int,
+        default=1,
+        help="workers per node namespace, L (default 1); inside a node they talk unshaped",
+    )
     parser.add_argument(
         "-r", "--rate", default="100M", help="link rate in bits/s, both directions (default 100M)"
     )
@@ -288,11 +318,16 @@ def main(argv=None):
         parser.error("give the worker command after --")
     parse_rate(args.rate)
     try:
-        with TestNetwork(args.workers) as network:
+        check_topology(args.workers, args.per_node)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        with TestNetwork(args.workers, args.per_node) as network:
             network.shape(args.rate)
             print(
-                f"netns: {args.workers} workers at {format_rate(network.rate)}bit/s per link "
-                f"({', '.join(network.address(k) for k in range(args.workers))})",
+                f"netns: {args.workers} workers, {args.per_node} per node, at "
+                f"{format_rate(network.rate)}bit/s per node link "
+                f"({', '.join(network.address(k) for k in range(network.nodes))})",
                 flush=True,
             )
             return HorovodJob(NamespacedHosts(network), command).run(args.timeout)

@@ -24,6 +24,8 @@ COMPUTE_STEPS = 10
 # The TensorFlow port's methods (``benchmarks.tf_worker``), as rows of the same tables.
 TF_METHODS = ("tf-hvd-none", "tf-hvd-fp16", "tf-terngrad", "tf-qsgd-inf", "tf-ef-sign")
 TF_PREFIX = "tf-"
+# The PyTorch methods of a codec's two-level exchange (``<codec>-2l``).
+TWO_LEVEL_SUFFIX = "-2l"
 
 
 class Driver:
@@ -86,15 +88,17 @@ def timed_steps(trainer, batches, steps):
     return seconds
 
 
-def sent_bytes(codec, stats, world_size):
+def sent_bytes(codec, stats, world_size, nodes=None):
     """Bytes a worker puts on the network in the step ``stats`` (a wrapper's
     ``compression_stats()``) describes, by ``hvd_compress.cost``: each tensor by the path
-    it took."""
+    it took; a two-level exchange's on both tiers, with ``nodes`` (``topology.Nodes``)."""
     if codec.message == "factors":  # factors and whole tensors alike by allreduce
         return cost.allreduce_traffic(stats["bytes_handed"], world_size).sent
     total = 0.0
     for _, numel, exchange, _ in stats["tensors"]:
-        if exchange in (UNCOMPRESSED, HALF):
+        if exchange == cost.TWO_LEVEL:
+            total += cost.two_level_traffic(codec, numel, nodes.local_size, nodes.cross_size).sent
+        elif exchange in (UNCOMPRESSED, HALF):
             itemsize = 2 if exchange == HALF else 4
             total += cost.uncompressed_traffic(numel, world_size, itemsize).sent
         elif codec.message == "own_indices":  # k of the last step

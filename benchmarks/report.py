@@ -32,13 +32,20 @@ their own port: their compute is the TensorFlow step without exchange, their spe
 over ``tf-hvd-none`` and ``tf-hvd-fp16``, and their bare collectives are those the PyTorch
 job replayed for the same codec (both ports hand Horovod the same bytes, tensor by tensor).
 ``of_pytorch`` is a TensorFlow row's speed-up over the PyTorch port's, for the same codec.
+
+On nodes of several workers (``bench --per-node L``) the interfaces are the nodes' links,
+each shared by the node's L workers: ``wire_tx`` is one node's bytes to the other nodes;
+``predicted``, ``wire_over_sent`` and ``unexplained`` are left out (the cost model of one
+tier would charge the unshaped traffic inside a node at the link's rate). A two-level
+method's row (``<codec>-2l``) sits beside its codec's flat exchange: the step and the node
+link's bytes of each, and their ratios.
 """
 
 import collections
 import statistics
 
 from .network import parse_rate
-from .protocol import TF_PREFIX
+from .protocol import TF_PREFIX, TWO_LEVEL_SUFFIX
 
 BASELINE, FP16_BASELINE = "hvd-none", "hvd-fp16"
 # Horovod's own exchanges are exactly these bare collectives.
@@ -66,7 +73,8 @@ def _port(method):
     return TF_PREFIX if method.startswith(TF_PREFIX) else ""
 
 
-def rows(events):
+def rows(events, per_node=1):
+    """The rows of a run's ``events``, measured on nodes of ``per_node`` workers."""
     baselines = collections.defaultdict(list)
     for e in events:
         if e["kind"] == "compute":
@@ -110,12 +118,14 @@ def rows(events):
             "handed": e["handed"],
             "sent": e["sent"],
             "wire_tx": e["wire_tx"],
-            "wire_over_sent": _ratio(e["wire_tx"], e["sent"]),
+            "wire_over_sent": _ratio(e["wire_tx"], e["sent"]) if per_node == 1 else None,
             "control": control,
             "unexplained": _ratio(e["wire_tx"] - control, e["sent"]) - 1
-            if control is not None
+            if control is not None and per_node == 1
             else None,
-            "predicted": c + (codec or 0.0) + e["sent"] * 8 / bits if bits else None,
+            "predicted": c + (codec or 0.0) + e["sent"] * 8 / bits
+            if bits and per_node == 1
+            else None,
             "speedup": _ratio(base and base["seconds"], e["seconds"]),
             "speedup_fp16": _ratio(fp16 and fp16["seconds"], e["seconds"]),
             "comm_speedup": _ratio(base and base["seconds"] - c, e["seconds"] - c),
@@ -192,6 +202,47 @@ def _auto_table(rows):
         )
         if lines
         else None
+    )
+
+
+def _two_level_table(rows):
+    """Each two-level row beside its codec's flat exchange."""
+    flat = {(r["workers"], r["rate"], r["method"]): r for r in rows}
+    lines = []
+    for r in rows:
+        if not r["method"].endswith(TWO_LEVEL_SUFFIX):
+            continue
+        f = flat.get((r["workers"], r["rate"], r["method"][: -len(TWO_LEVEL_SUFFIX)]))
+        if f is None:
+            continue
+        lines.append(
+            [
+                r["workers"],
+                r["rate"],
+                f["method"],
+                _ms(f["seconds"]),
+                _ms(r["seconds"]),
+                _x(_ratio(r["seconds"], f["seconds"])),
+                _mb(f["wire_tx"]),
+                _mb(r["wire_tx"]),
+                _x(_ratio(r["wire_tx"], f["wire_tx"])),
+            ]
+        )
+    if not lines:
+        return None
+    return _table(
+        [
+            "N",
+            "rate",
+            "codec",
+            "flat step",
+            "two-level step",
+            "step ratio",
+            "flat node link tx (MB)",
+            "two-level node link tx (MB)",
+            "bytes ratio",
+        ],
+        lines,
     )
 
 
@@ -367,6 +418,10 @@ def markdown(result):
                 ],
             )
         )
+        levels = _two_level_table(mine)
+        if levels:
+            parts.append(f"\n### {model}: the two-level exchange against the flat one\n")
+            parts.append(levels)
         ports = _port_table(mine)
         if ports:
             parts.append(f"\n### {model}: the TensorFlow port against PyTorch's\n")

@@ -22,7 +22,15 @@ import horovod.torch as hvd
 import torch
 
 from .collectives import HorovodProbe, allreduce_of, reference_ceilings, replay
-from .methods import CODEC_METHODS, METHODS, Trainer, init_ddp, needs_ddp, sgd
+from .methods import (
+    CODEC_METHODS,
+    METHODS,
+    Trainer,
+    init_ddp,
+    needs_ddp,
+    needs_process_sets,
+    sgd,
+)
 from .models import workload
 from .protocol import (
     COMPUTE_STEPS,
@@ -143,7 +151,8 @@ def accuracy_curve(driver, work, method, rate, steps, every, lr):
 def main(spec_path):
     with open(spec_path) as f:
         spec = json.load(f)
-    hvd.init()
+    every = spec["methods"] + spec["accuracy"]["methods"]
+    hvd.init(process_sets="dynamic" if needs_process_sets(every) else None)
     if needs_ddp(spec["methods"]) or needs_ddp(spec["accuracy"]["methods"]):
         init_ddp()
     driver = Driver(hvd.rank(), hvd.size(), lambda name: hvd.allreduce(torch.zeros(1), name=name))

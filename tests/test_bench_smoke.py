@@ -126,3 +126,39 @@ def test_bench_falls_back_to_localhost(tmp_path, capsys):
     assert result["network"].startswith("localhost")
     assert {row["method"] for row in result["rows"]} == {"hvd-none", "terngrad"}
     assert all(row["wire_tx"] is None for row in result["rows"])
+
+
+@pytest.mark.timeout(900)
+def test_bench_on_nodes_of_two_workers(tmp_path, capsys):
+    """2 nodes of 2 workers: the two-level exchange beside the flat one, each node's link
+    counted (on localhost when namespaces are unavailable: placed on named nodes, unshaped)."""
+    result, out = _run(
+        tmp_path,
+        capsys,
+        "--workers",
+        "4",
+        "--per-node",
+        "2",
+        "--methods",
+        "terngrad,terngrad-2l",
+        "--no-tensorflow",
+        "--no-accuracy",
+        "--no-op-counts",
+    )
+    assert "2 workers per node" in result["network"]
+    rows = {row["method"]: row for row in result["rows"]}
+    flat, two_level = rows["terngrad"], rows["terngrad-2l"]
+    assert flat["predicted"] is None and two_level["predicted"] is None
+    assert "the two-level exchange against the flat one" in (tmp_path / "bench.md").read_text()
+    if network.unavailable_reason() is not None:
+        return
+    # Summed inside the nodes first, fewer bytes cross between them.
+    assert 0 < two_level["wire_tx"] < flat["wire_tx"]
+
+
+def test_topology_must_fill_its_nodes():
+    network.check_topology(4, 2)
+    with pytest.raises(ValueError, match="per_node must be a positive divisor of the 4"):
+        network.check_topology(4, 3)
+    with pytest.raises(ValueError, match="per_node"):
+        network.check_topology(4, 0)
