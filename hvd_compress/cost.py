@@ -116,7 +116,7 @@ def compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes=TORC
     if exchange == "allgather":
         nbytes = codec.code_space.packed_nbytes(numel) + (0 if shared else scale_bytes)
         return scale + Traffic(nbytes, (world_size - 1) * nbytes, 1)
-    phase1, phase2 = _sharded_phases(codec, numel, world_size)
+    phase1, phase2 = sharded_phases(codec, numel, world_size)
     sent = (world_size - 1) / world_size * phase1 + (world_size - 1) * phase2
     return scale + Traffic(phase1 + phase2, sent, 2)
 
@@ -153,7 +153,7 @@ def two_level_traffic(
     return scatter + inner + gather
 
 
-def _sharded_phases(codec, numel, world_size):
+def sharded_phases(codec, numel, world_size):
     """Bytes a worker hands to the sharded exchange's alltoall, then to its allgather."""
     if codec.two_way:
         # Each shard carries the worker's block scales; the server sends its own back.
@@ -167,7 +167,7 @@ def _sharded_phases(codec, numel, world_size):
 
 def alltoall_nbytes(codec, numel, world_size):
     """Bytes a worker hands to the alltoall of a tensor's ``sharded`` exchange."""
-    return _sharded_phases(codec, numel, world_size)[0]
+    return sharded_phases(codec, numel, world_size)[0]
 
 
 def exchanges_for(codec):

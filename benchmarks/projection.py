@@ -1,0 +1,289 @@
+"""What the exchanges would cost on GPU clusters of 8 to 1024 workers, by the two-tier model
+of ``hvd_compress.cluster``, and how that model compares with this harness's measurements.
+
+    python -m benchmarks.projection [--out benchmarks/results]
+
+Writes ``projection.md`` (the tables) and ``projection.png`` (speed-up over Horovod's fp32
+allreduce against the number of workers) to ``--out``. The clusters, links and models are
+assumptions, stated in ``ASSUMPTIONS`` and printed with the tables; the validation reads
+``benchmarks/results`` (``make bench`` and its two-tier run).
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only
+import matplotlib.pyplot as plt  # noqa: E402
+
+from hvd_compress import cluster, cost  # noqa: E402
+from hvd_compress.registry import resolve  # noqa: E402
+
+from .shapes import CLASSES, FEATURES, resnet50_convolutions  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+CODECS = ("terngrad", "qsgd-inf", "nuqsgd", "ef-sign")
+CLUSTERS = ((8, 1), (8, 8), (32, 8), (128, 8))  # (nodes M, GPUs per node L)
+RATES = (10e9, 25e9, 100e9)  # between nodes, bits per second
+# GPU nodes: NVLink inside (A100: 300 GB/s each way per GPU), Ethernet between; a message
+# round costs a few microseconds inside and tens over TCP between nodes.
+INSIDE = cluster.Tier(latency=10e-6, bits_per_second=2.4e12)
+BETWEEN_LATENCY = 30e-6
+MEMORY_BYTES_PER_SECOND = 1.5e12  # A100's HBM2
+# A 1B-parameter decoder: 16 layers of width 2048 (attention and a 4x MLP), 50,304-token
+# embedding and untied output layer.
+WIDTH, LAYERS, VOCABULARY = 2048, 16, 50304
+# Compute of one step on one GPU: ResNet-50 at 256 images (A100, mixed precision, about
+# 2,700 images/s), the 1B model at 16,384 tokens (6 x 1e9 x 16,384 FLOP at 140 TFLOP/s).
+COMPUTE_SECONDS = {"resnet50 (25M)": 0.095, "transformer (1B)": 0.70}
+# The backward pass, which the exchange overlaps, is two thirds of the compute.
+BACKWARD_SHARE = 2 / 3
+ASSUMPTIONS = (
+    f"Inside a node: NVLink-class, {INSIDE.bits_per_second / 8e9:.0f} GB/s each way, "
+    f"{INSIDE.latency * 1e6:.0f} us per message round. Between nodes: "
+    f"{', '.join(f'{r / 1e9:g}' for r in RATES)} Gbit/s, {BETWEEN_LATENCY * 1e6:.0f} us per "
+    f"round. Codec passes at {MEMORY_BYTES_PER_SECOND / 1e12:g} TB/s of GPU memory. Compute "
+    f"per step: {', '.join(f'{m} {s * 1e3:.0f} ms' for m, s in COMPUTE_SECONDS.items())}; the "
+    f"exchange overlaps the backward pass ({BACKWARD_SHARE:.2f} of it), the codecs' passes do "
+    f"not. Horovod's ring algorithms, fused in {cluster.HOROVOD_FUSION_BYTES >> 20} MB buffers."
+)
+
+
+def resnet50_tensors():
+    """(numel, is classifier) of the synthetic ResNet-50's 161 tensors, in order."""
+    tensors = []
+    for out, inputs, k in resnet50_convolutions():
+        tensors += [(out * inputs * k * k, False), (out, False), (out, False)]
+    return tensors + [(CLASSES * FEATURES, True), (CLASSES, True)]
+
+
+def transformer_tensors():
+    """(numel, is classifier) of the 1B-parameter decoder's tensors."""
+    d = WIDTH
+    tensors = [(VOCABULARY * d, False), (2048 * d, False)]  # token and position embeddings
+    layer = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+    tensors += [(n, False) for _ in range(LAYERS) for n in layer]
+    return tensors + [(d, False), (d, False), (VOCABULARY * d, True)]
+
+
+MODELS = {"resnet50 (25M)": resnet50_tensors, "transformer (1B)": transformer_tensors}
+
+
+def split(codec, tensors):
+    """The sizes ``codec`` compresses, and the elements it leaves whole."""
+    compressed = [
+        n for n, head in tensors if codec.compresses(n) and (codec.compress_classifier or not head)
+    ]
+    return compressed, sum(n for n, _ in tensors) - sum(compressed)
+
+
+def step_seconds(compute, exchange, codec_seconds=0.0):
+    """The step: compute, the codec's passes, and what of the exchange the backward pass
+    does not hide."""
+    return compute + codec_seconds + max(0.0, exchange - BACKWARD_SHARE * compute)
+
+
+def methods(model, shape):
+    """{method: step seconds} of every path on ``shape`` (a ``cluster.Cluster``)."""
+    tensors = MODELS[model]()
+    compute = COMPUTE_SECONDS[model]
+    total = sum(n for n, _ in tensors)
+    steps = {
+        path: step_seconds(compute, cluster.whole_seconds(shape, total, path))
+        for path in cluster.WHOLE_PATHS
+    }
+    for name in CODECS:
+        codec = resolve(name)
+        compressed, whole = split(codec, tensors)
+        exchanges = [e for e in cluster.FLAT_EXCHANGES if e in cost.exchanges_for(codec)]
+        for exchange in exchanges + [cost.TWO_LEVEL]:
+            inner = cost.two_level_inner(codec, 1 << 20, shape.nodes) if shape.nodes > 1 else None
+            passes = exchange if exchange != cost.TWO_LEVEL else inner or "allreduce"
+            size = shape.workers if exchange != cost.TWO_LEVEL else shape.nodes
+            per_element = cluster.codec_bytes_per_element(codec, passes, size)
+            codec_seconds = per_element * sum(compressed) / MEMORY_BYTES_PER_SECOND
+            seconds = cluster.exchange_seconds(codec, compressed, whole, shape, exchange)
+            steps[f"{name} {exchange}"] = step_seconds(compute, seconds, codec_seconds)
+    return steps
+
+
+def projection_table(model):
+    """Markdown rows: per cluster and rate, fp32's step, the fastest method and its
+    speed-up, and each codec's best exchange."""
+    header = ["workers", "between nodes", "fp32 allreduce (ms)", "fastest", "speed-up"]
+    header += [f"{name}: best exchange" for name in CODECS]
+    lines, points = [], {}
+    for nodes, per_node in CLUSTERS:
+        for rate in RATES:
+            shape = cluster.Cluster(nodes, per_node, INSIDE, cluster.Tier(BETWEEN_LATENCY, rate))
+            steps = methods(model, shape)
+            fp32 = steps[cluster.FP32]
+            fastest = min(steps, key=steps.get)
+            row = [
+                f"{nodes}x{per_node}",
+                f"{rate / 1e9:g} Gbit/s",
+                f"{fp32 * 1e3:,.0f}",
+                fastest,
+                f"{fp32 / steps[fastest]:.2f}x",
+            ]
+            for name in CODECS:
+                mine = {m: s for m, s in steps.items() if m.startswith(name + " ")}
+                best = min(mine, key=mine.get)
+                row.append(f"{best.split(' ', 1)[1]} {fp32 / mine[best]:.2f}x")
+                points.setdefault((name, rate), []).append((shape.workers, fp32 / mine[best]))
+            points.setdefault((cluster.HIERARCHICAL, rate), []).append(
+                (shape.workers, fp32 / steps[cluster.HIERARCHICAL])
+            )
+            lines.append(row)
+    return _table(header, lines), points
+
+
+def _table(header, lines):
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(rows + ["| " + " | ".join(map(str, line)) + " |" for line in lines])
+
+
+def plot(points_by_model, path):
+    figure, axes = plt.subplots(
+        len(points_by_model), len(RATES), figsize=(4.2 * len(RATES), 3.6 * len(points_by_model))
+    )
+    for row, (model, points) in zip(axes, points_by_model.items()):
+        for axis, rate in zip(row, RATES):
+            for (name, r), series in points.items():
+                if r == rate:
+                    workers, speedups = zip(*series)
+                    axis.plot(workers, speedups, marker="o", label=name)
+            axis.axhline(1.0, color="grey", linewidth=0.8)
+            axis.set_xscale("log", base=2)
+            axis.set_title(f"{model}, {rate / 1e9:g} Gbit/s between nodes", fontsize=9)
+            axis.set_xlabel("workers (8x1, 8x8, 32x8, 128x8)")
+            axis.set_ylabel("step speed-up over fp32")
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+HARNESS_METHODS = ("hvd-none", "hvd-fp16", "terngrad", "qsgd-inf", "ef-sign")
+HARNESS_MODELS = {"resnet50": resnet50_tensors}
+# Latencies per message round tried in the fit to the harness's bare collectives.
+LATENCY_GRID = [10 ** (e / 8) for e in range(-40, -15)]  # 10 us .. 7.5 ms
+
+
+def _bare_seconds(exchange, total, shape):
+    """The model's time of one of the harness's bare exchanges of ``total`` elements
+    (``benchmarks.collectives``)."""
+    tier, n = shape.flat_tier, shape.workers
+    if exchange == "fp32 allreduce":
+        return cluster.allreduce(tier, n, 4 * total)
+    if exchange == "fp16 allreduce":
+        return cluster.allreduce(tier, n, 2 * total)
+    if exchange == "2-bit allgather":
+        return cluster.allgather(tier, n, -(-total // 4))
+    shard = -(-total // (8 * n))
+    return cluster.alltoall(tier, n, n * shard) + cluster.allgather(tier, n, shard)
+
+
+def _harness(result_path):
+    with open(os.path.join(RESULTS, result_path)) as f:
+        return json.load(f)
+
+
+def fit_latency(result):
+    """The latency per message round that best predicts the run's bare collectives (the
+    least median relative error), with its errors: the network tier of the harness."""
+    from .network import parse_rate
+
+    bare = [e for e in result["events"] if e["kind"] == "bare" and e["model"] in HARNESS_MODELS]
+
+    def errors(latency):
+        out = []
+        for e in bare:
+            total = sum(n for n, _ in HARNESS_MODELS[e["model"]]())
+            shape = cluster.Cluster(
+                e["workers"], 1, INSIDE, cluster.Tier(latency, parse_rate(e["rate"]))
+            )
+            for exchange, measured in e["exchanges"].items():
+                predicted = _bare_seconds(exchange, total, shape)
+                out.append((e["workers"], e["rate"], exchange, measured["seconds"], predicted))
+        return out
+
+    def spread(latency):
+        return statistics.median(abs(p / m - 1) for *_, m, p in errors(latency))
+
+    latency = min(LATENCY_GRID, key=spread)
+    return latency, errors(latency)
+
+
+def validate(result, latency):
+    """(N, rate, method, measured step, predicted step) of the run's flat PyTorch rows:
+    compute and codec time as measured, the exchange by the model with the harness's links
+    (``exchange="auto"``'s routes for the codecs)."""
+    from .network import parse_rate
+
+    lines = []
+    for r in result["rows"]:
+        if r["method"] not in HARNESS_METHODS or r["model"] not in HARNESS_MODELS:
+            continue
+        tensors = HARNESS_MODELS[r["model"]]()
+        shape = cluster.Cluster(
+            r["workers"], 1, INSIDE, cluster.Tier(latency, parse_rate(r["rate"]))
+        )
+        if r["method"].startswith("hvd-"):
+            path = cluster.FP32 if r["method"] == "hvd-none" else cluster.FP16
+            exchange = cluster.whole_seconds(shape, sum(n for n, _ in tensors), path)
+        else:
+            codec = resolve(r["method"])
+            compressed, whole = split(codec, tensors)
+            exchange = cluster.exchange_seconds(codec, compressed, whole, shape, "auto")
+        predicted = r["compute"] + (r["codec"] or 0.0) + exchange
+        lines.append((r["workers"], r["rate"], r["method"], r["seconds"], predicted))
+    return lines
+
+
+def validation_markdown():
+    result = _harness("bench.json")
+    latency, bare = fit_latency(result)
+    steps = validate(result, latency)
+
+    def rows(lines):
+        return [
+            [n, rate, what, f"{m * 1e3:,.0f}", f"{p * 1e3:,.0f}", f"{p / m - 1:+.0%}"]
+            for n, rate, what, m, p in lines
+        ]
+
+    within = sum(abs(p / m - 1) <= 0.2 for *_, m, p in steps)
+    header = ["N", "rate", "{}", "measured (ms)", "predicted (ms)", "error"]
+    return "\n\n".join(
+        [
+            f"Fitted latency per message round: {latency * 1e3:.2f} ms (the least median "
+            f"error over the bare collectives of `benchmarks/results/bench.json`).",
+            _table([h.format("bare exchange") for h in header], rows(bare)),
+            f"Steps (compute and codec time as measured): {within} of {len(steps)} within 20%.",
+            _table([h.format("method") for h in header], rows(steps)),
+        ]
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=RESULTS, help=f"output directory (default {RESULTS})")
+    args = parser.parse_args(argv)
+    parts, points = [ASSUMPTIONS], {}
+    for model in MODELS:
+        table, points[model] = projection_table(model)
+        parts += [f"### {model}", table]
+    parts += ["### The model against this harness", validation_markdown()]
+    text = "\n\n".join(parts) + "\n"
+    with open(os.path.join(args.out, "projection.md"), "w") as f:
+        f.write(text)
+    plot(points, os.path.join(args.out, "projection.png"))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
