@@ -98,12 +98,13 @@ def allgather(tier: Tier, size: int, nbytes: float, sharing: int = 1) -> float:
     return tier.seconds((size - 1) * _buffers(nbytes), sharing * (size - 1) * nbytes)
 
 
-def alltoall(tier: Tier, size: int, nbytes: float, per_node: int = 1) -> float:
-    """A pairwise alltoall of ``nbytes`` from each of ``size`` ranks, ``per_node`` of
-    them behind each link."""
+def alltoall(tier: Tier, size: int, nbytes: float, senders: int = 1, neighbours: int = 1) -> float:
+    """A pairwise alltoall of ``nbytes`` from each of ``size`` ranks: ``senders`` ranks
+    (of this alltoall or of concurrent ones) send through each link, each to all but the
+    ``neighbours`` ranks of the alltoall on its own node (itself included)."""
     if size == 1 or not nbytes:
         return 0.0
-    crossing = per_node * (size - per_node) / size * nbytes
+    crossing = senders * (size - neighbours) / size * nbytes
     return tier.seconds((size - 1) * _buffers(nbytes, cost.FUSION_BYTES), crossing)
 
 
@@ -139,11 +140,15 @@ def _codec_collectives(codec, numel: int, size: int, exchange: str, step: _Step)
         step.add("allgather", phase2)
 
 
-def _flat_seconds(step: _Step, tier: Tier, size: int, per_node: int, sharing: int = 1) -> float:
+def _flat_seconds(step: _Step, tier: Tier, size: int, per_node: int, neighbours: int) -> float:
+    """``step``'s collectives among ``size`` ranks, ``per_node`` of which (or of concurrent
+    collectives' ranks) share each node's link, ``neighbours`` of which share a node. A
+    ring over ranks on several nodes crosses each node's link once each way."""
+    rings = per_node // neighbours
     return (
-        allreduce(tier, size, step.allreduce, sharing)
-        + allgather(tier, size, step.allgather, sharing)
-        + alltoall(tier, size, step.alltoall, per_node)
+        allreduce(tier, size, step.allreduce, rings)
+        + allgather(tier, size, step.allgather, rings)
+        + alltoall(tier, size, step.alltoall, per_node, neighbours)
     )
 
 
@@ -178,7 +183,9 @@ def exchange_seconds(
         )
         for numel, route in zip(compressed, routes):
             _codec_collectives(codec, numel, n, route, step)
-        return rest + _flat_seconds(step, cluster.flat_tier, n, local)
+        # On one node each rank has a link of its own on the inside tier.
+        per_node = local if m > 1 else 1
+        return rest + _flat_seconds(step, cluster.flat_tier, n, per_node, per_node)
     padded = 0
     for numel in compressed:
         length = -(-numel // local)
@@ -189,7 +196,7 @@ def exchange_seconds(
     # The node's reduce-scatter and allgather of the padded fp32 gradient: one ring
     # allreduce's rounds and bytes.
     inside = allreduce(cluster.inside, local, 4 * padded)
-    return rest + inside + _flat_seconds(step, cluster.between, m, 1, sharing=local)
+    return rest + inside + _flat_seconds(step, cluster.between, m, local, 1)
 
 
 def codec_bytes_per_element(codec, exchange: str, size: int) -> float:

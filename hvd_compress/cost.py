@@ -31,10 +31,9 @@ from .codes import ITEMSIZE, shard_length
 
 EXCHANGES = ("allreduce", "allgather", "sharded")
 # The exchange that sums inside each node uncompressed and compresses between nodes only
-# (``hvd_compress.topology``): its compressed part among the nodes is one of
-# ``TWO_LEVEL_INNER``, which need no fusion groups.
+# (``hvd_compress.topology``): its compressed part among the nodes is one of the flat
+# exchanges (``two_level_inner``).
 TWO_LEVEL = "two-level"
-TWO_LEVEL_INNER = ("allreduce", "allgather")
 
 # Collectives the PyTorch allreduce can sum (horovod.torch rejects int8 and uint8).
 TORCH_ALLREDUCE_DTYPES = ("float16", "int32", "int64")
@@ -123,9 +122,11 @@ def compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes=TORC
 
 def two_level_inner(codec, numel, cross_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """The exchange among the nodes of a two-level exchange's shards of ``numel``
-    elements: the one of ``TWO_LEVEL_INNER`` that ``codec`` can take and that sends the
-    fewest bytes (on a tie, fewer collectives)."""
-    candidates = [e for e in TWO_LEVEL_INNER if e in exchanges_for(codec)]
+    elements: the one that ``codec`` can take and that sends the fewest bytes (on a tie,
+    fewer collectives). From 3 or 4 nodes on that is the sharded exchange for every
+    summable or two-way codec: a node's link then carries 2 shards' codes where an
+    allgather carries M - 1."""
+    candidates = exchanges_for(codec)
 
     def traffic(exchange):
         t = compressed_traffic(codec, numel, cross_size, exchange, allreduce_dtypes)

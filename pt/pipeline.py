@@ -449,11 +449,16 @@ class CompressionPipeline:
         if self.shard_set is None:
             self._gather_shard(flight, flight.vector)
             return
-        exchange = cost.two_level_inner(
-            self.codec, flight.vector.numel(), self.nodes.cross_size, cost.TORCH_ALLREDUCE_DTYPES
-        )
+        exchange = self._between_nodes(flight.plan)
         flight.fused = self._compensates_in_kernels(flight.vector)
         self._start_scale(flight, None, exchange, self.nodes.cross_size, self.shard_set)
+
+    def _between_nodes(self, plan):
+        """The exchange among the nodes of a two-level tensor's shards."""
+        length = self.nodes.shard_length(plan.numel)
+        return cost.two_level_inner(
+            self.codec, length, self.nodes.cross_size, cost.TORCH_ALLREDUCE_DTYPES
+        )
 
     def _gather_shard(self, flight, shard):
         """Starts the node's allgather of a two-level flight's decoded ``shard``."""
@@ -468,16 +473,30 @@ class CompressionPipeline:
         )
 
     def _fusion_groups(self):
-        """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``)."""
+        """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``):
+        among all ranks, and among the nodes for the shards of two-level tensors whose
+        exchange between nodes is sharded."""
         sharded = [
             (plan.name, plan.numel) for plan in self.plans.values() if plan.route == "sharded"
         ]
+        groups = self._groups(sharded, self.world_size, self.process_set, "hvdc.alltoall")
+        if self.shard_set is not None:
+            sharded = [
+                (plan.name, self.nodes.shard_length(plan.numel))
+                for plan in self.plans.values()
+                if plan.route == TWO_LEVEL and self._between_nodes(plan) == "sharded"
+            ]
+            cross_size = self.nodes.cross_size
+            groups.update(self._groups(sharded, cross_size, self.shard_set, "hvdc.nodes.alltoall"))
+        return groups
+
+    def _groups(self, sharded, world_size, process_set, prefix):
+        """{name: its ``AlltoallFusion``} of the ``sharded`` (name, numel) among
+        ``world_size`` ranks of ``process_set``."""
         groups = {}
-        for index, members in enumerate(
-            fusion.alltoall_groups(self.codec, sharded, self.world_size)
-        ):
+        for index, members in enumerate(fusion.alltoall_groups(self.codec, sharded, world_size)):
             group = AlltoallFusion(
-                [_codes_name(m) for m in members], f"hvdc.alltoall.{index}", self.process_set
+                [_codes_name(m) for m in members], f"{prefix}.{index}", process_set
             )
             groups.update(dict.fromkeys(members, group))
         return groups

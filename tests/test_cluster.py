@@ -112,3 +112,12 @@ def test_the_projected_models_are_the_benchmarks():
     assert len(resnet) == 161 and sum(n for n, _ in resnet) == 25_557_032
     assert [head for _, head in resnet[-2:]] == [True, True]
     assert 0.95e9 < sum(n for n, _ in projection.transformer_tensors()) < 1.1e9
+
+
+def test_on_one_node_an_alltoall_uses_every_ranks_own_link():
+    codec = resolve("ef-sign")
+    one_node = cluster.Cluster(1, 4, NO_LATENCY, cluster.Tier(0.0, 1.0))
+    four_nodes = cluster.Cluster(4, 1, NO_LATENCY, NO_LATENCY)
+    assert cluster.exchange_seconds(codec, SIZES, 0, one_node, "sharded") == pytest.approx(
+        cluster.exchange_seconds(codec, SIZES, 0, four_nodes, "sharded")
+    )

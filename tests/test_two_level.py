@@ -73,9 +73,11 @@ def test_two_level_exchange_is_the_reference_on_every_rank(layout):
         _check(list(results), codec, nodes, reference)
 
 
-def test_two_level_exchange_resumes_bitwise(tmp_path, monkeypatch):
-    """Each rank's checkpoint holds the residuals of its shard (and ef-sign's server's):
-    resumed on the same nodes, training continues bitwise."""
+@pytest.mark.parametrize("layout", ["2x2", "4x1"])
+def test_two_level_exchange_resumes_bitwise(tmp_path, monkeypatch, layout):
+    """Each rank's checkpoint holds the residuals of its shard (and ef-sign's server's, of
+    a shard of the shard where the nodes' exchange is sharded, as on 4 x 1): resumed on
+    the same nodes, training continues bitwise."""
     # Horovod's fused allreduce of the uncompressed tensors sums 4 ranks' elements in an
     # order that depends on which tensors share its buffer, which varies from run to run;
     # without fusion every run sums alike.
@@ -87,8 +89,8 @@ def test_two_level_exchange_resumes_bitwise(tmp_path, monkeypatch):
     steps, save_at = 8, 3
     options = {"cases": cases, "exchange": "two-level", "layout": process_sets.DYNAMIC}
     args = (str(tmp_path), steps, save_at, "cpu")
-    uninterrupted = run_parallel(_train_and_checkpoint, 4, *args, launcher="2x2", **options)
-    resumed = run_parallel(_resume, 4, *args, launcher="2x2", **options)
+    uninterrupted = run_parallel(_train_and_checkpoint, 4, *args, launcher=layout, **options)
+    resumed = run_parallel(_resume, 4, *args, launcher=layout, **options)
     for rank in range(4):
         for label, *_ in cases:
             for offset, params in enumerate(resumed[rank][label]):
