@@ -29,6 +29,7 @@ framework ports (``packing.py`` in each of them implements it):
     values is rounded back to ``dtype`` before it is sent again.
 """
 
+import functools
 from dataclasses import dataclass
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
@@ -55,9 +56,9 @@ class IntCodes:
         if 2 * self.bound + 1 > 2**32:
             raise OverflowError(f"IntCodes: {2 * self.bound + 1} code values do not fit in 32 bits")
 
-    @property
+    @functools.cached_property
     def width(self):
-        """Bits per code on the wire."""
+        """Bits per code on the wire (asked for on every packing and decoding)."""
         needed = (2 * self.bound).bit_length()
         return next(w for w in WIDTHS if w >= needed)
 
