@@ -123,9 +123,8 @@ def compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes=TORC
 def two_level_inner(codec, numel, cross_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """The exchange among the nodes of a two-level exchange's shards of ``numel``
     elements: the one that ``codec`` can take and that sends the fewest bytes (on a tie,
-    fewer collectives). From 3 or 4 nodes on that is the sharded exchange for every
-    summable or two-way codec: a node's link then carries 2 shards' codes where an
-    allgather carries M - 1."""
+    fewer collectives). From 3 to 8 nodes on, by codec, that is the sharded exchange: a
+    node's link then carries about 2 shards' codes where an allgather carries M - 1."""
     candidates = exchanges_for(codec)
 
     def traffic(exchange):
