@@ -205,14 +205,29 @@ def _auto_table(rows):
     )
 
 
+def _beside(rows, twin_of):
+    """(row, twin) for each row whose ``twin_of(row)`` names another method: the row of
+    that method at the same N and rate, or None if it was not measured."""
+    by_method = {(r["workers"], r["rate"], r["method"]): r for r in rows}
+    for r in rows:
+        twin = twin_of(r)
+        if twin is not None:
+            yield r, by_method.get((r["workers"], r["rate"], twin))
+
+
+def _flat_twin(row):
+    method = row["method"]
+    return method[: -len(TWO_LEVEL_SUFFIX)] if method.endswith(TWO_LEVEL_SUFFIX) else None
+
+
+def _pytorch_twin(row):
+    return row["method"][len(TF_PREFIX) :] if "of_pytorch" in row else None
+
+
 def _two_level_table(rows):
     """Each two-level row beside its codec's flat exchange."""
-    flat = {(r["workers"], r["rate"], r["method"]): r for r in rows}
     lines = []
-    for r in rows:
-        if not r["method"].endswith(TWO_LEVEL_SUFFIX):
-            continue
-        f = flat.get((r["workers"], r["rate"], r["method"][: -len(TWO_LEVEL_SUFFIX)]))
+    for r, f in _beside(rows, _flat_twin):
         if f is None:
             continue
         lines.append(
@@ -248,12 +263,9 @@ def _two_level_table(rows):
 
 def _port_table(rows):
     """Each TensorFlow row beside its PyTorch twin's step and speed-up."""
-    torch_rows = {(r["workers"], r["rate"], r["method"]): r for r in rows}
     lines = []
-    for r in rows:
-        if "of_pytorch" not in r:
-            continue
-        twin = torch_rows.get((r["workers"], r["rate"], r["method"][len(TF_PREFIX) :]), {})
+    for r, twin in _beside(rows, _pytorch_twin):
+        twin = twin or {}
         lines.append(
             [
                 r["workers"],
