@@ -6,7 +6,7 @@ of ``hvd_compress.cluster``, and how that model compares with this harness's mea
 Writes ``projection.md`` (the tables) and ``projection.png`` (speed-up over Horovod's fp32
 allreduce against the number of workers) to ``--out``. The clusters, links and models are
 assumptions, stated in ``ASSUMPTIONS`` and printed with the tables; the validation reads
-``benchmarks/results`` (``make bench`` and its two-tier run).
+the last ``make bench`` (``benchmarks/results/bench.json``).
 """
 
 import argparse
@@ -36,7 +36,7 @@ BETWEEN_LATENCY = 30e-6
 MEMORY_BYTES_PER_SECOND = 1.5e12  # A100's HBM2
 # A 1B-parameter decoder: 16 layers of width 2048 (attention and a 4x MLP), 50,304-token
 # embedding and untied output layer.
-WIDTH, LAYERS, VOCABULARY = 2048, 16, 50304
+WIDTH, LAYERS, VOCABULARY, CONTEXT = 2048, 16, 50304, 2048
 # Compute of one step on one GPU: ResNet-50 at 256 images (A100, mixed precision, about
 # 2,700 images/s), the 1B model at 16,384 tokens (6 x 1e9 x 16,384 FLOP at 140 TFLOP/s).
 COMPUTE_SECONDS = {"resnet50 (25M)": 0.095, "transformer (1B)": 0.70}
@@ -64,7 +64,7 @@ def resnet50_tensors():
 def transformer_tensors():
     """(numel, is classifier) of the 1B-parameter decoder's tensors."""
     d = WIDTH
-    tensors = [(VOCABULARY * d, False), (2048 * d, False)]  # token and position embeddings
+    tensors = [(VOCABULARY * d, False), (CONTEXT * d, False)]  # token and position embeddings
     layer = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
     tensors += [(n, False) for _ in range(LAYERS) for n in layer]
     return tensors + [(d, False), (d, False), (VOCABULARY * d, True)]
@@ -100,8 +100,10 @@ def methods(model, shape):
         codec = resolve(name)
         compressed, whole = split(codec, tensors)
         exchanges = [e for e in cluster.FLAT_EXCHANGES if e in cost.exchanges_for(codec)]
+        # The codec's passes after a two-level exchange: those of the exchange among the
+        # nodes of a 1M-element shard (none on one node, where the shard arrives summed).
+        inner = cost.two_level_inner(codec, 1 << 20, shape.nodes) if shape.nodes > 1 else None
         for exchange in exchanges + [cost.TWO_LEVEL]:
-            inner = cost.two_level_inner(codec, 1 << 20, shape.nodes) if shape.nodes > 1 else None
             passes = exchange if exchange != cost.TWO_LEVEL else inner or "allreduce"
             size = shape.workers if exchange != cost.TWO_LEVEL else shape.nodes
             per_element = cluster.codec_bytes_per_element(codec, passes, size)
