@@ -195,6 +195,14 @@ class CompressionPipeline:
                 layer=codec.layer_kind(name, tuple(p.shape)),
             )
         self._choose_exchanges()
+        # The exchange among the nodes of each two-level tensor's shards, fixed with the nodes.
+        self.between_nodes = {
+            plan.name: cost.two_level_inner(
+                codec, self.nodes.shard_length(plan.numel), self.nodes.cross_size
+            )
+            for plan in self.plans.values()
+            if plan.exchange == TWO_LEVEL and self.shard_set is not None
+        }
         self.factor_memory = (
             FactorMemory(
                 {
@@ -449,16 +457,9 @@ class CompressionPipeline:
         if self.shard_set is None:
             self._gather_shard(flight, flight.vector)
             return
-        exchange = self._between_nodes(flight.plan)
+        exchange = self.between_nodes[flight.plan.name]
         flight.fused = self._compensates_in_kernels(flight.vector)
         self._start_scale(flight, None, exchange, self.nodes.cross_size, self.shard_set)
-
-    def _between_nodes(self, plan):
-        """The exchange among the nodes of a two-level tensor's shards."""
-        length = self.nodes.shard_length(plan.numel)
-        return cost.two_level_inner(
-            self.codec, length, self.nodes.cross_size, cost.TORCH_ALLREDUCE_DTYPES
-        )
 
     def _gather_shard(self, flight, shard):
         """Starts the node's allgather of a two-level flight's decoded ``shard``."""
@@ -484,7 +485,7 @@ class CompressionPipeline:
             sharded = [
                 (plan.name, self.nodes.shard_length(plan.numel))
                 for plan in self.plans.values()
-                if plan.route == TWO_LEVEL and self._between_nodes(plan) == "sharded"
+                if self.between_nodes.get(plan.name) == "sharded"
             ]
             cross_size = self.nodes.cross_size
             groups.update(self._groups(sharded, cross_size, self.shard_set, "hvdc.nodes.alltoall"))
