@@ -99,7 +99,7 @@ def methods(model, shape):
     for name in CODECS:
         codec = resolve(name)
         compressed, whole = split(codec, tensors)
-        exchanges = [e for e in cluster.FLAT_EXCHANGES if e in cost.exchanges_for(codec)]
+        exchanges = list(cost.exchanges_for(codec))
         # The codec's passes after a two-level exchange: those of the exchange among the
         # nodes of a 1M-element shard (none on one node, where the shard arrives summed).
         inner = cost.two_level_inner(codec, 1 << 20, shape.nodes) if shape.nodes > 1 else None

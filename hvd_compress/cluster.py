@@ -40,8 +40,7 @@ from . import cost
 from .codes import ITEMSIZE
 
 HOROVOD_FUSION_BYTES = 64 << 20
-# The flat exchanges of a codec, and the paths that send tensors whole.
-FLAT_EXCHANGES = cost.EXCHANGES
+# The paths that send tensors whole.
 FP32, FP16, HIERARCHICAL = "fp32 allreduce", "fp16 allreduce", "hierarchical fp32"
 WHOLE_PATHS = (FP32, FP16, HIERARCHICAL)
 
