@@ -14,7 +14,6 @@ last bit).
 import functools
 import importlib.util
 import os
-from collections.abc import Callable
 
 import numpy as np
 
@@ -235,10 +234,16 @@ def local_scale(codec, g: np.ndarray) -> np.ndarray:
     return scale
 
 
+def _nonuniform(codec) -> bool:
+    """Whether ``codec``'s codes stand for NUQSGD's levels (their values sign(c) 2^(|c| - 1)),
+    not for multiples of the scale's 1/s."""
+    return codec.name == "nuqsgd"
+
+
 def _levels(codec):
     """(s, exponent) of the ``quantized`` kernel: s uniform levels, or 0 and NUQSGD's
     smallest level 2^-exponent."""
-    return (0, codec.exponent) if codec.name == "nuqsgd" else (codec.levels, 0)
+    return (0, codec.exponent) if _nonuniform(codec) else (codec.levels, 0)
 
 
 def divisor(codec, count: int) -> int:
@@ -290,27 +295,6 @@ def encode(
     return values if values.dtype == payload.dtype else values.astype(payload.dtype)
 
 
-def table(space, values: Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
-    """Row ``byte``: the values of the fields of ``byte`` in ``space`` (of at most 8 bits):
-    ``values`` (a codec's, int32 codes to int32 values) of the codes, or with none the
-    fields less the bound (sums). An empty table for wider fields, which the kernels read
-    without one."""
-    if space.width > 8:
-        return np.zeros((0, 1), np.int32)
-    fields = np.arange(2**space.width) - space.bound
-    if values is not None:
-        fields = values(fields.clip(-space.bound, space.bound).astype(np.int32))
-    per = space.codes_per_byte
-    shifts = space.width * np.arange(per)
-    return fields[(np.arange(256)[:, None] >> shifts) & (2**space.width - 1)].astype(np.int32)
-
-
-@functools.cache
-def sum_table(space) -> np.ndarray:
-    """``table`` of sums in ``space``: the fields less the bound."""
-    return table(space, None)
-
-
 def decoded_totals(codec, total: np.ndarray, scale: np.ndarray, count: int) -> np.ndarray:
     """``codec.decode`` of the allreduce's summed values ``total``."""
     out = empty(total.shape)
@@ -322,32 +306,34 @@ def decoded_totals(codec, total: np.ndarray, scale: np.ndarray, count: int) -> n
     return out
 
 
-def summed_codes(
-    codec, rows: np.ndarray, codes: np.ndarray, length: int, total_space: IntCodes
-) -> np.ndarray:
+def summed_codes(codec, rows: np.ndarray, length: int, total_space: IntCodes) -> np.ndarray:
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
-    every row (packed, their ``table`` ``codes``), summed over the rows and packed in
-    ``total_space``."""
+    every (packed) row, summed over the rows and packed in ``total_space``."""
     space = codec.code_space
     out = empty(total_space.packed_nbytes(length), np.uint8)
     kernels().summed_codes(
-        rows, codes, space.width, space.bound, length, total_space.bound, total_space.width, out
+        rows,
+        space.width,
+        space.bound,
+        _nonuniform(codec),
+        length,
+        total_space.bound,
+        total_space.width,
+        out,
     )
     return out
 
 
-def decoded_sums(
-    codec, rows: np.ndarray, codes: np.ndarray, scale: np.ndarray, count: int, numel: int
-) -> np.ndarray:
-    """The allgather's ``codec.decode`` of the sum over the rows' values (``codes``: their
-    ``table``), under the shared scale."""
+def decoded_sums(codec, rows: np.ndarray, scale: np.ndarray, count: int, numel: int) -> np.ndarray:
+    """The allgather's ``codec.decode`` of the sum over the rows' values, under the shared
+    scale."""
     space = codec.code_space
     out = empty(numel)
     kernels().decoded_sums(
         rows,
-        codes,
         space.width,
         space.bound,
+        _nonuniform(codec),
         scale.reshape(-1),
         codec.bucket_length(numel),
         divisor(codec, count),
@@ -357,19 +343,19 @@ def decoded_sums(
 
 
 def decoded_own_scales(
-    codec, messages: np.ndarray, head: int, codes: np.ndarray, count: int, numel: int
+    codec, messages: np.ndarray, head: int, count: int, numel: int
 ) -> np.ndarray:
     """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
-    scales, then the codes) of ``codec.decode`` of their values (``codes``: their
-    ``table``), each under its own scales."""
+    scales, then the codes) of ``codec.decode`` of their values, each under its own
+    scales."""
     scales, rows = split_messages(messages, head)
     space = codec.code_space
     out = empty(numel)
     kernels().decoded_own_scales(
         rows,
-        codes,
         space.width,
         space.bound,
+        _nonuniform(codec),
         scales,
         codec.bucket_length(numel),
         divisor(codec, count),
@@ -392,7 +378,6 @@ def decoded_segments(
     out = empty(numel)
     kernels().decoded_segments(
         rows,
-        sum_table(total_space),
         total_space.width,
         total_space.bound,
         length,

@@ -413,7 +413,7 @@ def _nuqsgd_code(g, divisor, s, u):
 def _nuqsgd_value(code):
     """``NUQSGD.values``: sign(code) 2^(|code| - 1), 0 for 0."""
     index = abs(code)
-    value = (1 << (index - 1)) if index > 0 else 0
+    value = (np.int32(1) << index) >> 1  # 0 for 0
     return -value if code < 0 else value
 
 
@@ -556,26 +556,45 @@ def _pack_any(codes, bound, width, packed):
 
 
 @_jit(inline="always")
-def _add_table_fields(row, table, per, acc):
+def _field_value(field, bound, nuqsgd):
+    """The value of a packed field: its code, field - bound, or with ``nuqsgd`` that code's
+    ``NUQSGD.values``."""
+    code = field - bound
+    return _nuqsgd_value(code) if nuqsgd else code
+
+
+@_jit(inline="always")
+def _add_packed(row, width, bound, nuqsgd, acc):
+    # The fields of a byte by constant shifts, in int32: LLVM unrolls the loop over them and
+    # vectorizes the loop over bytes (a lookup of each byte's values in a table it does not).
+    per = 8 // width
+    mask = np.int32((1 << width) - 1)
     for j in range(acc.size // per):
-        entry = table[row[j]]
+        byte = np.int32(row[j])
         for t in range(per):
-            acc[per * j + t] += entry[t]
+            acc[per * j + t] += _field_value((byte >> (width * t)) & mask, bound, nuqsgd)
     for i in range(acc.size - acc.size % per, acc.size):
-        acc[i] += table[row[i // per], i % per]
+        field = (np.int32(row[i // per]) >> (width * (i % per))) & mask
+        acc[i] += _field_value(field, bound, nuqsgd)
 
 
 @_jit
-def _add_fields(row, table, width, bound, acc):
-    """acc[i] += the value of field i of the packed ``row``: table[byte, t] for fields of
-    up to 8 bits (``table`` maps each byte to the values of its fields), field - bound
-    for 16 and 32 bits."""
-    if width == 2:
-        _add_table_fields(row, table, 4, acc)
+def _add_fields(row, width, bound, nuqsgd, acc):
+    """acc[i] += the value of field i of the packed ``row`` (``_field_value``): fields of
+    2, 4 or 8 bits, or of 16 and 32 bits little-endian (sums: never ``nuqsgd``)."""
+    # One inlined copy per width and kind of value.
+    if width == 2 and nuqsgd:
+        _add_packed(row, 2, np.int32(bound), True, acc)
+    elif width == 2:
+        _add_packed(row, 2, np.int32(bound), False, acc)
+    elif width == 4 and nuqsgd:
+        _add_packed(row, 4, np.int32(bound), True, acc)
     elif width == 4:
-        _add_table_fields(row, table, 2, acc)
+        _add_packed(row, 4, np.int32(bound), False, acc)
+    elif width == 8 and nuqsgd:
+        _add_packed(row, 8, np.int32(bound), True, acc)
     elif width == 8:
-        _add_table_fields(row, table, 1, acc)
+        _add_packed(row, 8, np.int32(bound), False, acc)
     elif width == 16:
         for i in range(acc.size):
             acc[i] += (np.int32(row[2 * i]) | np.int32(row[2 * i + 1]) << 8) - bound
@@ -625,21 +644,21 @@ def decoded_totals(total, scale, bucket, divisor, out):
 
 
 @_jit
-def summed_codes(rows, table, width, bound, length, total_bound, total_width, out):
-    """The sharded exchange's sum: the first ``length`` codes of each row of ``rows``
-    (``width``-bit ``IntCodes(bound)``, values by ``table``) summed over the rows in int32
-    and packed into ``out`` at ``total_width`` bits (``IntCodes(total_bound)``)."""
+def summed_codes(rows, width, bound, nuqsgd, length, total_bound, total_width, out):
+    """The sharded exchange's sum: the values (``_field_value``) of the first ``length``
+    codes of each row of ``rows`` (``width``-bit ``IntCodes(bound)``) summed over the rows
+    in int32 and packed into ``out`` at ``total_width`` bits (``IntCodes(total_bound)``)."""
     sums = np.empty(_CHUNK, dtype=np.int32)
     for start in range(0, length, _CHUNK):
         chunk = sums[: min(length, start + _CHUNK) - start]
         chunk[:] = 0
         for r in range(rows.shape[0]):
-            _add_fields(rows[r, start * width // 8 :], table, width, bound, chunk)
+            _add_fields(rows[r, start * width // 8 :], width, bound, nuqsgd, chunk)
         _pack_any(chunk, total_bound, total_width, out[start * total_width // 8 :])
 
 
 @_jit
-def decoded_sums(rows, table, width, bound, scale, bucket, divisor, out):
+def decoded_sums(rows, width, bound, nuqsgd, scale, bucket, divisor, out):
     """The allgather's decode under a shared scale: out = decode of the sum over rows of
     the values of their first out.size codes."""
     sums = np.empty(_CHUNK, dtype=np.int32)
@@ -649,12 +668,12 @@ def decoded_sums(rows, table, width, bound, scale, bucket, divisor, out):
         chunk = sums[: stop - start]
         chunk[:] = 0
         for r in range(rows.shape[0]):
-            _add_fields(rows[r, start * width // 8 :], table, width, bound, chunk)
+            _add_fields(rows[r, start * width // 8 :], width, bound, nuqsgd, chunk)
         _decode(chunk, start, scale, bucket, divisor, False, out[start:stop])
 
 
 @_jit
-def decoded_own_scales(rows, table, width, bound, scales, bucket, divisor, out):
+def decoded_own_scales(rows, width, bound, nuqsgd, scales, bucket, divisor, out):
     """The allgather's decode under each worker's own scales (row r of ``scales``): out =
     the sum over rows, in order, of the decoded values of their first out.size codes."""
     values = np.empty(_CHUNK, dtype=np.int32)
@@ -664,12 +683,12 @@ def decoded_own_scales(rows, table, width, bound, scales, bucket, divisor, out):
         chunk = values[: stop - start]
         for r in range(rows.shape[0]):
             chunk[:] = 0
-            _add_fields(rows[r, start * width // 8 :], table, width, bound, chunk)
+            _add_fields(rows[r, start * width // 8 :], width, bound, nuqsgd, chunk)
             _decode(chunk, start, scales[r], bucket, divisor, r > 0, out[start:stop])
 
 
 @_jit
-def decoded_segments(rows, table, width, bound, length, scale, bucket, divisor, out):
+def decoded_segments(rows, width, bound, length, scale, bucket, divisor, out):
     """The sharded exchange's decode: row r holds the summed values of elements
     r length .. (r + 1) length - 1, decoded into ``out`` (cut at out.size)."""
     sums = np.empty(_CHUNK, dtype=np.int32)
@@ -681,7 +700,7 @@ def decoded_segments(rows, table, width, bound, length, scale, bucket, divisor, 
             stop = min(valid, start + _CHUNK)
             chunk = sums[: stop - start]
             chunk[:] = 0
-            _add_fields(rows[r, start * width // 8 :], table, width, bound, chunk)
+            _add_fields(rows[r, start * width // 8 :], width, bound, False, chunk)
             _decode(
                 chunk,
                 first + start,

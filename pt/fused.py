@@ -13,8 +13,6 @@ rounding of it, so its float32 scales very rarely differ in the last bit).
 the two.
 """
 
-import functools
-
 import numpy as np
 import torch
 
@@ -204,12 +202,6 @@ def encode(
     return payload, residual
 
 
-@functools.cache
-def _table(codec, space):
-    """``hvd_compress.fused.table`` of ``codec``'s values of codes in ``space``."""
-    return core.table(space, lambda codes: codec.values(torch.from_numpy(codes)).numpy())
-
-
 def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
     return _tensor(core.decoded_totals(codec, _array(total), _array(scale), count))
@@ -218,27 +210,14 @@ def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) 
 def summed_codes(codec, rows: torch.Tensor, length: int, total_space: IntCodes) -> torch.Tensor:
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
     every row, summed over the rows and packed in ``total_space``."""
-    return _tensor(
-        core.summed_codes(
-            codec, _array(rows, flat=False), _table(codec, codec.code_space), length, total_space
-        )
-    )
+    return _tensor(core.summed_codes(codec, _array(rows, flat=False), length, total_space))
 
 
 def decoded_sums(
     codec, rows: torch.Tensor, scale: torch.Tensor, count: int, numel: int
 ) -> torch.Tensor:
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
-    return _tensor(
-        core.decoded_sums(
-            codec,
-            _array(rows, flat=False),
-            _table(codec, codec.code_space),
-            _array(scale),
-            count,
-            numel,
-        )
-    )
+    return _tensor(core.decoded_sums(codec, _array(rows, flat=False), _array(scale), count, numel))
 
 
 def decoded_own_scales(
@@ -246,10 +225,7 @@ def decoded_own_scales(
 ) -> torch.Tensor:
     """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
     scales, then the codes) of ``codec.decode`` of their values, each under its own scales."""
-    table = _table(codec, codec.code_space)
-    return _tensor(
-        core.decoded_own_scales(codec, _array(messages, flat=False), head, table, count, numel)
-    )
+    return _tensor(core.decoded_own_scales(codec, _array(messages, flat=False), head, count, numel))
 
 
 def decoded_segments(

@@ -14,8 +14,6 @@ make one pass each.
 ``HVD_COMPRESS_KERNELS=0`` in the environment keeps the ops everywhere, to compare the two.
 """
 
-import functools
-
 import tensorflow as tf
 
 from hvd_compress import fused as core
@@ -237,14 +235,6 @@ def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feed
     return results[0], results[1] if feedback else None
 
 
-@functools.cache
-def _table(codec, space):
-    """``hvd_compress.fused.table`` of ``codec``'s values of codes in ``space``, computed
-    eagerly once (also when first asked for while a graph is traced)."""
-    with tf.init_scope():
-        return core.table(space, lambda codes: codec.values(tf.constant(codes)).numpy())
-
-
 def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
     (out,) = _call(
@@ -258,9 +248,8 @@ def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.
 def summed_codes(codec, rows: tf.Tensor, length: int, total_space) -> tf.Tensor:
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
     every row, summed over the rows and packed in ``total_space``."""
-    codes = _table(codec, codec.code_space)
     (out,) = _call(
-        lambda rows: (core.summed_codes(codec, rows, codes, length, total_space),),
+        lambda rows: (core.summed_codes(codec, rows, length, total_space),),
         [rows],
         [tf.TensorSpec([total_space.packed_nbytes(length)], tf.uint8)],
     )
@@ -269,9 +258,8 @@ def summed_codes(codec, rows: tf.Tensor, length: int, total_space) -> tf.Tensor:
 
 def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: int) -> tf.Tensor:
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
-    codes = _table(codec, codec.code_space)
     (out,) = _call(
-        lambda rows, scale: (core.decoded_sums(codec, rows, codes, scale, count, numel),),
+        lambda rows, scale: (core.decoded_sums(codec, rows, scale, count, numel),),
         [rows, scale],
         [_floats(numel)],
     )
@@ -281,12 +269,11 @@ def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: in
 def decoded_own_scales(codec, messages: tf.Tensor, head: int, count: int, numel: int) -> tf.Tensor:
     """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
     scales, then the codes) of ``codec.decode`` of their values, each under its own scales."""
-    codes = _table(codec, codec.code_space)
-
-    def run(messages):
-        return (core.decoded_own_scales(codec, messages, head, codes, count, numel),)
-
-    (out,) = _call(run, [messages], [_floats(numel)])
+    (out,) = _call(
+        lambda messages: (core.decoded_own_scales(codec, messages, head, count, numel),),
+        [messages],
+        [_floats(numel)],
+    )
     return out
 
 
