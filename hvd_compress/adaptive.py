@@ -342,6 +342,7 @@ class Planner:
         self.ready: dict[str, float] = {}  # seconds after the first gradient, last step
         # (name, path, phase) -> CPU seconds, the latest step that measured them.
         self.cpu: dict[tuple[str, str, str], float] = {}
+        self._measured = False  # whether the step under way is measured (``start_step``)
         self._step_cpu: collections.Counter = collections.Counter()
         self._before = self._before_wall = 0.0
         self._contentions: list[float] = []  # of each step that did work before its collectives
@@ -359,9 +360,20 @@ class Planner:
 
     # ----- what the pipeline measures during a step -----
 
-    def start_step(self) -> None:
+    def start_step(self, step: int) -> bool:
+        """Starts step ``step`` (counted from 0); returns whether it is measured: whether the
+        pipeline reports its tensors' readiness and CPU work (``ready_at``, ``spent``). The
+        warm-up's steps are, and the ``warmup_steps`` before each later decision; between
+        them ``end_step`` keeps only the step's seconds, for a trial to compare: the timing
+        costs microseconds per tensor and phase that a step need not pay for a decision
+        a thousand steps away."""
         self._step_cpu = collections.Counter()
         self._before = self._before_wall = 0.0
+        self._measured = (
+            self.next_decision is not None
+            and step >= self.next_decision - self.options.warmup_steps
+        )
+        return self._measured
 
     def ready_at(self, name: str, since_first: float) -> None:
         """Tensor ``name``'s gradient arrived ``since_first`` seconds (wall) after the
@@ -382,11 +394,13 @@ class Planner:
         return statistics.median(self._contentions) if self._contentions else 1.0
 
     def end_step(self, seconds: float) -> None:
-        """Keeps the least CPU time seen of every tensor's path and phase, the step's
-        contention, and its ``seconds`` from the first gradient's readiness until the
+        """Keeps the step's ``seconds`` from the first gradient's readiness until the
         exchange was done (what the paths change; the forward pass and the update do not
-        depend on them)."""
+        depend on them), and of a measured step the least CPU time seen of every tensor's
+        path and phase and the step's contention."""
         self._steps.append(seconds)
+        if not self._measured:
+            return
         for (name, phase), cpu in self._step_cpu.items():
             key = (name, self.path(name), phase)
             self.cpu[key] = min(cpu, self.cpu.get(key, cpu))

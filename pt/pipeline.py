@@ -236,6 +236,7 @@ class CompressionPipeline:
             )
             self._follow_planner()
         self._step_started = None  # perf_counter() of the step's first gradient
+        self._measuring = False  # whether the planner measures this step's tensors
         self._step_agreed = False  # whether every rank has taken the same step counter
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
@@ -320,10 +321,9 @@ class CompressionPipeline:
             self._step_started = time.perf_counter()
             if self.codec.uncompressed_steps:
                 self._follow_warm_up()
-            if self.planner is not None:
-                self.planner.start_step()
+            self._measuring = self.planner is not None and self.planner.start_step(self.step)
         plan = self.plans[param]
-        if self.planner is not None:
+        if self._measuring:
             self.planner.ready_at(plan.name, time.perf_counter() - self._step_started)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
@@ -343,8 +343,8 @@ class CompressionPipeline:
     @contextlib.contextmanager
     def _cpu(self, name, phase):
         """Charges this thread's CPU time in the block to tensor ``name``'s ``phase``
-        (``adaptive.Planner.spent``)."""
-        if self.planner is None:
+        (``adaptive.Planner.spent``) in the steps the planner measures."""
+        if not self._measuring:
             yield
             return
         start, wall = time.thread_time(), time.perf_counter()

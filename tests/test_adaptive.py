@@ -138,7 +138,7 @@ def test_planner_warms_up_decides_and_redecides():
     planner = Planner(Adaptive(warmup_steps=2, every=3, pin={"b": "fp32"}), ["a", "b"])
     assert planner.paths == {"a": "codec", "b": "fp32"}
     assert [planner.due(step) for step in range(1, 3)] == [False, True]
-    planner.start_step()
+    assert planner.start_step(0)
     planner.ready_at("b", 0.0)
     planner.spent("b", "before", 0.001, wall=0.002)
     planner.ready_at("a", 0.011)  # 0.01 of backward after b's 0.001 of work
@@ -182,6 +182,25 @@ def test_planner_warms_up_decides_and_redecides():
     assert planner.due(5) and not planner.due(2)
     planner.restart(7)
     assert planner.paths == {"a": "codec", "b": "fp32"} and planner.due(9)
+
+
+def test_only_the_steps_before_a_decision_are_measured():
+    planner = Planner(Adaptive(warmup_steps=2, every=10), ["a"])
+    measured = []
+    for step in range(14):
+        measured.append(planner.start_step(step))
+        planner.spent("a", "before", 0.002 if measured[-1] else 0.001, wall=0.002)
+        planner.end_step(0.1)
+        if planner.due(step + 1):
+            planner.decide(step + 1, [_tensor("a", 0.0, 1, (0.002, 0.0))], _links(*SLOW), 1.0)
+    # The warm-up (0, 1), then the two steps before the decision after step 11.
+    assert [step for step, m in enumerate(measured) if m] == [0, 1, 10, 11]
+    assert planner.cpu[("a", "codec", "before")] == 0.002  # unmeasured steps add nothing
+    never_again = Planner(Adaptive(warmup_steps=1, every=0), ["a"])
+    assert never_again.start_step(0)
+    never_again.end_step(0.1)
+    never_again.decide(1, [_tensor("a", 0.0, 1, (0.002, 0.0))], _links(*SLOW), 1.0)
+    assert not never_again.start_step(1)
 
 
 def _decide_on(planner, step, link):
