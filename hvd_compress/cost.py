@@ -37,6 +37,8 @@ TWO_LEVEL = "two-level"
 
 # Collectives the PyTorch allreduce can sum (horovod.torch rejects int8 and uint8).
 TORCH_ALLREDUCE_DTYPES = ("float16", "int32", "int64")
+# The TensorFlow allreduce's: unlike horovod.torch, it also sums int8.
+TF_ALLREDUCE_DTYPES = ("int8", "float16", "int32", "int64")
 
 
 @dataclass(frozen=True)

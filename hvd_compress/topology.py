@@ -10,8 +10,9 @@ local rank's M ranks across the nodes.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +88,50 @@ class Nodes:
         """Elements of each shard of a tensor of ``numel`` elements: the tensor is padded
         with zeros to L shards of equal length."""
         return -(-numel // self.local_size)
+
+
+# The process sets added for two-level exchanges, by their ranks: Horovod refuses a second
+# set of the same ranks, and every pipeline of a job shares them.
+_ADDED = {}
+
+
+def _process_set(hvd, ranks, barrier):
+    """The process set of ``ranks`` (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``):
+    the global one for every rank, else one added once."""
+    if len(ranks) == hvd.size():
+        return hvd.global_process_set
+    key = tuple(ranks)
+    if key not in _ADDED:
+        if not _ADDED:
+            # Registered after Horovod's own exit handler, so that it runs before it.
+            atexit.register(_barrier_at_exit, barrier)
+        try:
+            _ADDED[key] = hvd.add_process_set(list(ranks))
+        except ValueError as error:  # not dynamic, or a set of these ranks exists
+            raise RuntimeError(
+                f"exchange='two-level' runs collectives among the ranks {list(ranks)}; "
+                f"Horovod adds such process sets only when initialised with "
+                f"hvd.init(process_sets='dynamic') ({error})"
+            ) from error
+    return _ADDED[key]
+
+
+def _barrier_at_exit(barrier):
+    """Waits at exit for every rank to reach its own ``barrier``. A rank whose last step is
+    done may still be a member of the others' last collectives: its shard set's, finishing
+    on the other node. Exiting shuts Horovod down for every rank, and would fail those."""
+    try:
+        barrier()
+    except Exception:  # noqa: BLE001 - Horovod already shut down (each framework raises
+        pass  # its own error): nothing is in flight
+
+
+def join(hvd, nodes: Nodes, barrier: Callable[[], None]) -> tuple:
+    """This rank's (node set, shard set) of ``hvd``'s Horovod: the process sets of its
+    node's ranks and of the ranks that hold its shard on every node; None for a set of
+    this rank alone. Collective: every rank adds every set, in one order, as Horovod
+    requires. ``barrier``: a barrier of all ranks, which each rank passes at exit."""
+    node_sets = [_process_set(hvd, r, barrier) if len(r) > 1 else None for r in nodes.node_sets()]
+    shard_sets = [_process_set(hvd, r, barrier) if len(r) > 1 else None for r in nodes.cross_sets()]
+    node, shard = nodes.locate(hvd.rank())
+    return node_sets[node], shard_sets[shard]

@@ -59,10 +59,19 @@ def check_reduction(owner, op, gradient_predivide_factor, *, average, sum_):
     return op == average, (1.0 / predivide, predivide)
 
 
-def check_exchange(owner, codec, exchange, two_level=False):
-    """``exchange`` checked: ``"auto"`` or an exchange that ``codec``'s codes can take; with
-    ``two_level``, also ``"two-level"`` for a dense codec."""
-    check_choice(owner, "exchange", exchange, ("auto",) + EXCHANGES + ((TWO_LEVEL,) * two_level))
+def check_two_level_process_set(is_global: bool) -> None:
+    """``exchange="two-level"`` on the global process set only: it makes its own sets."""
+    if not is_global:
+        raise ValueError(
+            "exchange='two-level' groups the ranks by node itself; it runs on the "
+            "global process set only"
+        )
+
+
+def check_exchange(owner, codec, exchange):
+    """``exchange`` checked: ``"auto"``, an exchange that ``codec``'s codes can take, or
+    ``"two-level"`` for a dense codec."""
+    check_choice(owner, "exchange", exchange, ("auto",) + EXCHANGES + (TWO_LEVEL,))
     if exchange == TWO_LEVEL:
         if codec.sparse:
             raise ValueError(

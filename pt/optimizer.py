@@ -314,7 +314,7 @@ def DistributedOptimizer(
         "DistributedOptimizer", op, gradient_predivide_factor, average=hvd.Average, sum_=hvd.Sum
     )
     check_horovod_defaults("DistributedOptimizer", num_groups=num_groups, groups=groups)
-    check_exchange("DistributedOptimizer", codec, exchange, two_level=True)
+    check_exchange("DistributedOptimizer", codec, exchange)
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
     adaptive = Adaptive.of(adaptive)
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)

@@ -30,7 +30,7 @@ from hvd_compress.adaptive import (
 from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
-from hvd_compress.validation import check_global_membership
+from hvd_compress.validation import check_global_membership, check_two_level_process_set
 
 from . import fused, seeding, topology
 from .exchange import (
@@ -172,11 +172,7 @@ class CompressionPipeline:
         # The two-level exchange's layout and this rank's process sets (``topology.join``).
         self.nodes = self.node_set = self.shard_set = None
         if exchange == TWO_LEVEL and self.included:
-            if process_set is not hvd.global_process_set:
-                raise ValueError(
-                    "exchange='two-level' groups the ranks by node itself; it runs on the "
-                    "global process set only"
-                )
+            check_two_level_process_set(process_set is hvd.global_process_set)
             self.nodes = topology.current_nodes()
             self.node_set, self.shard_set = topology.join(self.nodes)
         self.step = 0

@@ -8,7 +8,11 @@ import torch
 import hvd_compress
 import hvd_compress.pt as hc
 from hvd_compress.registry import resolve
-from hvd_compress.validation import HOROVOD_DEFAULTS, check_horovod_defaults
+from hvd_compress.validation import (
+    HOROVOD_DEFAULTS,
+    check_horovod_defaults,
+    check_two_level_process_set,
+)
 
 
 def test_unknown_codec_name_lists_the_choices():
@@ -125,3 +129,9 @@ def test_pytorch_optimizer_refuses_grouping(keyword):
         hc.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), **{keyword: NOT_DEFAULT[keyword]}
         )
+
+
+def test_two_level_runs_on_the_global_process_set_only():
+    check_two_level_process_set(True)
+    with pytest.raises(ValueError, match="exchange='two-level'.*global process set only"):
+        check_two_level_process_set(False)

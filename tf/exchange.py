@@ -28,13 +28,11 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from hvd_compress.codes import shard_length
+from hvd_compress.cost import TF_ALLREDUCE_DTYPES
 
 from . import elias, fused
 from .codec import divide
 from .packing import pack, unpack
-
-# Types the TensorFlow allreduce sums; unlike horovod.torch, it also sums int8.
-TF_ALLREDUCE_DTYPES = ("int8", "float16", "int32", "int64")
 
 
 class Meter:

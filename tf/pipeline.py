@@ -16,6 +16,7 @@ import tensorflow as tf
 from hvd_compress import accounting, agreement, cost, fusion
 from hvd_compress.accounting import UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Adaptive
+from hvd_compress.cost import TF_ALLREDUCE_DTYPES, TWO_LEVEL
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import (
@@ -24,10 +25,11 @@ from hvd_compress.validation import (
     check_global_membership,
     check_int,
     check_reduction,
+    check_two_level_process_set,
 )
 
-from . import fused, seeding
-from .exchange import TF_ALLREDUCE_DTYPES, Meter, make_exchange, make_sparse_exchange, refuse_xla
+from . import fused, seeding, topology
+from .exchange import Meter, make_exchange, make_sparse_exchange, refuse_xla
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 
@@ -71,7 +73,9 @@ class CompressionPipeline(tf.Module):
     Args:
         named_variables: (name, variable) pairs, in a fixed order shared by all ranks.
         codec: a TensorFlow codec (``hvd_compress.tf.TernGrad`` ...).
-        exchange: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"sharded"``.
+        exchange: ``"auto"``, ``"allreduce"``, ``"allgather"``, ``"sharded"`` or
+            ``"two-level"`` (``hvd_compress.topology``: on the global process set of a
+            Horovod initialised with ``process_sets="dynamic"``).
         average: divide the sum by the world size (``op=Average``) or not (``op=Sum``).
         seed: base of the counter-based random streams (``uniforms``).
         uncompressed: names of variables to send whole whatever their size.
@@ -109,6 +113,12 @@ class CompressionPipeline(tf.Module):
         # Outside the set the rank keeps no shard of a sharded server: rank 0's sizes stand in.
         self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
+        # The two-level exchange's layout and this rank's process sets (``topology.join``).
+        self.nodes = self.node_set = self.shard_set = None
+        if exchange == TWO_LEVEL and self.included:
+            check_two_level_process_set(process_set is hvd.global_process_set)
+            self.nodes = topology.current_nodes()
+            self.node_set, self.shard_set = topology.join(self.nodes)
         self.meter = Meter()
         # The wrapper's ``WorkerMomentum``, if any: exchanges that send part of the
         # velocity (DGC) make it forget what they sent.
@@ -158,6 +168,17 @@ class CompressionPipeline(tf.Module):
                 plan.exchange = name
         count = self.world_size if average else 1
         compressed = [plan for plan in self.plans if plan.exchange != UNCOMPRESSED]
+        # The exchange among the nodes of each two-level tensor's shards, fixed with the nodes.
+        self.between_nodes = {
+            plan.name: cost.two_level_inner(
+                codec,
+                self.nodes.shard_length(plan.numel),
+                self.nodes.cross_size,
+                TF_ALLREDUCE_DTYPES,
+            )
+            for plan in compressed
+            if plan.exchange == TWO_LEVEL and self.shard_set is not None
+        }
         with tf.init_scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.last_step_bytes = tf.Variable(
@@ -171,8 +192,11 @@ class CompressionPipeline(tf.Module):
             self.last_sent_elements = tf.Variable(
                 tf.zeros([len(self.plans)], tf.int64), trainable=False, name="last_sent_elements"
             )
+        # The tensors this rank encodes: all compressed ones but the two-level tensors of a
+        # job on one node, whose shards cross no network.
+        encoded = [p for p in compressed if p.exchange != TWO_LEVEL or p.name in self.between_nodes]
         self.worker_memory = (
-            ErrorFeedback({plan.name: plan.numel for plan in compressed}, name="worker")
+            ErrorFeedback({plan.name: self._coded_numel(plan) for plan in encoded}, name="worker")
             if error_feedback
             else None
         )
@@ -204,22 +228,11 @@ class CompressionPipeline(tf.Module):
                 for plan in compressed
             }
         else:
-            self.exchanges = {
-                plan.name: make_exchange(
-                    plan.exchange,
-                    codec,
-                    plan.numel,
-                    self.world_size,
-                    self.meter,
-                    count,
-                    process_set=process_set,
-                )
-                for plan in compressed
-            }
+            self.exchanges = {plan.name: self._make_exchange(plan, average) for plan in encoded}
         self.server_memory = (
             ErrorFeedback(
                 {
-                    name: exchange.server_numel(self.rank)
+                    name: exchange.server_numel(self._coding_rank(name))
                     for name, exchange in self.exchanges.items()
                 },
                 name="server",
@@ -232,6 +245,42 @@ class CompressionPipeline(tf.Module):
         self.step_state = [
             m for m in (self.worker_memory, self.server_memory, self.factor_memory) if m is not None
         ]
+
+    def _coded_numel(self, plan):
+        """Elements that this rank encodes of ``plan``'s tensor: a two-level tensor's
+        shard, padded (``Nodes.shard_length``), or the tensor."""
+        if plan.exchange == TWO_LEVEL and self.nodes is not None:
+            return self.nodes.shard_length(plan.numel)
+        return plan.numel
+
+    def _coding_rank(self, name):
+        """This rank among the ranks of tensor ``name``'s compressed exchange."""
+        return self.shard_set.rank() if name in self.between_nodes else self.rank
+
+    def _make_exchange(self, plan, average):
+        """The compressed exchange of ``plan``'s tensor: among all ranks of the process set,
+        or a two-level tensor's shard's among the nodes."""
+        if plan.exchange != TWO_LEVEL:
+            count = self.world_size if average else 1
+            return make_exchange(
+                plan.exchange,
+                self.codec,
+                plan.numel,
+                self.world_size,
+                self.meter,
+                count,
+                process_set=self.process_set,
+            )
+        cross_size = self.nodes.cross_size
+        return make_exchange(
+            self.between_nodes[plan.name],
+            self.codec,
+            self._coded_numel(plan),
+            cross_size,
+            self.meter,
+            cross_size if average else 1,
+            process_set=self.shard_set,
+        )
 
     def _plan(self, name, index, shape, dtype, exchange, whole):
         numel = shape.num_elements()
@@ -256,7 +305,7 @@ class CompressionPipeline(tf.Module):
         which can also take its momentum step (``WorkerMomentum.Deferred``)."""
         return (
             self.worker_memory is not None
-            and self.plans[index].exchange != UNCOMPRESSED
+            and self.plans[index].exchange not in (UNCOMPRESSED, TWO_LEVEL)
             and not self.codec.sparse
             and not self.codec.uncompressed_steps
             and grad is not None
@@ -326,20 +375,33 @@ class CompressionPipeline(tf.Module):
                 elif self.codec.sparse:
                     outputs[index] = self._sparse(plan, grad, ratio)
                     sent_elements[index] = self.exchanges[plan.name].sent_elements
-                else:
+                elif plan.exchange == TWO_LEVEL:
                     started[index] = (
-                        self._start(plan, grad, ratio, fusions.get(plan.name), step),
+                        self._start_two_level(plan, grad, ratio, fusions.get(plan.name)),
+                        grad.dtype,
+                    )
+                else:
+                    vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
+                    started[index] = (
+                        self._start(plan, vector, ratio, fusions.get(plan.name), step),
                         grad.dtype,
                     )
         known = {}  # index -> whether its gradient is finite, as its exchange knows
         for index, (pending, dtype) in started.items():
             plan = self.plans[index]
-            exchange = self.exchanges[plan.name]
+            exchange = self.exchanges.get(plan.name)
             with self.meter.charging(plan.name):
-                decoded = exchange.finish(pending)
+                decoded = pending if exchange is None else exchange.finish(pending)
+                if plan.exchange == TWO_LEVEL:
+                    decoded = self._gather_shard(plan, decoded)
             outputs[index] = tf.cast(tf.reshape(decoded, self.shapes[index]), dtype)
             # A cast into another dtype could overflow: only an adopted result is known.
-            if exchange.finite is not None and dtype == decoded.dtype:
+            # A two-level tensor's gathers shards that other ranks decoded.
+            if (
+                plan.exchange != TWO_LEVEL
+                and exchange.finite is not None
+                and dtype == decoded.dtype
+            ):
                 known[index] = exchange.finite
         if self.step_state:
             unknown = [output for index, output in enumerate(outputs) if index not in known]
@@ -385,16 +447,37 @@ class CompressionPipeline(tf.Module):
         )
 
     def _fusion_groups(self):
-        """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``)."""
-        plans = {plan.name: plan for plan in self.plans if plan.exchange == "sharded"}
+        """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``):
+        among all ranks, and among the nodes for the shards of two-level tensors whose
+        exchange between nodes is sharded."""
+        sharded = [plan for plan in self.plans if plan.exchange == "sharded"]
+        groups = self._groups(sharded, self.world_size, self.process_set, "hvdc.alltoall")
+        if self.shard_set is not None:
+            sharded = [
+                plan for plan in self.plans if self.between_nodes.get(plan.name) == "sharded"
+            ]
+            groups.update(
+                self._groups(
+                    sharded,
+                    self.nodes.cross_size,
+                    self.shard_set,
+                    "hvdc.nodes.alltoall",
+                )
+            )
+        return groups
+
+    def _groups(self, plans, world_size, process_set, prefix):
+        """{name: its ``AlltoallFusion``} of the sharded ``plans`` among ``world_size`` ranks
+        of ``process_set``."""
+        by_name = {plan.name: plan for plan in plans}
         groups = {}
         for index, members in enumerate(
             fusion.alltoall_groups(
-                self.codec, [(name, plan.numel) for name, plan in plans.items()], self.world_size
+                self.codec, [(plan.name, self._coded_numel(plan)) for plan in plans], world_size
             )
         ):
             group = AlltoallFusion(
-                [_codes_name(plans[m]) for m in members], f"hvdc.alltoall.{index}", self.process_set
+                [_codes_name(by_name[m]) for m in members], f"{prefix}.{index}", process_set
             )
             groups.update(dict.fromkeys(members, group))
         return groups
@@ -407,19 +490,57 @@ class CompressionPipeline(tf.Module):
             self.worker_momentum.mask(plan.name, exchange.selected)
         return tf.cast(tf.reshape(decoded, grad.shape), grad.dtype)
 
-    def _start(self, plan, grad, ratio, alltoall_fusion, momentum=None):
-        """Compensates (applying a ``momentum`` step, where ``fuses``), encodes and starts
-        the exchange of ``grad``; returns what its ``finish`` takes."""
-        name = collective_name(plan)
+    def _start_two_level(self, plan, grad, ratio, alltoall_fusion):
+        """The node's reduce-scatter of ``grad``, zero-padded to the node's shards
+        (``hvd_compress.topology``), then the start of the nodes' exchange of this rank's
+        shard; returns what that exchange's ``finish`` takes, or on a node alone the shard.
+        On a node of one rank the shard is the gradient."""
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
+        if self.node_set is not None:
+            length = self.nodes.shard_length(plan.numel)
+            padded = tf.pad(vector, [[0, self.nodes.local_size * length - plan.numel]])
+            vector = hvd.reducescatter(
+                self.meter.hand(padded),
+                op=hvd.Average if self.average else hvd.Sum,
+                name=f"{collective_name(plan)}.node",
+                ignore_name_scope=True,
+                process_set=self.node_set,
+            )
+            vector.set_shape([length])
+        if plan.name not in self.between_nodes:
+            return vector
+        return self._start(plan, vector, ratio, alltoall_fusion)
+
+    def _gather_shard(self, plan, shard):
+        """The node's allgather of a two-level tensor's decoded ``shard``, cut to the
+        tensor."""
+        if self.node_set is not None:
+            shard = hvd.allgather(
+                self.meter.hand(shard),
+                name=f"{collective_name(plan)}.gather",
+                ignore_name_scope=True,
+                process_set=self.node_set,
+            )
+        return shard[: plan.numel]
+
+    def _start(self, plan, vector, ratio, alltoall_fusion, momentum=None):
+        """Compensates (applying a ``momentum`` step, where ``fuses``), encodes and starts
+        the exchange of the flat float32 ``vector`` (a two-level tensor's: its shard, among
+        the nodes); returns what its ``finish`` takes."""
+        name = collective_name(plan)
+        exchange_name = self.between_nodes.get(plan.name, plan.exchange)
+        process_set = self.shard_set if plan.name in self.between_nodes else self.process_set
         fuses = fused.applies(self.codec, vector)
         residual = None if self.worker_memory is None else self.worker_memory.residuals[plan.name]
         exchange = self.exchanges[plan.name]
         exchange.fusion = alltoall_fusion
         if self.codec.two_way:
             exchange.server = ServerStep(self.server_memory, plan.name, ratio)
-        shared = self.codec.scaled and self.codec.shares_scale(plan.exchange)
-        key = seeding.stream_seed(self.seed, self.rank, self.step, plan.index)
+        shared = self.codec.scaled and self.codec.shares_scale(exchange_name)
+        # A two-level exchange's shard sets hold one rank of each node: the global rank
+        # keeps every rank's draws its own.
+        rank = hvd.rank() if plan.exchange == TWO_LEVEL else self.rank
+        key = seeding.stream_seed(self.seed, rank, self.step, plan.index)
         if fuses and not shared:
             payload, scale, kept = fused.compensated_encode(
                 self.codec, exchange, vector, residual, ratio, key, residual is not None, momentum
@@ -444,7 +565,7 @@ class CompressionPipeline(tf.Module):
                     op=hvd.Max,
                     name=f"{name}.scale",
                     ignore_name_scope=True,
-                    process_set=self.process_set,
+                    process_set=process_set,
                 )
         if fuses:
             payload, kept = fused.encode(
@@ -455,7 +576,7 @@ class CompressionPipeline(tf.Module):
             return exchange.start_packed(payload, scale, _codes_name(plan))
         draws = None
         if self.codec.stochastic:
-            draws = seeding.uniforms(key, plan.numel)
+            draws = seeding.uniforms(key, vector.shape[0])
         codes = self.codec.encode(vector, scale, draws)
         if self.worker_memory is not None:
             sent = self.codec.decode(self.codec.values(codes), scale, 1)
@@ -485,7 +606,7 @@ class CompressionPipeline(tf.Module):
     def expected_bytes(self):
         """Bytes per step that the wire formats of ``hvd_compress.cost`` predict."""
         return accounting.expected_bytes(
-            self.codec, self._sent(), self.world_size, TF_ALLREDUCE_DTYPES
+            self.codec, self._sent(), self.world_size, TF_ALLREDUCE_DTYPES, self.nodes
         )
 
     def compression_stats(self):

@@ -1,0 +1,41 @@
+"""The TensorFlow port's two-level exchange (``exchange="two-level"``) on M nodes of L ranks,
+placed on named hosts of this machine as ``horovodrun -H`` places them (``tests.nodes``):
+every rank's weights identical, each step's averaged gradient the numpy reference's
+(``simulate.two_level_step``), the bytes handed as ``cost.two_level_traffic`` predicts.
+
+Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``)."""
+
+import pytest
+
+from hvd_compress import cost
+from hvd_compress.topology import Nodes
+
+from . import process_sets
+from .harness import run_parallel
+from .test_tf_distributed import _tape_loop
+from .test_two_level import CONFIGS, check
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _by_name(run):
+    """A run of ``test_tf_distributed._tape_loop`` with each step's local and exchanged
+    gradients by tensor name, as ``test_two_level.check`` reads them."""
+    names = [name for name, *_ in run["tensors"]]
+    for record in run["records"]:
+        for key in ("local", "exchanged"):
+            record[key] = dict(zip(names, record[key]))
+    return run
+
+
+@pytest.mark.parametrize("layout", ["2x2", "1x4", "4x1"])
+def test_two_level_exchange_is_the_reference_on_every_rank(layout):
+    """2 x 2 compresses between the nodes only; 1 x 4 (one node) reduces to an
+    uncompressed reduce-scatter and allgather, 4 x 1 to the codec's flat exchange."""
+    count, local = map(int, layout.split("x"))
+    nodes = Nodes(tuple(tuple(range(m * local, (m + 1) * local)) for m in range(count)))
+    configs = [(codec, "two-level", True) for codec, _, _ in CONFIGS]
+    per_rank = run_parallel(_tape_loop, 4, configs, layout=process_sets.DYNAMIC, launcher=layout)
+    for (codec, _, reference), results in zip(CONFIGS, zip(*per_rank)):
+        runs = [_by_name(run) for run in results]
+        check(runs, codec, nodes, reference, cost.TF_ALLREDUCE_DTYPES)
