@@ -13,6 +13,7 @@ last bit).
 
 import functools
 import importlib.util
+import math
 import os
 
 import numpy as np
@@ -42,7 +43,9 @@ ALIGNMENT = 64
 def empty(shape, dtype=np.float32) -> np.ndarray:
     """``np.empty``, its data aligned to ``ALIGNMENT`` bytes."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    shape = tuple(shape) if np.iterable(shape) else (int(shape),)
+    # math.prod: numpy's reduction costs microseconds, and every kernel call allocates.
+    nbytes = math.prod(shape) * dtype.itemsize
     buffer = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = -buffer.ctypes.data % ALIGNMENT
     return buffer[start : start + nbytes].view(dtype).reshape(shape)
