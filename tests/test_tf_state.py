@@ -10,6 +10,7 @@ import pytest
 
 import hvd_compress
 
+from . import process_sets
 from .harness import run_parallel
 
 pytestmark = pytest.mark.multiprocess
@@ -31,18 +32,19 @@ CASES = [
 STEPS, SAVE_AT = 8, 4
 
 
-def _train(directory, start):
+def _train(directory, start, cases=CASES, exchange="auto", layout=None):
     """Trains every case from ``start`` (0: from scratch, saving at ``SAVE_AT``; otherwise
-    restoring the checkpoint of ``start``) to ``STEPS``; the weights after every step."""
+    restoring the checkpoint of ``start``) to ``STEPS`` by ``exchange``, Horovod started
+    for ``layout`` (``tests.process_sets``); the weights after every step."""
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
 
     import hvd_compress.tf as htf
 
-    hvd.init()
+    process_sets.join(hvd, layout)
     trajectories = {}
-    for label, codec, error_feedback in CASES:
+    for label, codec, error_feedback in cases:
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
             [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
@@ -51,6 +53,7 @@ def _train(directory, start):
         optimizer = htf.DistributedOptimizer(
             keras.optimizers.SGD(schedule, momentum=0.9),
             compression=codec,
+            exchange=exchange,
             seed=3,
             error_feedback=error_feedback,
         )
@@ -91,6 +94,31 @@ def test_checkpoint_and_resume_continue_bitwise(tmp_path):
     for label, _, _ in CASES:
         np.testing.assert_array_equal(uninterrupted[0][label][-1], uninterrupted[1][label][-1])
         assert not np.array_equal(uninterrupted[0][label][0], uninterrupted[0][label][-1])
+
+
+@pytest.mark.timeout(600)
+def test_two_level_exchange_resumes_bitwise(tmp_path, monkeypatch):
+    """On 2 nodes of 2 ranks each rank's checkpoint holds the residuals of its shard (and
+    ef-sign's server's): resumed on the same nodes, training continues bitwise."""
+    # Horovod's fused allreduce of the uncompressed tensors sums 4 ranks' elements in an
+    # order that depends on which tensors share its buffer; without fusion every run sums
+    # alike.
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "0")
+    cases = [case for case in CASES if case[0] in ("terngrad+ef", "ef-sign")]
+    options = {"cases": cases, "exchange": "two-level", "layout": process_sets.DYNAMIC}
+    args = (_train, 4, str(tmp_path))
+    uninterrupted = run_parallel(*args, 0, launcher="2x2", timeout=500, **options)
+    resumed = run_parallel(*args, SAVE_AT, launcher="2x2", timeout=500, **options)
+    for rank in range(4):
+        for label, _, _ in cases:
+            assert len(resumed[rank][label]) == STEPS - SAVE_AT
+            for step, (a, b) in enumerate(
+                zip(uninterrupted[rank][label][SAVE_AT:], resumed[rank][label]), SAVE_AT
+            ):
+                np.testing.assert_array_equal(a, b, err_msg=f"{label}, rank {rank}, step {step}")
+            np.testing.assert_array_equal(
+                uninterrupted[rank][label][-1], uninterrupted[0][label][-1]
+            )
 
 
 def _mismatched(kind):
