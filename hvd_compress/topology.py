@@ -122,8 +122,9 @@ def _barrier_at_exit(barrier):
     on the other node. Exiting shuts Horovod down for every rank, and would fail those."""
     try:
         barrier()
-    except Exception:  # noqa: BLE001 - Horovod already shut down (each framework raises
-        pass  # its own error): nothing is in flight
+    # Horovod already shut down, whichever error its framework raises: nothing in flight.
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def join(hvd, nodes: Nodes, barrier: Callable[[], None]) -> tuple:
