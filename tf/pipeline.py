@@ -228,7 +228,7 @@ class CompressionPipeline(tf.Module):
                 for plan in compressed
             }
         else:
-            self.exchanges = {plan.name: self._make_exchange(plan, average) for plan in encoded}
+            self.exchanges = {plan.name: self._make_exchange(plan) for plan in encoded}
         self.server_memory = (
             ErrorFeedback(
                 {
@@ -257,29 +257,20 @@ class CompressionPipeline(tf.Module):
         """This rank among the ranks of tensor ``name``'s compressed exchange."""
         return self.shard_set.rank() if name in self.between_nodes else self.rank
 
-    def _make_exchange(self, plan, average):
+    def _make_exchange(self, plan):
         """The compressed exchange of ``plan``'s tensor: among all ranks of the process set,
         or a two-level tensor's shard's among the nodes."""
-        if plan.exchange != TWO_LEVEL:
-            count = self.world_size if average else 1
-            return make_exchange(
-                plan.exchange,
-                self.codec,
-                plan.numel,
-                self.world_size,
-                self.meter,
-                count,
-                process_set=self.process_set,
+        if plan.exchange == TWO_LEVEL:
+            name, world, ranks = (
+                self.between_nodes[plan.name],
+                self.nodes.cross_size,
+                self.shard_set,
             )
-        cross_size = self.nodes.cross_size
+        else:
+            name, world, ranks = plan.exchange, self.world_size, self.process_set
+        count = world if self.average else 1
         return make_exchange(
-            self.between_nodes[plan.name],
-            self.codec,
-            self._coded_numel(plan),
-            cross_size,
-            self.meter,
-            cross_size if average else 1,
-            process_set=self.shard_set,
+            name, self.codec, self._coded_numel(plan), world, self.meter, count, process_set=ranks
         )
 
     def _plan(self, name, index, shape, dtype, exchange, whole):
