@@ -181,64 +181,109 @@ def _pack_signs(p, packed):
         packed[p.size // 8] = byte
 
 
+# Sums of several rows' codes are decoded a chunk of elements at a time: a chunk's codes or
+# sums wait in a buffer small enough to stay in the cache, and each loop over it is alone in
+# a function, as above. Chunks start on byte boundaries.
+_CHUNK = 4096
+
+
 @_jit
-def _sign_tables(scales):
-    """Row (r, byte): the eight signs of ``byte`` times scales[r] (NaN for a non-finite
-    scale), so that one packed byte becomes eight floats by one lookup."""
-    tables = np.empty((scales.size, 256, 8), dtype=np.float32)
+def _decoded_scales(scales):
+    """The scales as the eager decode applies them: NaN for a non-finite one."""
+    out = np.empty(scales.size, dtype=np.float32)
     for r in range(scales.size):
-        s = scales[r] if np.isfinite(scales[r]) else np.float32(np.nan)
-        for byte in range(256):
-            for k in range(8):
-                tables[r, byte, k] = -s if (byte >> k) & 1 else s
-    return tables
+        out[r] = scales[r] if np.isfinite(scales[r]) else np.float32(np.nan)
+    return out
+
+
+@_jit(inline="always")
+def _signed(byte, k, s):
+    """Sign k of a packed ``byte`` (int32) times ``s``: -s for a set bit, s for a clear one."""
+    return -s if (byte >> k) & 1 else s
+
+
+# Signs are decoded a byte at a time by constant shifts: LLVM unrolls the loop over a byte's
+# eight signs and vectorizes the loop over bytes (a lookup of each byte's eight values in a
+# table it did not: 2x slower).
+
+
+@_jit(inline="always")
+def _put_signs(row, s, accumulate, out):
+    """out[i] = sign i of the packed ``row`` times ``s``, or with ``accumulate`` +=."""
+    for j in range(out.size // 8):
+        byte = np.int32(row[j])
+        for k in range(8):
+            if accumulate:
+                out[8 * j + k] += _signed(byte, k, s)
+            else:
+                out[8 * j + k] = _signed(byte, k, s)
+    for i in range(out.size - out.size % 8, out.size):
+        if accumulate:
+            out[i] += _signed(np.int32(row[i >> 3]), i & 7, s)
+        else:
+            out[i] = _signed(np.int32(row[i >> 3]), i & 7, s)
 
 
 @_jit
-def _averaged_at(tables, bits, count, residual, ratio, i):
+def _add_signs(row, s, acc):
+    _put_signs(row, s, True, acc)
+
+
+@_jit
+def scaled_signs(bits, scales, out):
+    """Row r of ``out``: the first out.shape[1] signs of row r of ``bits`` times
+    scales[r] (``packing.unpack_scaled_signs``)."""
+    scales = _decoded_scales(scales)
+    for r in range(scales.size):
+        _put_signs(bits[r], scales[r], False, out[r])
+
+
+@_jit
+def _averaged_at(bits, scales, count, residual, ratio, i):
     value = np.float32(0.0)
-    for r in range(tables.shape[0]):
-        value += tables[r, bits[r, i >> 3], i & 7]
+    for r in range(scales.size):
+        value += _signed(np.int32(bits[r, i >> 3]), i & 7, scales[r])
     value /= count
     return value + residual[i] * ratio if residual.size else value
 
 
-# The server's average of whole bytes: the eight values of a byte accumulate in eight lanes,
-# one row's table entry at a time (2x faster than summing each element over the rows).
-# _byte_sums is inlined into the loops by numba itself: as a call, the loops took 2x as long.
-
-
-@_jit(inline="always")
-def _byte_sums(tables, bits, j, lanes):
-    """lanes[k] = the sum over rows r, in order, of the value of sign k of byte j of row r."""
-    lanes[:] = 0.0
-    for r in range(bits.shape[0]):
-        entry = tables[r, bits[r, j]]
-        for k in range(8):
-            lanes[k] += entry[k]
-
-
 @_jit(fastmath={"reassoc"})
-def _averaged_l1(tables, bits, count, out):
+def _averaged_l1(acc, count, out):
     total = 0.0
-    lanes = np.empty(8, dtype=np.float32)
-    for j in range(bits.shape[1]):
-        _byte_sums(tables, bits, j, lanes)
-        for k in range(8):
-            out[8 * j + k] = lanes[k] / count
-            total += abs(np.float64(out[8 * j + k]))
+    for i in range(acc.size):
+        out[i] = acc[i] / count
+        total += abs(np.float64(out[i]))
     return total
 
 
 @_jit(fastmath={"reassoc"})
-def _averaged_compensated_l1(tables, bits, count, residual, ratio, out):
+def _averaged_compensated_l1(acc, count, residual, ratio, out):
     total = 0.0
-    lanes = np.empty(8, dtype=np.float32)
-    for j in range(bits.shape[1]):
-        _byte_sums(tables, bits, j, lanes)
-        for k in range(8):
-            out[8 * j + k] = lanes[k] / count + residual[8 * j + k] * ratio
-            total += abs(np.float64(out[8 * j + k]))
+    for i in range(acc.size):
+        out[i] = acc[i] / count + residual[i] * ratio
+        total += abs(np.float64(out[i]))
+    return total
+
+
+@_jit
+def _averaged_bytes_l1(bits, scales, count, residual, ratio, out):
+    """``averaged_block_l1``'s pass over whole bytes of ``bits``: the rows' signs summed
+    into a chunk that stays in the cache, a row at a time, then averaged, compensated and
+    summed; returns the sum of |out|."""
+    acc = np.empty(_CHUNK, dtype=np.float32)
+    total = 0.0
+    for start in range(0, out.size, _CHUNK):
+        stop = min(out.size, start + _CHUNK)
+        chunk = acc[: stop - start]
+        chunk[:] = 0.0
+        for r in range(scales.size):
+            _add_signs(bits[r, start // 8 :], scales[r], chunk)
+        if residual.size:
+            total += _averaged_compensated_l1(
+                chunk, count, residual[start:stop], ratio, out[start:stop]
+            )
+        else:
+            total += _averaged_l1(chunk, count, out[start:stop])
     return total
 
 
@@ -250,50 +295,34 @@ def averaged_block_l1(bits, scales, count, residual, ratio, block, out, sums):
     sum over rows (float32), and sums[b] = sum of |out| over the server's block b
     (float64). An empty ``residual`` means none. One pass where the average, the
     compensation and the block sums were three."""
-    tables = _sign_tables(scales)
+    scales = _decoded_scales(scales)
     count, ratio = np.float32(count), np.float32(ratio)
     for b in range(sums.size):
         start, stop = b * block, min(out.size, (b + 1) * block)
-        # Whole bytes in lanes; elements of a byte shared with another block one by one.
+        # Whole bytes in chunks; elements of a byte shared with another block one by one.
         first = min(-(-start // 8) * 8, stop)
         last = max(stop // 8 * 8, first)
-        body = bits[:, first // 8 : last // 8]
-        if residual.size:
-            total = _averaged_compensated_l1(
-                tables, body, count, residual[first:last], ratio, out[first:last]
-            )
-        else:
-            total = _averaged_l1(tables, body, count, out[first:last])
+        total = _averaged_bytes_l1(
+            bits[:, first // 8 : last // 8],
+            scales,
+            count,
+            residual[first:last] if residual.size else residual,
+            ratio,
+            out[first:last],
+        )
         for i in range(start, first):
-            out[i] = _averaged_at(tables, bits, count, residual, ratio, i)
+            out[i] = _averaged_at(bits, scales, count, residual, ratio, i)
             total += abs(np.float64(out[i]))
         for i in range(last, stop):
-            out[i] = _averaged_at(tables, bits, count, residual, ratio, i)
+            out[i] = _averaged_at(bits, scales, count, residual, ratio, i)
             total += abs(np.float64(out[i]))
         sums[b] = total
 
 
-@_jit
-def scaled_signs(bits, scales, out):
-    """Row r of ``out``: the first out.shape[1] signs of row r of ``bits`` times
-    scales[r] (``packing.unpack_scaled_signs``)."""
-    tables = _sign_tables(scales)
-    numel = out.shape[1]
-    for r in range(scales.size):
-        for j in range(numel // 8):
-            for k in range(8):
-                out[r, 8 * j + k] = tables[r, bits[r, j], k]
-        for i in range(numel - numel % 8, numel):
-            out[r, i] = tables[r, bits[r, i >> 3], i & 7]
-
-
 # ----- TernGrad and the QSGD family: scales, draws, levels, fixed-width codes -----
 #
-# Their codes are packed (``codes.IntCodes``) and sums decoded a chunk of elements at a
-# time: a chunk's codes or sums wait in a buffer small enough to stay in the cache, and
-# each loop over it is alone in a function, as above. Chunks start on byte boundaries.
-
-_CHUNK = 4096
+# Their codes are packed (``codes.IntCodes``) and sums decoded a chunk (``_CHUNK``) of
+# elements at a time, as the server's signs are.
 
 # error_model="numpy" on the kernels that divide: a division by zero gives inf or NaN as in
 # numpy and torch, instead of a check for ZeroDivisionError in every iteration, which kept
