@@ -1,0 +1,154 @@
+"""Where a worker's CPU goes in a training step of the PyTorch port.
+
+With more ranks than cores (4 on 2 in this project's benchmarks) a step is bounded by the
+CPU the ranks need, not only by the network: a codec's every millisecond of CPU costs about
+N / cores milliseconds of step. This splits one rank's step into what the bandwidth cannot
+explain, for one codec (or ``none``, Horovod's allreduce through the pipeline) against the
+same step with no exchange at all:
+
+- ``main CPU``: the training thread's CPU time (``time.thread_time``), of which
+  ``kernels`` is the time inside ``hvd_compress.kernels`` (the fused codec passes) and
+  ``compute`` the step with no exchange (forward, backward, SGD); the ``rest`` is the
+  pipeline's Python and torch calls around them, per tensor, and the polls of its waits;
+- ``other threads``: the process's CPU time beyond the training thread's (Horovod's
+  background thread, Gloo's);
+- ``blocked``: wall time in ``hvd_compress.pt.exchange.wait`` (the network, the other
+  ranks).
+
+Run it on the benchmark's shaped network or on localhost; each rank reports, rank 0 prints
+the mean over ranks as a Markdown table:
+
+    launch/netns.sh -n 4 -r 100M -- python -m benchmarks.step_cpu --codecs ef-sign,terngrad
+"""
+
+import argparse
+import statistics
+import time
+
+import horovod.torch as hvd
+import torch
+
+import hvd_compress.pt as hc
+from hvd_compress import fused
+from hvd_compress.pt import exchange, pipeline
+
+from .methods import Trainer, sgd
+from .models import workload
+
+# Untimed steps first: the heap grows for three steps (``methods.Trainer.warmup_steps``),
+# and the kernels compile.
+WARMUP_STEPS = 4
+COLUMNS = ("wall", "main CPU", "compute", "kernels", "rest", "other threads", "blocked")
+
+
+class _Clock:
+    """Thread CPU seconds spent in the kernels and wall seconds blocked in ``wait``, summed
+    while installed (the kernel module is reached through ``fused.kernels()``, the waits
+    through the names the pipeline and the exchanges call)."""
+
+    def __init__(self):
+        self.kernels = self.blocked = 0.0
+        self._originals = (fused.kernels, exchange.wait, pipeline.wait)
+
+    def __enter__(self):
+        kernels, clock = self._originals[0](), self
+
+        class Timed:
+            def __getattr__(self, name):
+                function = getattr(kernels, name)
+
+                def timed(*args):
+                    start = time.thread_time()
+                    try:
+                        return function(*args)
+                    finally:
+                        clock.kernels += time.thread_time() - start
+
+                return timed
+
+        timed_kernels = Timed()
+        fused.kernels = lambda: timed_kernels
+        exchange.wait = pipeline.wait = self._wait
+        return self
+
+    def _wait(self, handle):
+        start = time.perf_counter()
+        try:
+            return self._originals[1](handle)
+        finally:
+            self.blocked += time.perf_counter() - start
+
+    def __exit__(self, *exc):
+        fused.kernels, exchange.wait, pipeline.wait = self._originals
+
+
+def timed_steps(trainer, batches, steps, clock=None):
+    """(wall, main-thread CPU, process CPU) seconds per step over ``steps`` steps, after
+    the warm-up, started together on every rank; ``clock`` counts from there."""
+    for _ in range(WARMUP_STEPS):
+        trainer.step(*next(batches))
+    hvd.allreduce(torch.zeros(1), name="hvdc.step_cpu.barrier")
+    if clock is not None:
+        clock.kernels = clock.blocked = 0.0
+    wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
+    for _ in range(steps):
+        trainer.step(*next(batches))
+    return (
+        (time.perf_counter() - wall) / steps,
+        (time.thread_time() - thread) / steps,
+        (time.process_time() - process) / steps,
+    )
+
+
+def measure(model_name, codec, steps):
+    """This rank's {column: milliseconds per step} for ``codec``."""
+    work = workload(model_name, hvd.rank(), hvd.size())
+    model = work.build()
+    _, compute, _ = timed_steps(
+        Trainer(model, sgd(model, 0.01), hvd.size()), work.batches(1), steps
+    )
+    model = work.build()
+    optimizer = hc.DistributedOptimizer(
+        sgd(model, 0.01), model.named_parameters(), compression=codec
+    )
+    with _Clock() as clock:
+        wall, main, process = timed_steps(
+            Trainer(model, optimizer, hvd.size()), work.batches(2), steps, clock
+        )
+    kernels, blocked = clock.kernels / steps, clock.blocked / steps
+    seconds = {
+        "wall": wall,
+        "main CPU": main,
+        "compute": compute,
+        "kernels": kernels,
+        "rest": main - compute - kernels,
+        "other threads": process - main,
+        "blocked": blocked,
+    }
+    return {column: 1000 * value for column, value in seconds.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--codecs", default="ef-sign,terngrad,qsgd-inf,none")
+    parser.add_argument("--model", default="resnet50", choices=("resnet50", "cnn"))
+    parser.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
+    args = parser.parse_args(argv)
+    hvd.init()
+    rows = []
+    for codec in args.codecs.split(","):
+        measured = hvd.allgather_object(measure(args.model, codec, args.steps))
+        rows.append((codec, {c: statistics.mean(m[c] for m in measured) for c in COLUMNS}))
+    if hvd.rank() == 0:
+        print(
+            f"{args.model}, N = {hvd.size()}, ms per step, mean over ranks "
+            f"(kernels are thread CPU time, blocked is wall time):"
+        )
+        print("| codec | " + " | ".join(COLUMNS) + " |")
+        print("|---" * (len(COLUMNS) + 1) + "|")
+        for codec, row in rows:
+            print(f"| {codec} | " + " | ".join(f"{row[c]:.0f}" for c in COLUMNS) + " |")
+
+
+if __name__ == "__main__":
+    main()
