@@ -13,7 +13,7 @@ same step with no exchange at all:
 - ``other threads``: the process's CPU time beyond the training thread's (Horovod's
   background thread, Gloo's);
 - ``blocked``: wall time in ``hvd_compress.pt.exchange.wait`` (the network, the other
-  ranks).
+  ranks), as ``collectives.HorovodProbe`` adds it up for the benchmark.
 
 Run it on the benchmark's shaped network or on localhost; each rank reports, rank 0 prints
 the mean over ranks as a Markdown table:
@@ -30,8 +30,8 @@ import torch
 
 import hvd_compress.pt as hc
 from hvd_compress import fused
-from hvd_compress.pt import exchange, pipeline
 
+from .collectives import HorovodProbe
 from .methods import Trainer, sgd
 from .models import workload
 
@@ -41,17 +41,16 @@ WARMUP_STEPS = 4
 COLUMNS = ("wall", "main CPU", "compute", "kernels", "rest", "other threads", "blocked")
 
 
-class _Clock:
-    """Thread CPU seconds spent in the kernels and wall seconds blocked in ``wait``, summed
-    while installed (the kernel module is reached through ``fused.kernels()``, the waits
-    through the names the pipeline and the exchanges call)."""
+class _KernelClock:
+    """Thread CPU seconds spent in ``hvd_compress.kernels``, summed while installed (the
+    module is reached through ``fused.kernels()``)."""
 
     def __init__(self):
-        self.kernels = self.blocked = 0.0
-        self._originals = (fused.kernels, exchange.wait, pipeline.wait)
+        self.seconds = 0.0
+        self._original = fused.kernels
 
     def __enter__(self):
-        kernels, clock = self._originals[0](), self
+        kernels, clock = self._original(), self
 
         class Timed:
             def __getattr__(self, name):
@@ -62,34 +61,28 @@ class _Clock:
                     try:
                         return function(*args)
                     finally:
-                        clock.kernels += time.thread_time() - start
+                        clock.seconds += time.thread_time() - start
 
                 return timed
 
         timed_kernels = Timed()
         fused.kernels = lambda: timed_kernels
-        exchange.wait = pipeline.wait = self._wait
         return self
 
-    def _wait(self, handle):
-        start = time.perf_counter()
-        try:
-            return self._originals[1](handle)
-        finally:
-            self.blocked += time.perf_counter() - start
-
     def __exit__(self, *exc):
-        fused.kernels, exchange.wait, pipeline.wait = self._originals
+        fused.kernels = self._original
 
 
-def timed_steps(trainer, batches, steps, clock=None):
+def timed_steps(trainer, batches, steps, clocks=None):
     """(wall, main-thread CPU, process CPU) seconds per step over ``steps`` steps, after
-    the warm-up, started together on every rank; ``clock`` counts from there."""
+    the warm-up, started together on every rank; ``clocks`` (a ``_KernelClock`` and a
+    ``collectives.HorovodProbe``) count from there."""
     for _ in range(WARMUP_STEPS):
         trainer.step(*next(batches))
     hvd.allreduce(torch.zeros(1), name="hvdc.step_cpu.barrier")
-    if clock is not None:
-        clock.kernels = clock.blocked = 0.0
+    if clocks is not None:
+        kernels, probe = clocks
+        kernels.seconds = probe.wait_seconds = 0.0
     wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
     for _ in range(steps):
         trainer.step(*next(batches))
@@ -111,11 +104,11 @@ def measure(model_name, codec, steps):
     optimizer = hc.DistributedOptimizer(
         sgd(model, 0.01), model.named_parameters(), compression=codec
     )
-    with _Clock() as clock:
+    with _KernelClock() as clock, HorovodProbe() as probe:
         wall, main, process = timed_steps(
-            Trainer(model, optimizer, hvd.size()), work.batches(2), steps, clock
+            Trainer(model, optimizer, hvd.size()), work.batches(2), steps, (clock, probe)
         )
-    kernels, blocked = clock.kernels / steps, clock.blocked / steps
+    kernels, blocked = clock.seconds / steps, probe.wait_seconds / steps
     seconds = {
         "wall": wall,
         "main CPU": main,
