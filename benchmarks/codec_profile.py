@@ -60,16 +60,25 @@ def eager_ops():
         fused.ENABLED = enabled
 
 
-def best_seconds(function, repeats, clock=time.thread_time):
-    """The least time by ``clock`` (this thread's CPU time) of ``repeats`` calls, after
-    one that compiles the kernels."""
-    function()
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
+def interleaved_best_seconds(functions, repeats, clock=time.thread_time):
+    """The least time by ``clock`` (this thread's CPU time) of each of ``functions`` over
+    ``repeats`` rounds that call each once in turn, after a round that compiles the
+    kernels. Functions to compare are timed in turn, not one after the other's runs: this
+    machine's speed drifts by up to 1.5x within a minute, and their ratios should not."""
+    for function in functions:
         function()
-        best = min(best, clock() - start)
+    best = [float("inf")] * len(functions)
+    for _ in range(repeats):
+        for i, function in enumerate(functions):
+            start = clock()
+            function()
+            best[i] = min(best[i], clock() - start)
     return best
+
+
+def best_seconds(function, repeats, clock=time.thread_time):
+    """``interleaved_best_seconds`` of ``function`` alone."""
+    return interleaved_best_seconds([function], repeats, clock)[0]
 
 
 def profile(codec, grads, repeats=2):
@@ -149,15 +158,21 @@ def _sign_inputs(grads):
 
 
 def encode_decode(codec, grads, repeats=3):
-    """[(label, eager seconds, kernel seconds)] of encoding and decoding ``grads``."""
+    """[(label, eager seconds, kernel seconds, copy seconds)] of encoding and decoding
+    ``grads``, in turn with a copy of them (``copy``)."""
+    copy = _copy(grads)
     if codec.name != "ef-sign":
 
         def run(step):
             return lambda: [step(codec, grad) for grad in grads]
 
-        with eager_ops():
-            eager = best_seconds(run(_eager_quantizer), repeats)
-        return [(codec.name, eager, best_seconds(run(_fused_quantizer), repeats))]
+        def eager():
+            with eager_ops():
+                run(_eager_quantizer)()
+
+        return [
+            (codec.name, *interleaved_best_seconds([eager, run(_fused_quantizer), copy], repeats))
+        ]
     # Imported here: kernel_profile imports this module.
     from .kernel_profile import eager_server, eager_worker, fused_server, fused_worker
 
@@ -182,9 +197,16 @@ def encode_decode(codec, grads, repeats=3):
         ),
     ]
     return [
-        (label, best_seconds(eager, repeats), best_seconds(kernels, repeats))
+        (label, *interleaved_best_seconds([eager, kernels, copy], repeats))
         for label, eager, kernels in rows
     ]
+
+
+def _copy(grads):
+    """One copy of ``grads`` in one tensor (``empty_like`` + ``copy_``): the least that a
+    pass writing a new tensor costs."""
+    flat = torch.cat(grads)
+    return lambda: torch.empty_like(flat).copy_(flat)
 
 
 def _tensorflow_quantizer(codec, key):
@@ -324,26 +346,24 @@ def tensorflow_encode_decode(name, grads, repeats=7):
         labels = [name]
         steps = [_tensorflow_quantizer(codec, tf.constant(KEY, tf.int64))]
 
-    def timed():
-        """Each row's seconds, its steps over all tensors in one graph."""
+    def traced():
+        """Each row's steps over all tensors in one graph, traced (the kernels or the ops,
+        as ``tf_fused.ENABLED`` is now)."""
         graphs = [_graph(step, args) for step, args in zip(steps, inputs)]
-        return [
-            best_seconds(
-                lambda graph=graph: tf.nest.map_structure(np.asarray, graph()),
-                repeats,
-                clock=time.perf_counter,
-            )
-            for graph in graphs
-        ]
+        for graph in graphs:
+            graph.get_concrete_function()
+        return [lambda graph=graph: tf.nest.map_structure(np.asarray, graph()) for graph in graphs]
 
-    torch_kernels = [best_seconds(row, repeats, clock=time.perf_counter) for row in torch_rows]
-    kernels = timed()
+    kernels = traced()
     enabled, tf_fused.ENABLED = tf_fused.ENABLED, False
     try:
-        ops = timed()
+        ops = traced()
     finally:
         tf_fused.ENABLED = enabled
-    return list(zip(labels, torch_kernels, kernels, ops))
+    return [
+        (label, *interleaved_best_seconds(row, repeats, clock=time.perf_counter))
+        for label, *row in zip(labels, torch_rows, kernels, ops)
+    ]
 
 
 def main(argv=None):
@@ -383,16 +403,15 @@ def main(argv=None):
             torch.randn(shape, generator=generator).reshape(-1)
             for shape in compressed_shapes(codec, named)
         ]
-        flat = torch.cat(grads)
-        copy = best_seconds(lambda: torch.empty_like(flat).copy_(flat), 3)
-        copies.append(f"{name}: {flat.numel():,} elements, {1000 * copy:.0f} ms")
+        numel = sum(grad.numel() for grad in grads)
         seconds = profile(codec, grads)
         stages.append(
-            f"| {name} | {flat.numel():,} | "
+            f"| {name} | {numel:,} | "
             + " | ".join(f"{1000 * seconds[s]:.0f}" for s in STAGES)
             + f" | {1000 * sum(seconds.values()):.0f} |"
         )
-        for label, eager, kernels in encode_decode(codec, grads):
+        for label, eager, kernels, copy in encode_decode(codec, grads):
+            copies.append(f"{label}: {numel:,} elements, {1000 * copy:.0f} ms")
             fusion.append(
                 f"| {label} | {1000 * eager:.0f} | {1000 * kernels:.0f} | "
                 f"{eager / copy:.1f} | {kernels / copy:.1f} |"
