@@ -553,9 +553,7 @@ class LeaderAllreduce(_Exchange):
         handle, compensated, name = pending
         indices = wait(handle).to(torch.int64)
         values = compensated[indices]
-        sent = torch.zeros_like(compensated)
-        sent[indices] = values
-        self.memory.update(self.key, compensated, sent, self.codec.beta)
+        self.memory.update_unsent(self.key, compensated, indices, self.codec.beta)
         handle = hvd.allreduce_async(
             self.meter.hand(allreducible(values)),
             op=hvd.Sum,
@@ -595,9 +593,7 @@ class TopKAllgather(_Exchange):
         indices = self.codec.top_k(compensated, self.sent_elements)
         self.selected = indices.to(torch.int64)
         values = compensated[self.selected]
-        sent = torch.zeros_like(compensated)
-        sent[self.selected] = values
-        self.memory.update(self.key, compensated, sent)
+        self.memory.update_unsent(self.key, compensated, self.selected)
         return [
             hvd.allgather_async(
                 self.meter.hand(tensor), name=f"{name}.{part}", process_set=self.process_set

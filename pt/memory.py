@@ -34,7 +34,15 @@ class ErrorFeedback:
     def update(self, name, compensated, sent, beta=1.0):
         """Proposes ``compensated - sent`` as the new residual; with ``beta`` < 1 a low-pass
         filtered one, (1 - beta) residual + beta (compensated - sent) (ScaleCom)."""
-        residual = compensated - sent
+        self._propose_filtered(name, compensated - sent, beta)
+
+    def update_unsent(self, name, compensated, indices, beta=1.0):
+        """``update`` for a message that carried the flat ``compensated`` exactly at
+        ``indices`` (int64, distinct) and nothing elsewhere, as top-k does: the residual is
+        ``compensated`` with zeros there, without a dense copy of the message to subtract."""
+        self._propose_filtered(name, compensated.index_fill(0, indices, 0.0), beta)
+
+    def _propose_filtered(self, name, residual, beta):
         if beta != 1.0:
             previous = self.residuals.get(name)
             residual = (

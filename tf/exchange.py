@@ -502,8 +502,7 @@ class LeaderAllreduce(_Exchange):
         )
         indices = tf.reshape(tf.cast(indices, tf.int64), [k, 1])
         values = tf.gather_nd(compensated, indices)
-        sent = tf.scatter_nd(indices, values, [self.numel])
-        self.memory.update(self.key, compensated, sent, self.codec.beta)
+        self.memory.update_unsent(self.key, compensated, indices, self.codec.beta)
         total = hvd.allreduce(
             self.meter.hand(values),
             op=hvd.Sum,
@@ -537,9 +536,7 @@ class TopKAllgather(_Exchange):
         indices = self.codec.top_k(compensated, k)
         self.selected = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
         values = tf.gather_nd(compensated, self.selected)
-        self.memory.update(
-            self.key, compensated, tf.scatter_nd(self.selected, values, [self.numel])
-        )
+        self.memory.update_unsent(self.key, compensated, self.selected)
         gathered_indices, gathered_values = (
             hvd.allgather(
                 self.meter.hand(tensor),
