@@ -741,39 +741,35 @@ def _decoded_bytes(row, width, bound, nuqsgd, partial, scale, divisor, add, out)
     return count
 
 
+@_jit(inline="always")
+def _decoded_of_width(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
+    # One inlined copy per width and kind of value (sums of 16 and 32 bits are never
+    # ``nuqsgd``); ``add`` is a constant where this is inlined.
+    if width == 2 and nuqsgd:
+        return _decoded_bytes(row, 2, bound, True, partial, scale, divisor, add, out)
+    if width == 2:
+        return _decoded_bytes(row, 2, bound, False, partial, scale, divisor, add, out)
+    if width == 4 and nuqsgd:
+        return _decoded_bytes(row, 4, bound, True, partial, scale, divisor, add, out)
+    if width == 4:
+        return _decoded_bytes(row, 4, bound, False, partial, scale, divisor, add, out)
+    if width == 8 and nuqsgd:
+        return _decoded_bytes(row, 8, bound, True, partial, scale, divisor, add, out)
+    if width == 8:
+        return _decoded_bytes(row, 8, bound, False, partial, scale, divisor, add, out)
+    if width == 16:
+        return _decoded_bytes(row, 16, bound, False, partial, scale, divisor, add, out)
+    return _decoded_bytes(row, 32, bound, False, partial, scale, divisor, add, out)
+
+
 @_jit(error_model="numpy")
 def _decoded_fields(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
-    # One inlined copy per width, kind of value and output (sums of 16 and 32 bits are never
-    # ``nuqsgd``, and only codes, of at most 8 bits, are added).
-    if add and width > 8:
-        raise ValueError("width: codes added to a decode have at most 8 bits")
+    # One inlined copy per kind of output.
     if add:
-        if width == 2 and nuqsgd:
-            return _decoded_bytes(row, 2, bound, True, partial, scale, divisor, True, out)
-        if width == 2:
-            return _decoded_bytes(row, 2, bound, False, partial, scale, divisor, True, out)
-        if width == 4 and nuqsgd:
-            return _decoded_bytes(row, 4, bound, True, partial, scale, divisor, True, out)
-        if width == 4:
-            return _decoded_bytes(row, 4, bound, False, partial, scale, divisor, True, out)
-        if width == 8 and nuqsgd:
-            return _decoded_bytes(row, 8, bound, True, partial, scale, divisor, True, out)
-        return _decoded_bytes(row, 8, bound, False, partial, scale, divisor, True, out)
-    if width == 2 and nuqsgd:
-        return _decoded_bytes(row, 2, bound, True, partial, scale, divisor, False, out)
-    if width == 2:
-        return _decoded_bytes(row, 2, bound, False, partial, scale, divisor, False, out)
-    if width == 4 and nuqsgd:
-        return _decoded_bytes(row, 4, bound, True, partial, scale, divisor, False, out)
-    if width == 4:
-        return _decoded_bytes(row, 4, bound, False, partial, scale, divisor, False, out)
-    if width == 8 and nuqsgd:
-        return _decoded_bytes(row, 8, bound, True, partial, scale, divisor, False, out)
-    if width == 8:
-        return _decoded_bytes(row, 8, bound, False, partial, scale, divisor, False, out)
-    if width == 16:
-        return _decoded_bytes(row, 16, bound, False, partial, scale, divisor, False, out)
-    return _decoded_bytes(row, 32, bound, False, partial, scale, divisor, False, out)
+        if width > 8:
+            raise ValueError("width: codes added to a decode have at most 8 bits")
+        return _decoded_of_width(row, width, bound, nuqsgd, partial, scale, divisor, True, out)
+    return _decoded_of_width(row, width, bound, nuqsgd, partial, scale, divisor, False, out)
 
 
 @_jit(error_model="numpy")
