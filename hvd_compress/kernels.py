@@ -450,7 +450,7 @@ def _nuqsgd_value(code):
 
 
 # Element first + i draws with the 32-bit counter k, stepped beside i rather than cut from the
-# 64-bit first + i: LLVM then keeps it in 32-bit vector lanes (15% faster loops).
+# 64-bit first + i: LLVM then keeps it in 32-bit vector lanes.
 
 
 @_jit(error_model="numpy")
@@ -480,7 +480,7 @@ def _nuqsgd_codes(p, divisor, s, first, lo, hi, scale, codes, residual):
         codes[i] = _nuqsgd_code(p[i], divisor, s, _uniform(k, lo, hi))
         k = np.uint32(k + np.uint32(1))
     # The residual from the codes, in a loop of its own over the chunk (in the loop above it
-    # kept LLVM from vectorizing); / 2^s as a product, which is exactly the same and cheaper.
+    # keeps LLVM from vectorizing); / 2^s as a product, which is exactly the same and cheaper.
     for i in range(residual.size):
         residual[i] = p[i] - np.float32(_nuqsgd_value(codes[i])) * scale * np.float32(2.0**-s)
 
@@ -679,8 +679,8 @@ def summed_codes(rows, width, bound, nuqsgd, length, total_bound, total_width, o
 
 # The receiving side decodes as it unpacks: each element's field, plus what the rows before
 # it summed (``partial``), goes to float32 and is scaled in the same pass, so a row is read
-# once and ``out`` written once (unpacking into a buffer and decoding it were two passes over
-# the chunk, which cost as much as the decode itself).
+# once and ``out`` written once: unpacking into a buffer and then decoding it takes a second
+# pass over the chunk, which costs as much as the decode itself.
 
 
 @_jit(inline="always")
@@ -720,7 +720,7 @@ def _value_in_byte(row, j, t, width, bound, nuqsgd):
 def _decoded_bytes(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
     # _decoded_at over the fields of out's whole bytes, by constant shifts as _add_packed: a
     # loop of its own per kind of output, which LLVM vectorizes (a test of the kind inside
-    # one loop kept it from vectorizing some). Returns how many it decoded.
+    # one loop keeps it from vectorizing some). Returns how many it decoded.
     per = max(1, 8 // width)
     count = out.size - out.size % per
     if add:
