@@ -697,54 +697,71 @@ def _field_at(row, i, width):
     return field
 
 
-@_jit(inline="always", error_model="numpy")
+@_jit(error_model="numpy")
 def _decoded_at(row, i, width, bound, nuqsgd, partial, scale, divisor, add, out):
     """out[i] (+)= the decode of partial[i] (none if ``partial`` is empty) + the value of
-    field i of ``row``."""
+    field i of ``row``: for the fields of a bucket that starts or ends inside a byte."""
     value = _field_value(_field_at(row, i, width), bound, nuqsgd)
     decoded = np.float32(value + (partial[i] if partial.size else 0)) * scale / divisor
     out[i] = out[i] + decoded if add else decoded
 
 
-@_jit(inline="always")
-def _value_in_byte(row, j, t, width, bound, nuqsgd):
-    """The value of field t of byte j of ``row`` (of element j for 16 and 32 bits)."""
-    if width <= 8:
-        field = (np.int32(row[j]) >> (width * t)) & np.int32((1 << width) - 1)
-    else:
-        field = _field_at(row, j, width)
-    return _field_value(field, bound, nuqsgd)
-
-
 @_jit(inline="always", error_model="numpy")
 def _decoded_bytes(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
-    # _decoded_at over the fields of out's whole bytes, by constant shifts as _add_packed: a
-    # loop of its own per kind of output, which LLVM vectorizes (a test of the kind inside
-    # one loop keeps it from vectorizing some). Returns how many it decoded.
-    per = max(1, 8 // width)
+    # _decoded_at over the fields of out's whole bytes (of 2, 4 or 8 bits), by constant
+    # shifts as _add_packed: a loop of its own per kind of output, which LLVM vectorizes (a
+    # test of the kind inside one loop keeps it from vectorizing some). Returns how many it
+    # decoded.
+    per = 8 // width
+    mask = np.int32((1 << width) - 1)
     count = out.size - out.size % per
     if add:
         for j in range(count // per):
             for t in range(per):
-                value = _value_in_byte(row, j, t, width, bound, nuqsgd)
+                value = _field_value((np.int32(row[j]) >> (width * t)) & mask, bound, nuqsgd)
                 out[per * j + t] += np.float32(value) * scale / divisor
     elif partial.size:
         for j in range(count // per):
             for t in range(per):
-                value = _value_in_byte(row, j, t, width, bound, nuqsgd) + partial[per * j + t]
-                out[per * j + t] = np.float32(value) * scale / divisor
+                value = _field_value((np.int32(row[j]) >> (width * t)) & mask, bound, nuqsgd)
+                out[per * j + t] = np.float32(value + partial[per * j + t]) * scale / divisor
     else:
         for j in range(count // per):
             for t in range(per):
-                value = _value_in_byte(row, j, t, width, bound, nuqsgd)
+                value = _field_value((np.int32(row[j]) >> (width * t)) & mask, bound, nuqsgd)
                 out[per * j + t] = np.float32(value) * scale / divisor
     return count
 
 
-@_jit(inline="always")
-def _decoded_of_width(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
-    # One inlined copy per width and kind of value (sums of 16 and 32 bits are never
-    # ``nuqsgd``); ``add`` is a constant where this is inlined.
+@_jit(error_model="numpy")
+def _decoded_wide(row, width, bound, scale, divisor, out):
+    """out = the decode of the 16- or 32-bit sums of ``row``. Returns how many it decoded."""
+    # A loop per width, each field's bytes assembled by constant shifts, which LLVM
+    # vectorizes (_field_at's loop over the bytes it does not).
+    if width == 16:
+        for i in range(out.size):
+            field = np.int32(row[2 * i]) | np.int32(row[2 * i + 1]) << 8
+            out[i] = np.float32(field - bound) * scale / divisor
+    else:
+        for i in range(out.size):
+            field = (
+                np.int64(row[4 * i])
+                | np.int64(row[4 * i + 1]) << 8
+                | np.int64(row[4 * i + 2]) << 16
+                | np.int64(row[4 * i + 3]) << 24
+            )
+            out[i] = np.float32(field - bound) * scale / divisor
+    return out.size
+
+
+@_jit(error_model="numpy")
+def _decoded_fields(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
+    # One inlined copy per width and kind of value of codes (numba's inlining of each copy
+    # is what compiling these kernels costs: the kind of output stays a runtime test).
+    if width > 8:
+        if add or partial.size or nuqsgd:
+            raise ValueError("width: only sums of codes have 16 or 32 bits")
+        return _decoded_wide(row, width, bound, scale, divisor, out)
     if width == 2 and nuqsgd:
         return _decoded_bytes(row, 2, bound, True, partial, scale, divisor, add, out)
     if width == 2:
@@ -755,21 +772,7 @@ def _decoded_of_width(row, width, bound, nuqsgd, partial, scale, divisor, add, o
         return _decoded_bytes(row, 4, bound, False, partial, scale, divisor, add, out)
     if width == 8 and nuqsgd:
         return _decoded_bytes(row, 8, bound, True, partial, scale, divisor, add, out)
-    if width == 8:
-        return _decoded_bytes(row, 8, bound, False, partial, scale, divisor, add, out)
-    if width == 16:
-        return _decoded_bytes(row, 16, bound, False, partial, scale, divisor, add, out)
-    return _decoded_bytes(row, 32, bound, False, partial, scale, divisor, add, out)
-
-
-@_jit(error_model="numpy")
-def _decoded_fields(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
-    # One inlined copy per kind of output.
-    if add:
-        if width > 8:
-            raise ValueError("width: codes added to a decode have at most 8 bits")
-        return _decoded_of_width(row, width, bound, nuqsgd, partial, scale, divisor, True, out)
-    return _decoded_of_width(row, width, bound, nuqsgd, partial, scale, divisor, False, out)
+    return _decoded_bytes(row, 8, bound, False, partial, scale, divisor, add, out)
 
 
 @_jit(error_model="numpy")
