@@ -122,6 +122,13 @@ def compensated_block_l1(
             sums[b] = _l1(vector[s])
 
 
+@_jit(inline="always")
+def _decoded_scale(scale):
+    """A scale as the eager decodes apply it: NaN for a non-finite one (+inf flags a
+    non-finite gradient), so that every decoded element is NaN."""
+    return scale if np.isfinite(scale) else np.float32(np.nan)
+
+
 @_jit
 def _signs_with_feedback_bytes(p, s, packed, residual):
     """``signs_with_feedback`` of one block that starts on a byte boundary, reading p once."""
@@ -156,7 +163,7 @@ def signs_with_feedback(p, scale, block, packed, residual):
     # Every block starts on a byte boundary, or some share a byte.
     aligned = block % 8 == 0 or scale.size == 1
     for b in range(scale.size):
-        s = scale[b] if np.isfinite(scale[b]) else np.float32(np.nan)
+        s = _decoded_scale(scale[b])
         start, stop = b * block, min(p.size, (b + 1) * block)
         if aligned:
             _signs_with_feedback_bytes(p[start:stop], s, packed[start // 8 :], residual[start:stop])
@@ -192,7 +199,7 @@ def _decoded_scales(scales):
     """The scales as the eager decode applies them: NaN for a non-finite one."""
     out = np.empty(scales.size, dtype=np.float32)
     for r in range(scales.size):
-        out[r] = scales[r] if np.isfinite(scales[r]) else np.float32(np.nan)
+        out[r] = _decoded_scale(scales[r])
     return out
 
 
@@ -550,7 +557,7 @@ def quantized(
             scale_b = scale[b]
             finite = np.isfinite(scale_b)
             divisor = scale_b if finite and scale_b > 0 else np.float32(np.inf)
-            decoded = scale_b if finite else np.float32(np.nan)
+            decoded = _decoded_scale(scale_b)
             piece, out = p[position:end], codes[position - start : end - start]
             kept = residual[position:end] if residual.size else residual
             if levels == 0:
@@ -651,7 +658,7 @@ def _decode(total, first, scale, bucket, divisor, out):
     while position < stop:
         b = position // bucket
         end = min(stop, (b + 1) * bucket)
-        scale_b = scale[b] if np.isfinite(scale[b]) else np.float32(np.nan)
+        scale_b = _decoded_scale(scale[b])
         piece = slice(position - first, end - first)
         _decoded(total[piece], divisor, scale_b, out[piece])
         position = end
@@ -685,22 +692,16 @@ def summed_codes(rows, width, bound, nuqsgd, length, total_bound, total_width, o
 
 @_jit(inline="always")
 def _field_at(row, i, width):
-    """Field i of the packed ``row`` (``codes.IntCodes``): bits of one byte for widths of
-    2, 4 and 8, bytes little-endian for 16 and 32."""
-    if width <= 8:
-        per = 8 // width
-        return (np.int64(row[i // per]) >> (width * (i % per))) & ((1 << width) - 1)
-    nbytes = width // 8
-    field = np.int64(0)
-    for t in range(nbytes):
-        field |= np.int64(row[nbytes * i + t]) << (8 * t)
-    return field
+    """Field i of the packed ``row`` (``codes.IntCodes``) of 2, 4 or 8 bits."""
+    per = 8 // width
+    return (np.int32(row[i // per]) >> (width * (i % per))) & np.int32((1 << width) - 1)
 
 
 @_jit(error_model="numpy")
 def _decoded_at(row, i, width, bound, nuqsgd, partial, scale, divisor, add, out):
     """out[i] (+)= the decode of partial[i] (none if ``partial`` is empty) + the value of
-    field i of ``row``: for the fields of a bucket that starts or ends inside a byte."""
+    field i of ``row``: for the fields of a bucket that starts or ends inside a byte (of 2
+    or 4 bits: wider fields fill whole bytes)."""
     value = _field_value(_field_at(row, i, width), bound, nuqsgd)
     decoded = np.float32(value + (partial[i] if partial.size else 0)) * scale / divisor
     out[i] = out[i] + decoded if add else decoded
@@ -737,7 +738,7 @@ def _decoded_bytes(row, width, bound, nuqsgd, partial, scale, divisor, add, out)
 def _decoded_wide(row, width, bound, scale, divisor, out):
     """out = the decode of the 16- or 32-bit sums of ``row``. Returns how many it decoded."""
     # A loop per width, each field's bytes assembled by constant shifts, which LLVM
-    # vectorizes (_field_at's loop over the bytes it does not).
+    # vectorizes (a loop over each field's bytes it does not).
     if width == 16:
         for i in range(out.size):
             field = np.int32(row[2 * i]) | np.int32(row[2 * i + 1]) << 8
@@ -786,7 +787,7 @@ def _decode_row(row, width, bound, nuqsgd, partial, first, scale, bucket, diviso
     while position < stop:
         b = position // bucket
         end = min(stop, (b + 1) * bucket)
-        scale_b = scale[b] if np.isfinite(scale[b]) else np.float32(np.nan)
+        scale_b = _decoded_scale(scale[b])
         lo, hi = position - first, end - first
         # A bucket that starts inside a byte: its fields up to the next byte one at a time.
         aligned = min(hi, -(-lo // per) * per)
