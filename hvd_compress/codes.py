@@ -34,6 +34,15 @@ from dataclasses import dataclass
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 
+
+@functools.cache
+def _width(bound):
+    """The narrowest of ``WIDTHS`` that holds 2 bound + 1 values. Cached by bound: codecs
+    make a new code space whenever asked for one, and every packing and decoding asks."""
+    needed = (2 * bound).bit_length()
+    return next(w for w in WIDTHS if w >= needed)
+
+
 # Largest integer magnitude each allreduce carrier represents exactly.
 EXACT_INTEGER_LIMIT = {
     "int8": 127,
@@ -56,11 +65,10 @@ class IntCodes:
         if 2 * self.bound + 1 > 2**32:
             raise OverflowError(f"IntCodes: {2 * self.bound + 1} code values do not fit in 32 bits")
 
-    @functools.cached_property
+    @property
     def width(self):
-        """Bits per code on the wire (asked for on every packing and decoding)."""
-        needed = (2 * self.bound).bit_length()
-        return next(w for w in WIDTHS if w >= needed)
+        """Bits per code on the wire."""
+        return _width(self.bound)
 
     @property
     def codes_per_byte(self):

@@ -43,7 +43,7 @@ ALIGNMENT = 64
 def empty(shape, dtype=np.float32) -> np.ndarray:
     """``np.empty``, its data aligned to ``ALIGNMENT`` bytes."""
     dtype = np.dtype(dtype)
-    shape = tuple(shape) if np.iterable(shape) else (int(shape),)
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
     # math.prod: numpy's reduction costs microseconds, and every kernel call allocates.
     nbytes = math.prod(shape) * dtype.itemsize
     buffer = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
@@ -255,6 +255,13 @@ def divisor(codec, count: int) -> int:
     return (levels or 2**exponent) * count
 
 
+@functools.cache
+def _padding_byte(space: IntCodes) -> int:
+    """A byte of ``space``'s code 0 in every field: what a packed row holds past its last
+    code. Cached: every encoding asks."""
+    return sum(space.bound << (space.width * t) for t in range(space.codes_per_byte))
+
+
 def encode(
     codec,
     p: np.ndarray,
@@ -272,9 +279,7 @@ def encode(
     space = codec.code_space
     packed = payload.dtype == np.uint8
     if packed:
-        payload[space.packed_nbytes(p.size) :] = sum(
-            space.bound << (space.width * t) for t in range(space.codes_per_byte)
-        )
+        payload[space.packed_nbytes(p.size) :] = _padding_byte(space)
     # numba has no float16: values for a float16 carrier are converted after the kernel.
     values = empty(
         0 if packed else p.size, np.int32 if payload.dtype == np.float16 else payload.dtype

@@ -90,6 +90,9 @@ log = logging.getLogger("hvd_compress")
 # others': one op per step for all of them instead of one per tensor.
 _SMALL_TENSOR = 1 << 16
 
+# The block of a step the planner does not measure (``CompressionPipeline._cpu``).
+_UNMEASURED = contextlib.nullcontext()
+
 # The adaptive mode's probes: the fastest of this many of each (``_probe_links``).
 _PROBE_REPEATS = 2
 
@@ -182,6 +185,9 @@ class CompressionPipeline:
         self.worker_momentum = None
         self.last_step_bytes = 0
         self._in_flight = {}
+        # This step's flights whose codes wait for a collective (stage "shard" or "scale"):
+        # each hook looks at these, not at every tensor launched so far.
+        self._waiting = []
         self._fusions = {}  # name of a sharded tensor -> its AlltoallFusion of this step
         uncompressed = set(uncompressed)
         self.plans = {}
@@ -326,6 +332,8 @@ class CompressionPipeline:
         grad = param.grad
         with self.meter.charging(plan.name), self._cpu(plan.name, "before"):
             self._launch(plan, param, grad, ratio, momentum)
+        if self._in_flight[param].stage in ("shard", "scale"):
+            self._waiting.append(self._in_flight[param])
         self._start_ready_codes()
 
     def _follow_warm_up(self):
@@ -336,13 +344,14 @@ class CompressionPipeline:
             if plan.reason == "compressed":
                 plan.path = path
 
-    @contextlib.contextmanager
     def _cpu(self, name, phase):
         """Charges this thread's CPU time in the block to tensor ``name``'s ``phase``
-        (``adaptive.Planner.spent``) in the steps the planner measures."""
-        if not self._measuring:
-            yield
-            return
+        (``adaptive.Planner.spent``) in the steps the planner measures; in the others it
+        does nothing, at the cost of a shared context manager rather than a generator's."""
+        return self._measured_cpu(name, phase) if self._measuring else _UNMEASURED
+
+    @contextlib.contextmanager
+    def _measured_cpu(self, name, phase):
         start, wall = time.thread_time(), time.perf_counter()
         try:
             yield
@@ -523,13 +532,13 @@ class CompressionPipeline:
         """Starts the nodes' exchange of every two-level shard that its node has summed,
         then encodes and hands over the codes of every tensor whose shared scale has
         arrived."""
-        for flight in self._in_flight.values():
+        for flight in self._waiting:
             if flight.stage == "shard" and (block or hvd.poll(flight.handle)):
                 name = flight.plan.name
                 with self.meter.charging(name), self._cpu(name, "before"):
                     flight.vector = wait(flight.handle)
                     self._start_shard(flight)
-        for flight in self._in_flight.values():
+        for flight in self._waiting:
             if flight.stage != "scale":
                 continue
             if flight.handle is not None:
@@ -538,6 +547,7 @@ class CompressionPipeline:
                 flight.scale = wait(flight.handle)
             with self._cpu(flight.plan.name, "before"):
                 self._start_codes(flight)
+        self._waiting = [flight for flight in self._waiting if flight.stage in ("shard", "scale")]
 
     def _start_codes(self, flight):
         vector, name = flight.vector, flight.plan.name

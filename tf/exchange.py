@@ -21,8 +21,6 @@ what its memory keeps, so they run compensate -> compress -> update on the worke
 (passed in, not kept) around their collectives.
 """
 
-import contextlib
-
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
@@ -51,14 +49,18 @@ class Meter:
         self.by_tensor[self.tensor] = self.by_tensor.get(self.tensor, 0) + nbytes
         return tensor
 
-    @contextlib.contextmanager
     def charging(self, name):
-        """Counts the bytes handed inside this block for the gradient tensor ``name``."""
+        """Counts the bytes handed inside this ``with`` block for the gradient tensor
+        ``name``. The meter is its own context manager: entered for every tensor several
+        times a step, where a generator-based one costs microseconds each time."""
         self.tensor = name
-        try:
-            yield
-        finally:
-            self.tensor = None
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.tensor = None
 
     def take(self):
         """The bytes counted since the last ``take`` (``by_tensor`` starts over too)."""
@@ -411,7 +413,9 @@ class ShardedServer(_Exchange):
         bits: codes +1 past the tensor's end, as in the PyTorch port, which every receiver
         cuts off."""
         nbytes = count * self.length // self.codec.code_space.codes_per_byte
-        return tf.reshape(tf.pad(packed, [[0, nbytes - packed.shape[0]]]), [count, -1])
+        if packed.shape[0] < nbytes:  # most layers' codes fill their shards exactly
+            packed = tf.pad(packed, [[0, nbytes - packed.shape[0]]])
+        return tf.reshape(packed, [count, -1])
 
     def server_numel(self, rank):
         return self.valid(rank)
