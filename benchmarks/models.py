@@ -6,7 +6,9 @@ tensors of torchvision's ResNet-50 (161 tensors, 25,557,032 parameters, same siz
 order), for communication-bound timing without paying for convolutions on a 2-core CPU:
 each convolution becomes a matrix of shape (out, in x k x k) applied to a slice of the
 input, followed by its batch-norm scale and shift, and the outputs are summed into the 2048
-features the classifier reads.
+features the classifier reads. ``layers``: a stack of ``LAYERS`` small linear layers, as
+many tensors as a deep transformer has, each of 10K elements, where what the pipeline costs
+per tensor (not per element) decides its CPU time (``benchmarks/step_cpu.py``).
 """
 
 import dataclasses
@@ -58,6 +60,16 @@ class SyntheticResNet50(nn.Module):
         return self.fc(torch.relu(features))
 
 
+# The ``layers`` model: LAYERS linear layers of LAYER_WIDTH inputs and outputs, no biases.
+LAYERS, LAYER_WIDTH = 600, 100
+
+
+def layers():
+    """The ``layers`` model (see the module docstring); input (batch, LAYER_WIDTH), and
+    LAYER_WIDTH classes."""
+    return nn.Sequential(*(nn.Linear(LAYER_WIDTH, LAYER_WIDTH, bias=False) for _ in range(LAYERS)))
+
+
 @dataclasses.dataclass
 class Workload:
     """A model factory and where its batches come from, for one rank."""
@@ -87,7 +99,7 @@ def _seeded(factory, seed):
 
 
 def workload(name, rank, world_size, seed=0):
-    """The ``Workload`` called ``name`` (``cnn`` or ``resnet50``) for ``rank``."""
+    """The ``Workload`` called ``name`` (``cnn``, ``resnet50`` or ``layers``) for ``rank``."""
     if name == "cnn":
         x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_mnist1d())
         # Each worker trains on its own shard of the training set, as in the example.
@@ -107,4 +119,9 @@ def workload(name, rank, world_size, seed=0):
         return Workload(
             name, _seeded(SyntheticResNet50, seed), RESNET50_LOCAL_BATCH, inputs, targets
         )
-    raise ValueError(f"model must be 'cnn' or 'resnet50', got {name!r}")
+    if name == "layers":
+        generator = torch.Generator().manual_seed(seed * 1000 + rank)
+        inputs = torch.randn(4 * RESNET50_LOCAL_BATCH, LAYER_WIDTH, generator=generator)
+        targets = torch.randint(LAYER_WIDTH, (len(inputs),), generator=generator)
+        return Workload(name, _seeded(layers, seed), RESNET50_LOCAL_BATCH, inputs, targets)
+    raise ValueError(f"model must be 'cnn', 'resnet50' or 'layers', got {name!r}")

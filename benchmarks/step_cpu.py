@@ -12,6 +12,9 @@ same step with no exchange at all:
   pipeline's Python and torch calls around them, per tensor, and the polls of its waits;
 - ``other threads``: the process's CPU time beyond the training thread's (Horovod's
   background thread, Gloo's);
+- ``rest per tensor``: the ``rest`` over the model's parameter tensors, in microseconds:
+  what the pipeline costs per tensor, which decides the CPU of models of many small tensors
+  (``--model layers``: 600 of 10K elements);
 - ``blocked``: wall time in ``hvd_compress.pt.exchange.wait`` (the network, the other
   ranks), as ``collectives.HorovodProbe`` adds it up for the benchmark.
 
@@ -38,7 +41,16 @@ from .models import workload
 # Untimed steps first: the heap grows for three steps (``methods.Trainer.warmup_steps``),
 # and the kernels compile.
 WARMUP_STEPS = 4
-COLUMNS = ("wall", "main CPU", "compute", "kernels", "rest", "other threads", "blocked")
+COLUMNS = (
+    "wall",
+    "main CPU",
+    "compute",
+    "kernels",
+    "rest",
+    "rest per tensor",
+    "other threads",
+    "blocked",
+)
 
 
 class _KernelClock:
@@ -94,7 +106,8 @@ def timed_steps(trainer, batches, steps, clocks=None):
 
 
 def measure(model_name, codec, steps):
-    """This rank's {column: milliseconds per step} for ``codec``."""
+    """This rank's {column: milliseconds per step (rest per tensor: microseconds)} for
+    ``codec``."""
     work = workload(model_name, hvd.rank(), hvd.size())
     model = work.build()
     _, compute, _ = timed_steps(
@@ -115,16 +128,20 @@ def measure(model_name, codec, steps):
         "compute": compute,
         "kernels": kernels,
         "rest": main - compute - kernels,
+        "rest per tensor": (main - compute - kernels) / len(list(model.parameters())),
         "other threads": process - main,
         "blocked": blocked,
     }
-    return {column: 1000 * value for column, value in seconds.items()}
+    return {
+        column: (1e6 if column == "rest per tensor" else 1e3) * value
+        for column, value in seconds.items()
+    }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default="ef-sign,terngrad,qsgd-inf,none")
-    parser.add_argument("--model", default="resnet50", choices=("resnet50", "cnn"))
+    parser.add_argument("--model", default="resnet50", choices=("resnet50", "cnn", "layers"))
     parser.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
     args = parser.parse_args(argv)
     hvd.init()
@@ -135,7 +152,7 @@ def main(argv=None):
     if hvd.rank() == 0:
         print(
             f"{args.model}, N = {hvd.size()}, ms per step, mean over ranks "
-            f"(kernels are thread CPU time, blocked is wall time):"
+            f"(kernels are thread CPU time, blocked is wall time; rest per tensor in us):"
         )
         print("| codec | " + " | ".join(COLUMNS) + " |")
         print("|---" * (len(COLUMNS) + 1) + "|")
