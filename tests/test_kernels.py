@@ -601,3 +601,21 @@ def test_the_kernels_add_a_few_torch_ops_per_compressed_tensor():
     Views through ``Tensor.numpy()`` or framing by torch ops add 10 to 40."""
     added = run_parallel(_ops_added_per_compressed_tensor, 2, ("allgather",))[0]
     assert all(count <= 8 for count in added.values()), added
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [(7, np.uint8), (np.int64(5), np.float32), ((3, 5), np.float32), ((0,), np.float64)],
+)
+def test_kernel_outputs_are_aligned_for_tensorflow(shape, dtype):
+    """``hvd_compress.fused.empty``, which every kernel's output comes from: aligned to
+    ``ALIGNMENT`` bytes (TensorFlow adopts a ``tf.numpy_function``'s result without a copy
+    only then), C-contiguous and writable, of the shape and dtype asked for."""
+    from hvd_compress import fused as core
+
+    for _ in range(8):  # numpy's own allocations fall on 16-byte boundaries
+        array = core.empty(shape, dtype)
+        assert array.ctypes.data % core.ALIGNMENT == 0
+        assert array.shape == ((int(shape),) if np.ndim(shape) == 0 else tuple(shape))
+        assert array.dtype == dtype
+        assert array.flags.c_contiguous and array.flags.writeable
