@@ -621,8 +621,7 @@ def _add_packed(row, width, bound, nuqsgd, acc):
         for t in range(per):
             acc[per * j + t] += _field_value((byte >> (width * t)) & mask, bound, nuqsgd)
     for i in range(acc.size - acc.size % per, acc.size):
-        field = (np.int32(row[i // per]) >> (width * (i % per))) & mask
-        acc[i] += _field_value(field, bound, nuqsgd)
+        acc[i] += _field_value(_field_at(row, i, width), bound, nuqsgd)
 
 
 @_jit
