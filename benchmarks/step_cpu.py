@@ -128,14 +128,12 @@ def measure(model_name, codec, steps):
         "compute": compute,
         "kernels": kernels,
         "rest": main - compute - kernels,
-        "rest per tensor": (main - compute - kernels) / len(list(model.parameters())),
         "other threads": process - main,
         "blocked": blocked,
     }
-    return {
-        column: (1e6 if column == "rest per tensor" else 1e3) * value
-        for column, value in seconds.items()
-    }
+    milliseconds = {column: 1000 * value for column, value in seconds.items()}
+    milliseconds["rest per tensor"] = 1000 * milliseconds["rest"] / len(list(model.parameters()))
+    return milliseconds
 
 
 def main(argv=None):

@@ -332,8 +332,9 @@ class CompressionPipeline:
         grad = param.grad
         with self.meter.charging(plan.name), self._cpu(plan.name, "before"):
             self._launch(plan, param, grad, ratio, momentum)
-        if self._in_flight[param].stage in ("shard", "scale"):
-            self._waiting.append(self._in_flight[param])
+        flight = self._in_flight[param]
+        if flight.stage in ("shard", "scale"):
+            self._waiting.append(flight)
         self._start_ready_codes()
 
     def _follow_warm_up(self):
