@@ -12,7 +12,10 @@ from benchmarks.job import HorovodJob, LocalHosts
 
 def main(hosts, timeout, *command):
     workers = sum(int(host.split(":")[1]) for host in hosts.split(","))
-    return HorovodJob(LocalHosts(workers, hosts), command).run(float(timeout))
+    # Gloo's collectives wait as long as the job may run, as with horovodrun's
+    # --gloo-timeout-seconds: a rank that compiles or traces longer is not a failure.
+    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": timeout}
+    return HorovodJob(LocalHosts(workers, hosts), command, env=env).run(float(timeout))
 
 
 if __name__ == "__main__":
