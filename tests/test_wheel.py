@@ -1,7 +1,8 @@
 """The wheel alone runs the demo: ``pip wheel`` of the project, installed without the checkout
 into a fresh venv that sees the built Horovod and the frameworks, answers
-``hvd-compress demo --help`` and trains a tiny two-worker demo from a directory outside the
-checkout (the example scripts ship as ``hvd_compress.examples``).
+``hvd-compress demo --help`` and trains a tiny two-worker demo of the PyTorch and the Keras
+CNN from a directory outside the checkout (the example scripts ship as
+``hvd_compress.examples``).
 
 The fresh venv gets the project venv's site-packages through a ``.pth`` line, which adds the
 directory to ``sys.path`` without running the ``.pth`` files inside it, so the checkout's
@@ -137,7 +138,7 @@ def test_the_installed_wheel_runs_the_demo_outside_the_checkout(tmp_path):
     script = str(tmp_path / "venv" / "bin" / "hvd-compress")
     assert "--full" in run_job([script, "demo", "--help"], "demo --help", 120, cwd=outside, env=env)
     output = run_job(
-        [script, "demo", "--runs", "2:none,2:terngrad", "--steps", "50"],
+        [script, "demo", "--runs", "2:terngrad,keras/2:terngrad", "--steps", "50"],
         "a two-worker demo",
         300,
         cwd=outside,
@@ -145,3 +146,4 @@ def test_the_installed_wheel_runs_the_demo_outside_the_checkout(tmp_path):
     )
     assert "| model | workers | optimizer | codec | test accuracy |" in output, output
     assert "| PyTorch CNN | 2 | sgd | terngrad |" in output, output
+    assert "| Keras CNN, model.fit | 2 | sgd | terngrad |" in output, output
