@@ -352,7 +352,7 @@ def _check_clt_k(results):
     "codec,check", [(ADACOMP, _check_adacomp), (CLT_K, _check_clt_k)], ids=["adacomp", "clt-k"]
 )
 def test_tape_loop_ranks_agree_and_match_reference(world, codec, check):
-    # Eagerly at 2 ranks, traced at 4: one job each.
+    # One job per size: eagerly at 2 ranks, traced at 4 (with the output layer sent whole).
     traced = world == 4
     results = run_parallel(_tape_loop, world, codec, 2 * world, traced, timeout=800)
     names = _compressed(results)
