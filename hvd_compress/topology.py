@@ -103,7 +103,8 @@ def _process_set(hvd, ranks, barrier):
     key = tuple(ranks)
     if key not in _ADDED:
         if not _ADDED:
-            # Registered after Horovod's own exit handler, so that it runs before it.
+            # Registered after the exit handler of Horovod's latest hvd.init(), so that it
+            # runs before it.
             atexit.register(_barrier_at_exit, barrier)
         try:
             _ADDED[key] = hvd.add_process_set(list(ranks))
@@ -114,6 +115,34 @@ def _process_set(hvd, ranks, barrier):
                 f"hvd.init(process_sets='dynamic') ({error})"
             ) from error
     return _ADDED[key]
+
+
+def _registered(hvd, process_set) -> bool:
+    """Whether Horovod still knows ``process_set`` (None: a set of one rank, which it
+    never needed to): an elastic reset re-initialises Horovod, which then knows the
+    global set alone."""
+    if process_set is None or process_set is hvd.global_process_set:
+        return True
+    try:
+        return process_set.size() == len(process_set.ranks)
+    except ValueError:  # "Process set does not exist or has not been registered."
+        return False
+
+
+def moved(hvd, nodes: Nodes, process_sets: Sequence) -> bool:
+    """Whether the ranks left the layout ``nodes``, as far as every rank sees it alike:
+    Horovod's world has another shape (ranks, ranks per node, nodes), or Horovod has
+    forgotten this rank's ``process_sets`` (re-initialised, it forgets every added set on
+    every rank). Every rank answers the same, so all can take the new layout together.
+    A layout of the same shape whose sets are only the global one (one node, or one rank
+    per node) gives each rank the same part in its node again, whatever its number."""
+    shape = (hvd.size(), hvd.local_size(), hvd.cross_size())
+    if shape != (nodes.local_size * nodes.cross_size, nodes.local_size, nodes.cross_size):
+        return True
+    for process_set in process_sets:
+        if not _registered(hvd, process_set):
+            return True
+    return False
 
 
 def _barrier_at_exit(barrier):
@@ -132,6 +161,8 @@ def join(hvd, nodes: Nodes, barrier: Callable[[], None]) -> tuple:
     node's ranks and of the ranks that hold its shard on every node; None for a set of
     this rank alone. Collective: every rank adds every set, in one order, as Horovod
     requires. ``barrier``: a barrier of all ranks, which each rank passes at exit."""
+    for key in [key for key, added in _ADDED.items() if not _registered(hvd, added)]:
+        del _ADDED[key]  # added before Horovod was last initialised
     node_sets = [_process_set(hvd, r, barrier) if len(r) > 1 else None for r in nodes.node_sets()]
     shard_sets = [_process_set(hvd, r, barrier) if len(r) > 1 else None for r in nodes.cross_sets()]
     node, shard = nodes.locate(hvd.rank())

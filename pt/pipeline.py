@@ -172,12 +172,12 @@ class CompressionPipeline:
         self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
         self.exchange = exchange
-        # The two-level exchange's layout and this rank's process sets (``topology.join``).
+        # The two-level exchange's layout, this rank's process sets and the exchange among
+        # the nodes of each tensor's shards (``_join_nodes``).
         self.nodes = self.node_set = self.shard_set = None
+        self.between_nodes = {}
         if exchange == TWO_LEVEL and self.included:
             check_two_level_process_set(process_set is hvd.global_process_set)
-            self.nodes = topology.current_nodes()
-            self.node_set, self.shard_set = topology.join(self.nodes)
         self.step = 0
         self.meter = Meter()
         # The wrapper's ``WorkerMomentum``, if any: exchanges that send part of the
@@ -197,14 +197,8 @@ class CompressionPipeline:
                 layer=codec.layer_kind(name, tuple(p.shape)),
             )
         self._choose_exchanges()
-        # The exchange among the nodes of each two-level tensor's shards, fixed with the nodes.
-        self.between_nodes = {
-            plan.name: cost.two_level_inner(
-                codec, self.nodes.shard_length(plan.numel), self.nodes.cross_size
-            )
-            for plan in self.plans.values()
-            if plan.exchange == TWO_LEVEL and self.shard_set is not None
-        }
+        if exchange == TWO_LEVEL and self.included:
+            self._join_nodes()
         self.factor_memory = (
             FactorMemory(
                 {
@@ -266,6 +260,20 @@ class CompressionPipeline:
         if reason is not None:
             return TensorPlan(name, index, numel, UNCOMPRESSED, reason)
         return TensorPlan(name, index, numel, exchange, "compressed", shape=tuple(param.shape))
+
+    def _join_nodes(self):
+        """Takes the nodes where Horovod's ranks sit as the two-level exchange's layout:
+        this rank's process sets (``topology.join``) and the exchange among the nodes of
+        each tensor's shards. Collective."""
+        self.nodes = topology.current_nodes()
+        self.node_set, self.shard_set = topology.join(self.nodes)
+        self.between_nodes = {
+            plan.name: cost.two_level_inner(
+                self.codec, self.nodes.shard_length(plan.numel), self.nodes.cross_size
+            )
+            for plan in self.plans.values()
+            if plan.exchange == TWO_LEVEL and self.shard_set is not None
+        }
 
     def _choose_exchanges(self):
         """``exchange="auto"``: the compressed tensors' exchanges for this world, chosen
@@ -441,27 +449,38 @@ class CompressionPipeline:
         """Starts the node's reduce-scatter of ``grad``, zero-padded to the node's shards
         (``hvd_compress.topology``); on a node of one rank the shard is the gradient."""
         flight = _InFlight(plan, param, "shard", ratio=ratio)
-        local_size, length = self.nodes.local_size, self.nodes.shard_length(plan.numel)
         vector = grad.reshape(-1)
         if self.node_set is None:
             flight.vector = vector
             self._start_shard(flight)
             return flight
-        padded = vector.new_zeros(local_size * length)
-        padded[: plan.numel] = vector
         flight.handle = hvd.reducescatter_async(
-            self.meter.hand(padded),
+            self.meter.hand(self._padded(plan, vector)),
             name=f"hvdc.{plan.name}.node",
             op=hvd.Average if self.average else hvd.Sum,
             process_set=self.node_set,
         )
         return flight
 
+    def _padded(self, plan, vector):
+        """The flat ``vector`` of ``plan``'s tensor zero-padded to its node's L shards of
+        equal length (``hvd_compress.topology.Nodes.shard_length``)."""
+        length = self.nodes.local_size * self.nodes.shard_length(plan.numel)
+        if length == plan.numel:
+            return vector
+        padded = vector.new_zeros(length)
+        padded[: plan.numel] = vector
+        return padded
+
     def _start_shard(self, flight):
         """The exchange among the nodes of a two-level flight's shard (``flight.vector``):
-        by the codec where there are other nodes, else straight to the node's allgather."""
+        by the codec where there are other nodes, else straight to the node's allgather,
+        carrying any residual that a layout with other nodes left (``_follow_nodes``)."""
         if self.shard_set is None:
-            self._gather_shard(flight, flight.vector)
+            shard, name = flight.vector, flight.plan.name
+            if self.worker_memory is not None and name in self.worker_memory.residuals:
+                shard = self.worker_memory.flush(name, shard, flight.ratio)
+            self._gather_shard(flight, shard)
             return
         exchange = self.between_nodes[flight.plan.name]
         flight.fused = self._compensates_in_kernels(flight.vector)
@@ -684,17 +703,16 @@ class CompressionPipeline:
         worker residuals times N'/N; the replicated server's residual as it is (every rank
         holds it); a sharded server's residual, which covers this rank's old shard only, times
         N' at that shard's positions. A rank that left takes its own residuals with it.
-        ``exchange="auto"`` is decided again for N'.
+        ``exchange="auto"`` is decided again for N'. The two-level exchange takes the new
+        layout (``_follow_nodes``), unless it kept its shape: then its servers are those of
+        a flat exchange among one rank per node, or it compresses nothing (one node).
         """
         size, rank = self.process_set.size(), self.process_set.rank()
+        if self.nodes is not None and topology.moved(self.nodes, self.node_set, self.shard_set):
+            self._follow_nodes(size, rank)
+            return
         if (size, rank) == (self.world_size, self.rank):
             return
-        if self.nodes is not None:
-            raise RuntimeError(
-                f"exchange='two-level': the world changed from {self.world_size} to {size} "
-                f"ranks, and the two-level exchange's residuals are of shards of the old "
-                f"nodes; it does not follow elastic world changes"
-            )
         if self.worker_memory is not None:
             for name, residual in self.worker_memory.residuals.items():
                 self.worker_memory.residuals[name] = residual * (size / self.world_size)
@@ -710,22 +728,72 @@ class CompressionPipeline:
 
     def _server_residual_to_worker(self, plan, world):
         """Moves the server residual of ``plan``'s tensor into this rank's worker residual,
-        so that the next exchange among ``world`` ranks, whose sum is divided by count
-        (``world`` for an average, 1 for a sum), delivers it: the replicated server's (held
-        by every rank) times count / world, a sharded server's (this rank's shard of the
-        current world only) times count at that shard's positions."""
+        so that the next exchange among ``world`` ranks (for a two-level tensor: nodes),
+        whose sum is divided by count (``world`` for an average, 1 for a sum), delivers it:
+        the replicated server's (held by every rank) times count / world, a sharded
+        server's (this rank's shard of the current world only) times count at that shard's
+        positions."""
         count = world if self.average else 1
         residual = self.server_memory.residuals.pop(plan.name)
-        if plan.exchange == "sharded":
-            shard = make_exchange(
-                "sharded", self.codec, plan.numel, self.world_size, self.meter, 1
-            ).shard(self.rank)
-            full = residual.new_zeros(plan.numel)
+        exchange, numel, ranks, rank = plan.exchange, plan.numel, self.world_size, self.rank
+        if exchange == TWO_LEVEL:
+            _, shard = self.nodes.locate(self.rank)
+            exchange, numel = self.between_nodes[plan.name], self.nodes.shard_length(numel)
+            ranks, rank = self.nodes.cross_size, self.nodes.cross_sets()[shard].index(self.rank)
+        if exchange == "sharded":
+            shard = make_exchange("sharded", self.codec, numel, ranks, self.meter, 1).shard(rank)
+            full = residual.new_zeros(numel)
             full[shard] = residual * count
             residual = full
         else:
             residual = residual * (count / world)
         self.worker_memory.residuals[plan.name] = self.worker_memory.compensate(plan.name, residual)
+
+    def _follow_nodes(self, size, rank):
+        """Takes the layout of a world that elastic Horovod changed, as ``_follow_world``
+        does for a flat exchange. Collective.
+
+        Each two-level tensor's residuals here are of this rank's shard of its node's
+        average (server residuals moved into them, ``_server_residual_to_worker``), and
+        reach the average over the old M nodes divided by M. Padded to the whole tensor and
+        scaled by N' / M, the node averages of the new layout give each of its ranks a
+        residual of its new shard that carries the same mass to the average over the N'
+        ranks; on a layout of one node, which compresses nothing, the next step sends it
+        (``_start_shard``).
+        """
+        if self.worker_memory is None:
+            self.world_size, self.rank = size, rank
+            self._join_nodes()
+            return
+        scale = size / self.nodes.cross_size if self.average else 1.0
+        _, shard = self.nodes.locate(self.rank)
+        carried = {}
+        for param, plan in self.plans.items():
+            if plan.exchange != TWO_LEVEL:
+                continue
+            if self.server_memory is not None and plan.name in self.server_memory.residuals:
+                self._server_residual_to_worker(plan, self.nodes.cross_size)
+            # Zeros where this rank holds no residual, in a dtype every rank agrees on.
+            zeros = param.new_zeros(
+                plan.numel, dtype=torch.promote_types(param.dtype, torch.float32)
+            )
+            whole = self._padded(plan, zeros)
+            residual = self.worker_memory.residuals.pop(plan.name, None)
+            if residual is not None:
+                whole.view(self.nodes.local_size, -1)[shard] = residual * scale
+            carried[plan.name] = (plan, whole[: plan.numel])
+        self.world_size, self.rank = size, rank
+        self._join_nodes()
+        for name, (plan, whole) in carried.items():
+            residual = self._padded(plan, whole)
+            if self.node_set is not None:
+                residual = hvd.reducescatter(
+                    residual,
+                    name=f"hvdc.{name}.relayout",
+                    op=hvd.Average if self.average else hvd.Sum,
+                    process_set=self.node_set,
+                )
+            self.worker_memory.residuals[name] = residual
 
     # ----- the adaptive mode -----
 

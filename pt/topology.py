@@ -19,3 +19,9 @@ def current_nodes() -> Nodes:
 def join(nodes: Nodes) -> tuple:
     """This rank's (node set, shard set) (``hvd_compress.topology.join``)."""
     return topology.join(hvd, nodes, hvd.barrier)
+
+
+def moved(nodes: Nodes, node_set, shard_set) -> bool:
+    """Whether the ranks left the layout ``nodes`` and this rank's process sets
+    (``hvd_compress.topology.moved``)."""
+    return topology.moved(hvd, nodes, (node_set, shard_set))

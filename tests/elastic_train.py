@@ -1,9 +1,11 @@
-"""An elastic Horovod job for ``tests/test_elastic.py``: dist-EF-blockSGDM with a sharded server
-trains under ``hvd.elastic.run``; at ``shrink_at`` rank 0 rewrites the host-discovery file from
-3 slots to 2, so one worker leaves. Each process writes what it saw to ``<dir>/rank<r>.pt``.
+"""An elastic Horovod job for ``tests/test_elastic.py``: dist-EF-blockSGDM trains under
+``hvd.elastic.run`` with the given exchange (its server sharded among the ranks, or among
+the nodes); at ``shrink_at`` rank 0 rewrites the host-discovery file to ``hosts_after``
+(hosts separated by commas), so workers leave. Each process writes what it saw to
+``<dir>/rank<r>.pt``.
 
     horovodrun -np 3 --min-np 2 --host-discovery-script <dir>/discover.sh \\
-        python -m tests.elastic_train <dir> <steps> <shrink_at>
+        python -m tests.elastic_train <dir> <steps> <shrink_at> <exchange> <hosts_after>
 """
 
 import os
@@ -18,37 +20,57 @@ import hvd_compress.pt as hc
 from .test_pt_distributed import Net
 
 
+def _server_mass(pipeline, plan, server):
+    """Where this rank's ``server`` residual of ``plan``'s tensor reaches the average, and
+    its share of it: a sharded server's shard whole, a replicated one over its ranks."""
+    if plan.exchange == "two-level":
+        node, shard = pipeline.nodes.locate(pipeline.rank)
+        exchange = pipeline.between_nodes[plan.name]
+        numel, ranks = pipeline.nodes.shard_length(plan.numel), pipeline.nodes.cross_size
+        rank = pipeline.nodes.cross_sets()[shard].index(pipeline.rank)
+    else:
+        exchange, numel, ranks, rank = plan.exchange, plan.numel, pipeline.world_size, pipeline.rank
+    if exchange != "sharded":
+        return slice(0, numel), server / ranks
+    return hc.exchange.make_exchange(
+        "sharded", pipeline.codec, numel, ranks, pipeline.meter, 1
+    ).shard(rank), server
+
+
 def _mass(pipeline):
-    """This rank's share of the residual mass: its worker residual over N, plus the part of
-    the server residual it holds (its shard, in the sharded exchange)."""
+    """This rank's share of the residual mass, as the average of a step would carry it:
+    its worker residual over the ranks that average it (all N, or for a two-level tensor's
+    shard the M nodes), plus its share of the server residual, each at its positions."""
     mass = {}
     for plan in pipeline.plans.values():
         if plan.reason != "compressed":
             continue
-        total = (
-            pipeline.worker_memory.residuals.get(plan.name, torch.zeros(plan.numel))
-            / pipeline.world_size
-        )
+        positions, numel, ranks = slice(0, plan.numel), plan.numel, pipeline.world_size
+        if plan.exchange == "two-level":
+            _, shard = pipeline.nodes.locate(pipeline.rank)
+            numel = pipeline.nodes.shard_length(plan.numel)
+            positions, ranks = slice(shard * numel, (shard + 1) * numel), pipeline.nodes.cross_size
+        total = pipeline.worker_memory.residuals.get(plan.name, torch.zeros(numel)) / ranks
         server = pipeline.server_memory.residuals.get(plan.name)
         if server is not None:
-            shard = hc.exchange.make_exchange(
-                "sharded", pipeline.codec, plan.numel, pipeline.world_size, pipeline.meter, 1
-            ).shard(pipeline.rank)
+            where, share = _server_mass(pipeline, plan, server)
             total = total.clone()
-            total[shard] += server
-        mass[plan.name] = total
+            total[where] += share
+        whole = torch.zeros(pipeline.nodes.local_size * numel if pipeline.nodes else numel)
+        whole[positions] = total
+        mass[plan.name] = whole[: plan.numel]
     return mass
 
 
-def main(directory, steps, shrink_at):
-    hvd.init()
+def main(directory, steps, shrink_at, exchange, hosts_after):
+    hvd.init(process_sets="dynamic")
     torch.manual_seed(0)
     model = Net()
     optimizer = hc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         model.named_parameters(),
         compression=hc.BlockSign(min_size=0),
-        exchange="sharded",
+        exchange=exchange,
     )
     pipeline = optimizer._hvdc_pipeline
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0)
@@ -82,7 +104,7 @@ def main(directory, steps, shrink_at):
             if state.step == shrink_at:
                 if hvd.rank() == 0:
                     with open(os.path.join(directory, "hosts"), "w") as f:
-                        f.write("localhost:2\n")
+                        f.write(hosts_after.replace(",", "\n") + "\n")
                 # Wait for the driver to see the new hosts (it polls the discovery script),
                 # so the shrink happens at this step however loaded the machine is; every
                 # rank takes part in each check, and all are interrupted together.
@@ -93,10 +115,16 @@ def main(directory, steps, shrink_at):
     train(state)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save(
-        {"seen": seen, "params": params, "size": hvd.size()},
+        {
+            "seen": seen,
+            "params": params,
+            "size": hvd.size(),
+            "nodes": pipeline.nodes and pipeline.nodes.node_sets(),
+            "residuals": sorted(pipeline.worker_memory.residuals),
+        },
         os.path.join(directory, f"rank{hvd.rank()}.pt"),
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -5,7 +5,7 @@ import pytest
 
 import hvd_compress
 from hvd_compress import cost, simulate
-from hvd_compress.topology import Nodes
+from hvd_compress.topology import Nodes, moved
 
 
 def test_nodes_from_each_ranks_node():
@@ -31,6 +31,50 @@ def test_nodes_refuse_uneven_or_unordered_layouts():
         Nodes(((0, 1), (2, 4)))
     with pytest.raises(ValueError, match="ascending"):
         Nodes(((1, 0), (2, 3)))
+
+
+class _Horovod:
+    """What ``topology.moved`` reads of Horovod: the world's shape and its process sets,
+    which a re-initialisation forgets (their ``size`` then raises, as Horovod's does)."""
+
+    global_process_set = object()
+
+    def __init__(self, size, local_size, cross_size):
+        self.shape = (size, local_size, cross_size)
+        self.known = set()
+
+    def size(self):
+        return self.shape[0]
+
+    def local_size(self):
+        return self.shape[1]
+
+    def cross_size(self):
+        return self.shape[2]
+
+
+class _ProcessSet:
+    def __init__(self, horovod, ranks):
+        self.horovod, self.ranks = horovod, ranks
+        horovod.known.add(self)
+
+    def size(self):
+        if self not in self.horovod.known:
+            raise ValueError("Process set does not exist or has not been registered.")
+        return len(self.ranks)
+
+
+def test_a_layout_moves_with_the_worlds_shape_or_its_forgotten_sets():
+    horovod, nodes = _Horovod(4, 2, 2), Nodes(((0, 1), (2, 3)))
+    sets = (_ProcessSet(horovod, [0, 1]), _ProcessSet(horovod, [0, 2]))
+    assert not moved(horovod, nodes, sets)
+    horovod.known.clear()  # Horovod initialised again: every added set forgotten
+    assert moved(horovod, nodes, sets)
+    for shape in [(2, 1, 2), (2, 2, 1), (6, 2, 3)]:
+        assert moved(_Horovod(*shape), nodes, (None, None))
+    # One rank per node: no set but the global one, which a new world keeps.
+    horovod = _Horovod(2, 1, 2)
+    assert not moved(horovod, Nodes(((0,), (1,))), (None, horovod.global_process_set))
 
 
 def _inputs(world, numel, length, seed=0):
