@@ -131,7 +131,11 @@ class CodecTrainer(Trainer):
 
     def sent(self):
         return sent_bytes(
-            self.codec, self.optimizer.compression_stats(), self.world_size, self.nodes
+            self.codec,
+            self.optimizer.compression_stats(),
+            self.world_size,
+            self.nodes,
+            self.optimizer._hvdc_pipeline.node_allreduce,
         )
 
 

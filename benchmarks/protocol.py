@@ -88,16 +88,23 @@ def timed_steps(trainer, batches, steps):
     return seconds
 
 
-def sent_bytes(codec, stats, world_size, nodes=None):
+def sent_bytes(codec, stats, world_size, nodes=None, node_allreduce=False):
     """Bytes a worker puts on the network in the step ``stats`` (a wrapper's
     ``compression_stats()``) describes, by ``hvd_compress.cost``: each tensor by the path
-    it took; a two-level exchange's on both tiers, with ``nodes`` (``topology.Nodes``)."""
+    it took; a two-level exchange's on both tiers, with ``nodes`` (``topology.Nodes``) and
+    whether a node averaged by an allreduce."""
     if codec.message == "factors":  # factors and whole tensors alike by allreduce
         return cost.allreduce_traffic(stats["bytes_handed"], world_size).sent
     total = 0.0
     for _, numel, exchange, _ in stats["tensors"]:
         if exchange == cost.TWO_LEVEL:
-            total += cost.two_level_traffic(codec, numel, nodes.local_size, nodes.cross_size).sent
+            total += cost.two_level_traffic(
+                codec,
+                numel,
+                nodes.local_size,
+                nodes.cross_size,
+                node_allreduce=node_allreduce,
+            ).sent
         elif exchange in (UNCOMPRESSED, HALF):
             itemsize = 2 if exchange == HALF else 4
             total += cost.uncompressed_traffic(numel, world_size, itemsize).sent

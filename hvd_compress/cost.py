@@ -137,11 +137,18 @@ def two_level_inner(codec, numel, cross_size, allreduce_dtypes=TORCH_ALLREDUCE_D
 
 
 def two_level_traffic(
-    codec, numel, local_size, cross_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES, itemsize=4
+    codec,
+    numel,
+    local_size,
+    cross_size,
+    allreduce_dtypes=TORCH_ALLREDUCE_DTYPES,
+    itemsize=4,
+    node_allreduce=False,
 ):
     """Traffic of one tensor through the two-level exchange, on both tiers: the node's
-    reduce-scatter of the zero-padded gradient, the codec's exchange of the shard among the
-    nodes (none on one node), the node's allgather of the decoded shards."""
+    reduce-scatter of the zero-padded gradient (with ``node_allreduce`` an allreduce,
+    ``topology.averages_by_allreduce``), the codec's exchange of the shard among the nodes
+    (none on one node), the node's allgather of the decoded shards."""
     length = -(-numel // local_size)
     nbytes = length * itemsize
     inner = NO_TRAFFIC
@@ -150,7 +157,8 @@ def two_level_traffic(
         inner = compressed_traffic(codec, length, cross_size, exchange, allreduce_dtypes)
     if local_size == 1:
         return inner
-    scatter = Traffic(local_size * nbytes, (local_size - 1) * nbytes, 1)
+    rounds = 2 if node_allreduce else 1  # a ring allreduce: reduce-scatter, then allgather
+    scatter = Traffic(local_size * nbytes, rounds * (local_size - 1) * nbytes, 1)
     gather = Traffic(nbytes, (local_size - 1) * nbytes, 1)
     return scatter + inner + gather
 

@@ -90,6 +90,15 @@ class Nodes:
         return -(-numel // self.local_size)
 
 
+def averages_by_allreduce(on_cpu: bool) -> bool:
+    """Whether a node averages its two-level tensors by an allreduce of the whole tensor, of
+    which each rank keeps its shard, rather than by a reduce-scatter: for tensors on the CPU
+    (``on_cpu``). Horovod's CPU reduce-scatters (Gloo's halving-doubling, each round one
+    message of all that remains; MPI's) finish after its allreduces of twice the bytes
+    (``benchmarks/node_average.py``); NCCL's is the first half of its ring allreduce."""
+    return on_cpu
+
+
 # The process sets added for two-level exchanges, by their ranks: Horovod refuses a second
 # set of the same ranks, and every pipeline of a job shares them.
 _ADDED = {}

@@ -30,6 +30,7 @@ from hvd_compress.adaptive import (
 from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
+from hvd_compress.topology import averages_by_allreduce
 from hvd_compress.validation import check_global_membership, check_two_level_process_set
 
 from . import fused, seeding, topology
@@ -172,10 +173,12 @@ class CompressionPipeline:
         self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
         self.exchange = exchange
-        # The two-level exchange's layout, this rank's process sets and the exchange among
-        # the nodes of each tensor's shards (``_join_nodes``).
+        # The two-level exchange's layout, this rank's process sets, the exchange among
+        # the nodes of each tensor's shards and whether a node averages by an allreduce
+        # (``_join_nodes``).
         self.nodes = self.node_set = self.shard_set = None
         self.between_nodes = {}
+        self.node_allreduce = False
         if exchange == TWO_LEVEL and self.included:
             check_two_level_process_set(process_set is hvd.global_process_set)
         self.step = 0
@@ -267,6 +270,7 @@ class CompressionPipeline:
         each tensor's shards. Collective."""
         self.nodes = topology.current_nodes()
         self.node_set, self.shard_set = topology.join(self.nodes)
+        self.node_allreduce = averages_by_allreduce(all(p.device.type == "cpu" for p in self.plans))
         self.between_nodes = {
             plan.name: cost.two_level_inner(
                 self.codec, self.nodes.shard_length(plan.numel), self.nodes.cross_size
@@ -446,15 +450,17 @@ class CompressionPipeline:
         flight.stage = "scale"
 
     def _launch_two_level(self, plan, param, grad, ratio):
-        """Starts the node's reduce-scatter of ``grad``, zero-padded to the node's shards
-        (``hvd_compress.topology``); on a node of one rank the shard is the gradient."""
+        """Starts the node's reduce-scatter (or allreduce, ``node_allreduce``) of ``grad``,
+        zero-padded to the node's shards (``hvd_compress.topology``); on a node of one rank
+        the shard is the gradient."""
         flight = _InFlight(plan, param, "shard", ratio=ratio)
         vector = grad.reshape(-1)
         if self.node_set is None:
             flight.vector = vector
             self._start_shard(flight)
             return flight
-        flight.handle = hvd.reducescatter_async(
+        average = hvd.allreduce_async if self.node_allreduce else hvd.reducescatter_async
+        flight.handle = average(
             self.meter.hand(self._padded(plan, vector)),
             name=f"hvdc.{plan.name}.node",
             op=hvd.Average if self.average else hvd.Sum,
@@ -471,6 +477,14 @@ class CompressionPipeline:
         padded = vector.new_zeros(length)
         padded[: plan.numel] = vector
         return padded
+
+    def _own_shard(self, average):
+        """This rank's shard of its node's ``average``: a reduce-scatter's output, or its
+        part of an allreduce's."""
+        if not self.node_allreduce:
+            return average
+        _, shard = self.nodes.locate(self.rank)
+        return average.view(self.nodes.local_size, -1)[shard]
 
     def _start_shard(self, flight):
         """The exchange among the nodes of a two-level flight's shard (``flight.vector``):
@@ -556,7 +570,7 @@ class CompressionPipeline:
             if flight.stage == "shard" and (block or hvd.poll(flight.handle)):
                 name = flight.plan.name
                 with self.meter.charging(name), self._cpu(name, "before"):
-                    flight.vector = wait(flight.handle)
+                    flight.vector = self._own_shard(wait(flight.handle))
                     self._start_shard(flight)
         for flight in self._waiting:
             if flight.stage != "scale":

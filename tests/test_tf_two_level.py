@@ -13,9 +13,17 @@ from hvd_compress.topology import Nodes
 from . import process_sets
 from .harness import run_parallel
 from .test_tf_distributed import _tape_loop
-from .test_two_level import CONFIGS, check
+from .test_two_level import CONFIGS, by_reduce_scatter, check
 
 pytestmark = pytest.mark.multiprocess
+
+
+def _tape_loop_both_ways(configs, reduce_scattered, **options):
+    """``_tape_loop`` of ``configs``, then of ``reduce_scattered`` with each node averaging
+    by a reduce-scatter."""
+    return _tape_loop(configs, **options) + by_reduce_scatter(
+        "tf", _tape_loop, reduce_scattered, **options
+    )
 
 
 def _by_name(run):
@@ -31,11 +39,20 @@ def _by_name(run):
 @pytest.mark.parametrize("layout", ["2x2", "1x4", "4x1"])
 def test_two_level_exchange_is_the_reference_on_every_rank(layout):
     """2 x 2 compresses between the nodes only; 1 x 4 (one node) reduces to an
-    uncompressed reduce-scatter and allgather, 4 x 1 to the codec's flat exchange."""
+    uncompressed average and allgather, 4 x 1 to the codec's flat exchange. On 2 x 2,
+    TernGrad runs again with the node's average by a reduce-scatter."""
     count, local = map(int, layout.split("x"))
     nodes = Nodes(tuple(tuple(range(m * local, (m + 1) * local)) for m in range(count)))
     configs = [(codec, "two-level", True) for codec, _, _ in CONFIGS]
-    per_rank = run_parallel(_tape_loop, 4, configs, layout=process_sets.DYNAMIC, launcher=layout)
-    for (codec, _, reference), results in zip(CONFIGS, zip(*per_rank)):
+    again = CONFIGS[:1] if layout == "2x2" else []
+    per_rank = run_parallel(
+        _tape_loop_both_ways,
+        4,
+        configs,
+        configs[: len(again)],
+        layout=process_sets.DYNAMIC,
+        launcher=layout,
+    )
+    for (codec, _, reference), results in zip(CONFIGS + again, zip(*per_rank)):
         runs = [_by_name(run) for run in results]
         check(runs, codec, nodes, reference, cost.TF_ALLREDUCE_DTYPES)

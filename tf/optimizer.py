@@ -185,10 +185,11 @@ def DistributedOptimizer(
             outside it keep their own gradients, as with Horovod's wrappers.
         exchange: ``"auto"`` (the cheapest by ``hvd_compress.cost`` for each tensor),
             ``"allreduce"``, ``"allgather"`` or ``"sharded"``; or ``"two-level"``: each
-            node's ranks sum their gradients uncompressed (a reduce-scatter), rank l of
-            every node exchanges the codes of shard l with rank l of the others, and the
-            node gathers the decoded shards (``hvd_compress.topology``; Horovod must be
-            initialised with ``hvd.init(process_sets="dynamic")``).
+            node's ranks sum their gradients uncompressed (a reduce-scatter; for CPU
+            tensors an allreduce), rank l of every node exchanges the codes of shard l
+            with rank l of the others, and the node gathers the decoded shards
+            (``hvd_compress.topology``; Horovod must be initialised with
+            ``hvd.init(process_sets="dynamic")``).
         seed: base seed of the random streams of stochastic codecs.
         uncompressed: variable paths (``"dense/kernel"``) always sent whole, in addition to
             those the codec leaves out (smaller than ``min_size``; the classifier unless

@@ -19,6 +19,7 @@ from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES, TWO_LEVEL
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
+from hvd_compress.topology import averages_by_allreduce
 from hvd_compress.validation import (
     check_error_feedback,
     check_exchange,
@@ -113,12 +114,15 @@ class CompressionPipeline(tf.Module):
         # Outside the set the rank keeps no shard of a sharded server: rank 0's sizes stand in.
         self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
-        # The two-level exchange's layout and this rank's process sets (``topology.join``).
+        # The two-level exchange's layout, this rank's process sets (``topology.join``) and
+        # whether a node averages by an allreduce (``topology.averages_by_allreduce``).
         self.nodes = self.node_set = self.shard_set = None
+        self.node_allreduce = False
         if exchange == TWO_LEVEL and self.included:
             check_two_level_process_set(process_set is hvd.global_process_set)
             self.nodes = topology.current_nodes()
             self.node_set, self.shard_set = topology.join(self.nodes)
+            self.node_allreduce = averages_by_allreduce(not tf.config.list_logical_devices("GPU"))
         self.meter = Meter()
         # The wrapper's ``WorkerMomentum``, if any: exchanges that send part of the
         # velocity (DGC) make it forget what they sent.
@@ -482,25 +486,36 @@ class CompressionPipeline(tf.Module):
         return tf.cast(tf.reshape(decoded, grad.shape), grad.dtype)
 
     def _start_two_level(self, plan, grad, ratio, alltoall_fusion):
-        """The node's reduce-scatter of ``grad``, zero-padded to the node's shards
-        (``hvd_compress.topology``), then the start of the nodes' exchange of this rank's
-        shard; returns what that exchange's ``finish`` takes, or on a node alone the shard.
-        On a node of one rank the shard is the gradient."""
+        """The node's reduce-scatter (or allreduce, ``node_allreduce``) of ``grad``,
+        zero-padded to the node's shards (``hvd_compress.topology``), then the start of the
+        nodes' exchange of this rank's shard; returns what that exchange's ``finish``
+        takes, or on a node alone the shard. On a node of one rank the shard is the
+        gradient."""
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
         if self.node_set is not None:
             length = self.nodes.shard_length(plan.numel)
             padded = tf.pad(vector, [[0, self.nodes.local_size * length - plan.numel]])
-            vector = hvd.reducescatter(
+            average = hvd.allreduce if self.node_allreduce else hvd.reducescatter
+            vector = average(
                 self.meter.hand(padded),
                 op=hvd.Average if self.average else hvd.Sum,
                 name=f"{collective_name(plan)}.node",
                 ignore_name_scope=True,
                 process_set=self.node_set,
             )
+            vector = self._own_shard(vector)
             vector.set_shape([length])
         if plan.name not in self.between_nodes:
             return vector
         return self._start(plan, vector, ratio, alltoall_fusion)
+
+    def _own_shard(self, average):
+        """This rank's shard of its node's ``average``: a reduce-scatter's output, or its
+        part of an allreduce's."""
+        if not self.node_allreduce:
+            return average
+        _, shard = self.nodes.locate(self.rank)
+        return tf.reshape(average, [self.nodes.local_size, -1])[shard]
 
     def _gather_shard(self, plan, shard):
         """The node's allgather of a two-level tensor's decoded ``shard``, cut to the
