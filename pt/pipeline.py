@@ -236,22 +236,17 @@ class CompressionPipeline:
             self._follow_planner()
         self._step_started = None  # perf_counter() of the step's first gradient
         self._measuring = False  # whether the planner measures this step's tensors
-        self._step_agreed = False  # whether every rank has taken the same step counter
-        self.last_tensor_bytes = collections.Counter()
-        self.last_sent_elements = {}
-        if not self.included:
-            return
-        description = agreement.describe(
+        # What every rank must compress alike, and whether the ranks of this world have
+        # checked it and taken one step counter (``_agree``).
+        self._description = agreement.describe(
             codec,
             exchange,
             average,
             [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()],
         )
-        problem = agreement.disagreement(
-            allgather_object(description, "hvdc.agreement", process_set)
-        )
-        if problem:
-            raise ValueError(problem)
+        self._agreed = False
+        self.last_tensor_bytes = collections.Counter()
+        self.last_sent_elements = {}
 
     def _plan(self, name, index, param, exchange, whole):
         numel = param.numel()
@@ -328,9 +323,9 @@ class CompressionPipeline:
         ``momentum`` (``WorkerMomentum.Deferred``, only where ``fuses``) is applied to the
         gradient on the way."""
         if not self._in_flight:
-            if not self._step_agreed:
-                self._agree_on_step()
             self._follow_world()
+            if not self._agreed:
+                self._agree()
             self._fusions = self._fusion_groups()
             self._step_started = time.perf_counter()
             if self.codec.uncompressed_steps:
@@ -697,14 +692,24 @@ class CompressionPipeline:
             extremes.append(torch.stack(torch._foreach_norm(small, float("inf"))))
         return bool(torch.isfinite(torch.cat(extremes)).all()) if extremes else True
 
-    def _agree_on_step(self):
-        """Takes the largest step counter of any rank, once, before the first exchange.
+    def _agree(self):
+        """Checks that every rank compresses alike (``hvd_compress.agreement``: a rank that
+        differs would hang the others' collectives) and takes the largest step counter of
+        any rank: before the first exchange, and again in a world that elastic Horovod
+        changed. Not at construction: a worker that joins a running job constructs its
+        pipeline where the others do not, and only meets them at a step.
+
         After rank 0 alone loaded a checkpoint and ``hvd.broadcast_optimizer_state`` shared
-        the optimizer's state (which does not carry this pipeline's), the other ranks would
-        count from 0; the counter chooses CLT-k's leader and the adaptive mode's decision
-        steps, which every rank must take alike or hang."""
+        the optimizer's state (which does not carry this pipeline's), or after a worker
+        joined, the other ranks would count from 0; the counter chooses CLT-k's leader and
+        the adaptive mode's decision steps, which every rank must take alike or hang."""
+        problem = agreement.disagreement(
+            allgather_object(self._description, "hvdc.agreement", self.process_set)
+        )
+        if problem:
+            raise ValueError(problem)
         [self.step] = _max_over_ranks([self.step], "hvdc.step", self.process_set, torch.int64)
-        self._step_agreed = True
+        self._agreed = True
         if self.planner is not None:
             self.planner.restart(self.step)
             self._follow_planner()
@@ -723,10 +728,15 @@ class CompressionPipeline:
         """
         size, rank = self.process_set.size(), self.process_set.rank()
         if self.nodes is not None and topology.moved(self.nodes, self.node_set, self.shard_set):
+            self._agreed = False
             self._follow_nodes(size, rank)
             return
         if (size, rank) == (self.world_size, self.rank):
             return
+        if size != self.world_size:
+            # Every rank sees the new size, so all agree again, with any that joined (a rank
+            # renumbered in a world of the same size cannot tell whether others were).
+            self._agreed = False
         if self.worker_memory is not None:
             for name, residual in self.worker_memory.residuals.items():
                 self.worker_memory.residuals[name] = residual * (size / self.world_size)

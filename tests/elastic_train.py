@@ -1,11 +1,11 @@
 """An elastic Horovod job for ``tests/test_elastic.py``: dist-EF-blockSGDM trains under
 ``hvd.elastic.run`` with the given exchange (its server sharded among the ranks, or among
-the nodes); at ``shrink_at`` rank 0 rewrites the host-discovery file to ``hosts_after``
-(hosts separated by commas), so workers leave. Each process writes what it saw to
+the nodes); at ``change_at`` rank 0 rewrites the host-discovery file to ``hosts_after``
+(hosts separated by commas), so workers leave or join. Each process writes what it saw to
 ``<dir>/rank<r>.pt``.
 
     horovodrun -np 3 --min-np 2 --host-discovery-script <dir>/discover.sh \\
-        python -m tests.elastic_train <dir> <steps> <shrink_at> <exchange> <hosts_after>
+        python -m tests.elastic_train <dir> <steps> <change_at> <exchange> <hosts_after>
 """
 
 import os
@@ -62,7 +62,7 @@ def _mass(pipeline):
     return mass
 
 
-def main(directory, steps, shrink_at, exchange, hosts_after):
+def main(directory, steps, change_at, exchange, hosts_after):
     hvd.init(process_sets="dynamic")
     torch.manual_seed(0)
     model = Net()
@@ -101,12 +101,12 @@ def main(directory, steps, shrink_at, exchange, hosts_after):
             seen["sizes"].append(hvd.size())
             committed["mass"] = _mass(pipeline)
             state.commit()
-            if state.step == shrink_at:
+            if state.step == change_at:
                 if hvd.rank() == 0:
                     with open(os.path.join(directory, "hosts"), "w") as f:
                         f.write(hosts_after.replace(",", "\n") + "\n")
                 # Wait for the driver to see the new hosts (it polls the discovery script),
-                # so the shrink happens at this step however loaded the machine is; every
+                # so the change happens at this step however loaded the machine is; every
                 # rank takes part in each check, and all are interrupted together.
                 for _ in range(600):
                     time.sleep(0.5)

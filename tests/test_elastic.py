@@ -1,5 +1,6 @@
-"""Horovod elastic: a dist-EF-blockSGDM job loses workers mid-training and finishes, and the
-residual mass the survivors hold is carried into the smaller world, flat or on new nodes."""
+"""Horovod elastic: a dist-EF-blockSGDM job changes its world mid-training and finishes. Workers
+that stay carry their residual mass into the new world, flat or on new nodes; a worker that
+joins meets the others at its first step."""
 
 import os
 import subprocess
@@ -12,13 +13,14 @@ from .harness import BIN, REPO
 pytestmark = pytest.mark.multiprocess
 
 
-# name: (exchange, hosts before, hosts after, ranks before, ranks after). A flat sharded
-# exchange on one host; two-level ones on hosts that all are this machine to horovodrun
-# (names that resolve to 127.0.0.1), losing a host: from 3 nodes of 2 to 2 (residuals
-# rescaled by N' / M and moved to the new nodes' shards), and from 2 nodes to 1 (nothing
-# compressed any more: the next step sends the residuals).
+# name: (exchange, hosts before, hosts after, ranks before, ranks after). Flat sharded
+# exchanges on one host, losing a worker and gaining one; two-level ones on hosts that all
+# are this machine to horovodrun (names that resolve to 127.0.0.1), losing a host: from 3
+# nodes of 2 to 2 (residuals rescaled by N' / M and moved to the new nodes' shards), and
+# from 2 nodes to 1 (nothing compressed any more: the next step sends the residuals).
 LAYOUTS = {
     "flat": ("sharded", "localhost:3", "localhost:2", 3, 2),
+    "flat-growing": ("sharded", "localhost:2", "localhost:3", 2, 3),
     "two-level": (
         "two-level",
         "localhost:2,127.0.0.1:2,LOCALHOST:2",
@@ -30,11 +32,11 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_losing_workers_keeps_the_survivors_residual_mass(tmp_path, layout):
-    exchange, hosts, hosts_after, ranks, survivors = LAYOUTS[layout]
-    steps, shrink_at = 12, 5
+def test_a_changed_world_keeps_the_residual_mass_of_the_workers_that_stay(tmp_path, layout):
+    exchange, hosts, hosts_after, ranks, ranks_after = LAYOUTS[layout]
+    steps, change_at = 12, 5
     (tmp_path / "hosts").write_text(hosts.replace(",", "\n") + "\n")
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
@@ -46,7 +48,7 @@ def test_losing_workers_keeps_the_survivors_residual_mass(tmp_path, layout):
         "--min-np",
         "2",
         "--max-np",
-        str(ranks),
+        str(max(ranks, ranks_after)),
         "--host-discovery-script",
         str(discover),
         "--gloo-timeout-seconds",
@@ -59,7 +61,7 @@ def test_losing_workers_keeps_the_survivors_residual_mass(tmp_path, layout):
         "tests.elastic_train",
         str(tmp_path),
         str(steps),
-        str(shrink_at),
+        str(change_at),
         exchange,
         hosts_after,
     ]
@@ -70,20 +72,28 @@ def test_losing_workers_keeps_the_survivors_residual_mass(tmp_path, layout):
         env=env,
         capture_output=True,
         text=True,
-        timeout=800,
+        timeout=300,
         start_new_session=True,
     )
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
 
-    finished = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(survivors)]
+    finished = [
+        torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(ranks_after)
+    ]
+    # Workers that joined started at the step the others had reached, and saw no reset.
+    stayed = [result for result in finished if result["seen"]["before"] is not None]
+    assert len(stayed) == min(ranks, ranks_after)
     for result in finished:
-        assert result["size"] == survivors
+        assert result["size"] == ranks_after
         sizes = result["seen"]["sizes"]
-        assert sizes[:shrink_at] == [ranks] * shrink_at and set(sizes[shrink_at:]) == {survivors}
-        assert len(sizes) == steps  # every step ran once: the shrink lost no step
-        assert result["seen"]["after_world"] == survivors
-    befores = [result["seen"]["before"] for result in finished]
-    afters = [result["seen"]["after"] for result in finished]
+        assert sizes[-(steps - change_at) :] == [ranks_after] * (steps - change_at)
+    for result in stayed:
+        sizes = result["seen"]["sizes"]
+        assert sizes[:change_at] == [ranks] * change_at
+        assert len(sizes) == steps  # every step ran once: the change lost no step
+        assert result["seen"]["after_world"] == ranks_after
+    befores = [result["seen"]["before"] for result in stayed]
+    afters = [result["seen"]["after"] for result in stayed]
     assert befores[0] and all(m.keys() == befores[0].keys() for m in befores + afters)
     for name in befores[0]:
         if exchange == "two-level":

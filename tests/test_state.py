@@ -215,17 +215,19 @@ def _mismatched(kind):
     hvd.init()
     model = Net() if kind != "parameters" or hvd.rank() == 0 else torch.nn.Linear(64, 10)
     codec = "terngrad" if kind != "codec" or hvd.rank() == 0 else "qsgd-inf"
-    try:
-        hc.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=codec
-        )
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=codec
+    )
+    try:  # the ranks compare their configurations before the first exchange
+        model(torch.randn(8, 64)).sum().backward()
+        optimizer.step()
     except ValueError as error:
         return str(error)
     return None
 
 
 @pytest.mark.parametrize("kind", ["codec", "parameters"])
-def test_ranks_with_different_configurations_fail_fast_on_every_rank(kind):
+def test_ranks_with_different_configurations_fail_at_the_first_step_on_every_rank(kind):
     messages = run_parallel(_mismatched, 2, kind)
     for message in messages:
         assert message is not None and "different compression configurations" in message
