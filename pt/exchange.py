@@ -507,15 +507,19 @@ class SparseAllgather(_Exchange):
         compensated = self.memory.compensate(self.key, grad, ratio)
         selected = self.codec.select(compensated, grad, self.bin_length)
         message = self.codec.encode_message(compensated, selected, self.bin_length)
-        sent = self.codec.decode_message(message, self.numel, self.bin_length)
-        self.memory.update(self.key, compensated, sent)
+        self.own_values = self.codec.decode_message(message, self.numel, self.bin_length)
+        self.memory.update(self.key, compensated, self.own_values)
         self.sent_elements = selected.sum()
         return _allgather_with_sizes(message, name, self.meter, self.process_set)
 
     def finish(self, handles):
+        # This rank's message comes back among the others: its values are decoded already.
+        own = self.process_set.rank()
         values = [
-            self.codec.decode_message(message, self.numel, self.bin_length)
-            for message in _gathered_payloads(handles)
+            self.own_values
+            if rank == own
+            else self.codec.decode_message(message, self.numel, self.bin_length)
+            for rank, message in enumerate(_gathered_payloads(handles))
         ]
         return torch.stack(values).sum(dim=0) / self.count
 

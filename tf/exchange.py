@@ -447,12 +447,18 @@ class SparseAllgather(_Exchange):
         compensated = self.memory.compensate(self.key, grad, ratio)
         selected = self.codec.select(compensated, grad, self.bin_length)
         message = self.codec.encode_message(compensated, selected, self.bin_length)
-        sent = self.codec.decode_message(message, self.numel, self.bin_length)
-        self.memory.update(self.key, compensated, sent)
+        own_values = self.codec.decode_message(message, self.numel, self.bin_length)
+        self.memory.update(self.key, compensated, own_values)
         self.sent_elements = tf.reduce_sum(tf.cast(selected, tf.int64))
+        # This rank's message comes back among the others: its values are decoded already.
+        own = self.process_set.rank()
         values = [
-            self.codec.decode_message(chunk, self.numel, self.bin_length)
-            for chunk in _gather_with_sizes(message, name, self.meter, self.process_set)
+            own_values
+            if rank == own
+            else self.codec.decode_message(chunk, self.numel, self.bin_length)
+            for rank, chunk in enumerate(
+                _gather_with_sizes(message, name, self.meter, self.process_set)
+            )
         ]
         return divide(tf.reduce_sum(tf.stack(values), axis=0), self.count)
 
