@@ -759,11 +759,7 @@ class CompressionPipeline:
         positions."""
         count = world if self.average else 1
         residual = self.server_memory.residuals.pop(plan.name)
-        exchange, numel, ranks, rank = plan.exchange, plan.numel, self.world_size, self.rank
-        if exchange == TWO_LEVEL:
-            _, shard = self.nodes.locate(self.rank)
-            exchange, numel = self.between_nodes[plan.name], self.nodes.shard_length(numel)
-            ranks, rank = self.nodes.cross_size, self.nodes.cross_sets()[shard].index(self.rank)
+        exchange, numel, ranks, rank = self.server_exchange(plan)
         if exchange == "sharded":
             shard = make_exchange("sharded", self.codec, numel, ranks, self.meter, 1).shard(rank)
             full = residual.new_zeros(numel)
@@ -772,6 +768,21 @@ class CompressionPipeline:
         else:
             residual = residual * (count / world)
         self.worker_memory.residuals[plan.name] = self.worker_memory.compensate(plan.name, residual)
+
+    def server_exchange(self, plan):
+        """(exchange, elements, ranks, this rank's index among them) of the exchange whose
+        server keeps ``plan``'s server residual: the tensor's own among all ranks, or for a
+        two-level tensor its shard's among the nodes (found from the layout, whose process
+        sets an elastic reset may have dropped)."""
+        if plan.exchange != TWO_LEVEL:
+            return plan.exchange, plan.numel, self.world_size, self.rank
+        _, shard = self.nodes.locate(self.rank)
+        return (
+            self.between_nodes[plan.name],
+            self.nodes.shard_length(plan.numel),
+            self.nodes.cross_size,
+            self.nodes.cross_sets()[shard].index(self.rank),
+        )
 
     def _follow_nodes(self, size, rank):
         """Takes the layout of a world that elastic Horovod changed, as ``_follow_world``
@@ -785,15 +796,11 @@ class CompressionPipeline:
         ranks; on a layout of one node, which compresses nothing, the next step sends it
         (``_start_shard``).
         """
-        if self.worker_memory is None:
-            self.world_size, self.rank = size, rank
-            self._join_nodes()
-            return
         scale = size / self.nodes.cross_size if self.average else 1.0
         _, shard = self.nodes.locate(self.rank)
         carried = {}
         for param, plan in self.plans.items():
-            if plan.exchange != TWO_LEVEL:
+            if plan.exchange != TWO_LEVEL or self.worker_memory is None:
                 continue
             if self.server_memory is not None and plan.name in self.server_memory.residuals:
                 self._server_residual_to_worker(plan, self.nodes.cross_size)

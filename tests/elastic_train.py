@@ -23,13 +23,7 @@ from .test_pt_distributed import Net
 def _server_mass(pipeline, plan, server):
     """Where this rank's ``server`` residual of ``plan``'s tensor reaches the average, and
     its share of it: a sharded server's shard whole, a replicated one over its ranks."""
-    if plan.exchange == "two-level":
-        node, shard = pipeline.nodes.locate(pipeline.rank)
-        exchange = pipeline.between_nodes[plan.name]
-        numel, ranks = pipeline.nodes.shard_length(plan.numel), pipeline.nodes.cross_size
-        rank = pipeline.nodes.cross_sets()[shard].index(pipeline.rank)
-    else:
-        exchange, numel, ranks, rank = plan.exchange, plan.numel, pipeline.world_size, pipeline.rank
+    exchange, numel, ranks, rank = pipeline.server_exchange(plan)
     if exchange != "sharded":
         return slice(0, numel), server / ranks
     return hc.exchange.make_exchange(
