@@ -430,22 +430,35 @@ def _uniform_code(g, divisor, levels, u):
 
 
 @_jit(inline="always")
+def _one_level_code(g, divisor, u):
+    """``_uniform_code`` under s = 1 (TernGrad, 2-bit QSGD): x is the ratio itself and
+    min(floor(x), 0) is 0, so the level is the draw's test alone."""
+    level = np.int32(u < _ratio(g, divisor))
+    return -level if g < 0 else level
+
+
+@_jit(inline="always")
 def _nuqsgd_code(g, divisor, s, u):
     """``NUQSGD.encode`` of one element with smallest level 2^-s: the index of the level
-    below r counted over the s levels (the frexp of the eager op), then drawn up."""
+    below r (the frexp of the eager op), then drawn up to the level above it."""
     r = min(_ratio(g, divisor), np.float32(1.0))
-    # The gap hi - lo between the levels around r is a power of two (lo, or the smallest
-    # level below it): dividing by it is multiplying by its inverse, exactly, and cheaper.
-    smallest = np.float32(2.0**-s)
-    index, lo, level = 0, np.float32(0.0), smallest
-    inverse_gap, inverse_level = np.float32(2.0**s), np.float32(2.0**s)
-    for j in range(1, s + 1):
-        if r >= level:
-            index, lo, inverse_gap = j, level, inverse_level
-        level = level + level
-        inverse_level = inverse_level * np.float32(0.5)
+    # The level below r >= 2^-s is 2^e, e the binary exponent of r (at most -1: the level
+    # below 1 is 1/2), its index e + s + 1; below 2^-s it is 0, index 0. The gap to the
+    # next level is 2^e (2^-s above 0), so that lo and the gap's inverse are built from
+    # exponent bits, exactly, and the division by the gap is a product.
+    biased = min(np.int32(np.float32(r).view(np.int32) >> 23), np.int32(126))  # e + 127
+    above = biased >= 127 - s
+    index = biased - 126 + s if above else 0
+    lo = np.int32(biased << 23).view(np.float32) if above else np.float32(0.0)
+    inverse_gap = np.int32((254 - biased) << 23).view(np.float32) if above else _power(s)
     index += u < (r - lo) * inverse_gap
     return -index if g < 0 else index
+
+
+@_jit(inline="always")
+def _power(s):
+    """2^s, float32."""
+    return np.int32((127 + s) << 23).view(np.float32)
 
 
 @_jit(inline="always")
@@ -456,83 +469,150 @@ def _nuqsgd_value(code):
     return -value if code < 0 else value
 
 
-# Element first + i draws with the 32-bit counter k, stepped beside i rather than cut from the
-# 64-bit first + i: LLVM then keeps it in 32-bit vector lanes.
+# The code loops write code + ``offset`` into ``out``: the packed exchanges' fields
+# (``codes.IntCodes``: code + bound, one per byte of a uint8 ``out``, which costs a quarter
+# of int32 codes' stores), or the codes themselves (int32, offset 0) for the allreduce's
+# values. Element first + i draws with the 32-bit counter k, stepped beside i rather than
+# cut from the 64-bit first + i: LLVM then keeps it in 32-bit vector lanes.
 
 
-@_jit(error_model="numpy")
-def _uniform_codes(p, divisor, levels, first, lo, hi, codes):
+@_jit(inline="always")
+def _uniform_codes(p, divisor, levels, one_level, first, lo, hi, offset, out):
     k = np.uint32(first)
     for i in range(p.size):
-        codes[i] = _uniform_code(p[i], divisor, levels, _uniform(k, lo, hi))
+        u = _uniform(k, lo, hi)
+        if one_level:
+            out[i] = _one_level_code(p[i], divisor, u) + offset
+        else:
+            out[i] = _uniform_code(p[i], divisor, levels, u) + offset
         k = np.uint32(k + np.uint32(1))
 
 
-@_jit(error_model="numpy")
-def _uniform_codes_with_feedback(p, divisor, levels, first, lo, hi, scale, codes, residual):
+@_jit(inline="always")
+def _uniform_codes_with_feedback(
+    p, divisor, levels, one_level, first, lo, hi, scale, offset, out, residual
+):
     k = np.uint32(first)
     for i in range(p.size):
-        code = _uniform_code(p[i], divisor, levels, _uniform(k, lo, hi))
-        codes[i] = code
+        u = _uniform(k, lo, hi)
+        if one_level:
+            code = _one_level_code(p[i], divisor, u)
+        else:
+            code = _uniform_code(p[i], divisor, levels, u)
+        out[i] = code + offset
         residual[i] = p[i] - np.float32(code) * scale / levels
         k = np.uint32(k + np.uint32(1))
 
 
+@_jit(error_model="numpy")
+def _uniform_piece(p, divisor, levels, first, lo, hi, scale, offset, out, residual):
+    # One inlined copy per kind of loop; ``one_level`` a constant in each, so that LLVM
+    # drops the general code's floor, min and conversions where s = 1.
+    if levels == 1 and residual.size:
+        _uniform_codes_with_feedback(
+            p, divisor, levels, True, first, lo, hi, scale, offset, out, residual
+        )
+    elif levels == 1:
+        _uniform_codes(p, divisor, levels, True, first, lo, hi, offset, out)
+    elif residual.size:
+        _uniform_codes_with_feedback(
+            p, divisor, levels, False, first, lo, hi, scale, offset, out, residual
+        )
+    else:
+        _uniform_codes(p, divisor, levels, False, first, lo, hi, offset, out)
+
+
 @_jit(inline="always")
-def _nuqsgd_codes(p, divisor, s, first, lo, hi, scale, codes, residual):
+def _nuqsgd_codes(p, divisor, s, first, lo, hi, scale, offset, out, residual):
     # s is a constant where this is inlined, so LLVM unrolls the loop over levels and
     # vectorizes the loop over elements.
     k = np.uint32(first)
     for i in range(p.size):
-        codes[i] = _nuqsgd_code(p[i], divisor, s, _uniform(k, lo, hi))
+        out[i] = _nuqsgd_code(p[i], divisor, s, _uniform(k, lo, hi)) + offset
         k = np.uint32(k + np.uint32(1))
     # The residual from the codes, in a loop of its own over the chunk (in the loop above it
     # keeps LLVM from vectorizing); / 2^s as a product, which is exactly the same and cheaper.
     for i in range(residual.size):
-        residual[i] = p[i] - np.float32(_nuqsgd_value(codes[i])) * scale * np.float32(2.0**-s)
+        code = np.int32(out[i]) - offset
+        residual[i] = p[i] - np.float32(_nuqsgd_value(code)) * scale * np.float32(2.0**-s)
 
 
 @_jit(error_model="numpy")
-def _nuqsgd_piece(p, divisor, s, first, lo, hi, scale, codes, residual):
+def _nuqsgd_piece(p, divisor, s, first, lo, hi, scale, offset, out, residual):
     # One inlined copy per exponent s = 2^(b-1) - 2 of b = 2 to 5 bits.
     if s == 0:
-        _nuqsgd_codes(p, divisor, 0, first, lo, hi, scale, codes, residual)
+        _nuqsgd_codes(p, divisor, 0, first, lo, hi, scale, offset, out, residual)
     elif s == 2:
-        _nuqsgd_codes(p, divisor, 2, first, lo, hi, scale, codes, residual)
+        _nuqsgd_codes(p, divisor, 2, first, lo, hi, scale, offset, out, residual)
     elif s == 6:
-        _nuqsgd_codes(p, divisor, 6, first, lo, hi, scale, codes, residual)
+        _nuqsgd_codes(p, divisor, 6, first, lo, hi, scale, offset, out, residual)
     else:
-        _nuqsgd_codes(p, divisor, 14, first, lo, hi, scale, codes, residual)
+        _nuqsgd_codes(p, divisor, 14, first, lo, hi, scale, offset, out, residual)
 
 
-@_jit(inline="always")
-def _pack_fields(codes, bound, width, packed):
-    """codes + bound as fields of ``width`` bits, little-endian in each byte, the last
-    byte padded with the code 0 (``codes.IntCodes``)."""
-    per = 8 // width
-    whole = codes.size // per
-    for j in range(whole):
-        byte = 0
-        for t in range(per):
-            byte |= (codes[per * j + t] + bound) << (width * t)
-        packed[j] = byte
-    if codes.size % per:
-        byte = 0
-        for t in range(per):
-            i = per * whole + t
-            byte |= (codes[i] + bound if i < codes.size else bound) << (width * t)
-        packed[whole] = byte
+@_jit(error_model="numpy")
+def _quantize(p, start, scale, bucket, levels, exponent, key_lo, key_hi, offset, out, residual):
+    """code + ``offset`` of elements start .. start + out.size - 1 of ``p`` into ``out``
+    (``quantized``), each under its bucket's scale; their residuals into ``residual``'s
+    elements if it is not empty."""
+    s = np.float32(levels)  # s of the uniform quantizer, 0 for NUQSGD
+    position, stop = start, start + out.size
+    while position < stop:
+        b = position // bucket
+        end = min(stop, (b + 1) * bucket)
+        scale_b = scale[b]
+        finite = np.isfinite(scale_b)
+        divisor = scale_b if finite and scale_b > 0 else np.float32(np.inf)
+        decoded = _decoded_scale(scale_b)
+        piece, into = p[position:end], out[position - start : end - start]
+        kept = residual[position:end] if residual.size else residual
+        if levels == 0:
+            _nuqsgd_piece(
+                piece, divisor, exponent, position, key_lo, key_hi, decoded, offset, into, kept
+            )
+        else:
+            _uniform_piece(piece, divisor, s, position, key_lo, key_hi, decoded, offset, into, kept)
+        position = end
+
+
+# Packing reads the fields four (2 bits) or two (4 bits) at a time as one little-endian word
+# and moves each to its place with a constant shift: a loop over contiguous words, which
+# LLVM vectorizes, where a loop gathering every fourth byte it vectorizes poorly.
 
 
 @_jit
-def _pack(codes, bound, width, packed):
-    # One inlined copy per width of codes, whose loop over a byte's fields LLVM unrolls.
+def _pack_fields(fields, width, packed):
+    """``fields`` (one per byte, each less than 2^``width``; a multiple of 8 / ``width``
+    of them) packed ``width`` bits each, little-endian in each byte, into ``packed``
+    (``codes.IntCodes``)."""
     if width == 2:
-        _pack_fields(codes, bound, 2, packed)
+        words = fields.view(np.uint32)
+        for j in range(words.size):
+            w = words[j]
+            packed[j] = (
+                (w & np.uint32(0x3))
+                | ((w >> np.uint32(6)) & np.uint32(0xC))
+                | ((w >> np.uint32(12)) & np.uint32(0x30))
+                | ((w >> np.uint32(18)) & np.uint32(0xC0))
+            )
     elif width == 4:
-        _pack_fields(codes, bound, 4, packed)
+        halves = fields.view(np.uint16)
+        for j in range(halves.size):
+            w = halves[j]
+            packed[j] = (w & np.uint16(0xF)) | ((w >> np.uint16(4)) & np.uint16(0xF0))
     else:
-        _pack_fields(codes, bound, 8, packed)
+        for j in range(fields.size):
+            packed[j] = fields[j]
+
+
+@_jit
+def _pack_chunk(fields, count, bound, width, packed):
+    """The first ``count`` of the chunk ``fields`` packed into ``packed``, the last byte's
+    free fields the code 0 (``bound``), as ``codes.IntCodes`` pads."""
+    per = 8 // width
+    whole = -(-count // per) * per
+    fields[count:whole] = bound
+    _pack_fields(fields[:whole], width, packed)
 
 
 @_jit(error_model="numpy")
@@ -546,36 +626,57 @@ def quantized(
     (``codes.IntCodes(bound)``), or else into ``values`` (the codes' values, in the
     allreduce's carrier). With a ``residual``, p - decode(values, scale, 1) goes there (NaN
     where the scale is not finite, as the eager decode gives)."""
-    codes = np.empty(_CHUNK, dtype=np.int32)
-    s = np.float32(levels)  # s of the uniform quantizer, 0 for NUQSGD
-    for start in range(0, p.size, _CHUNK):
-        stop = min(p.size, start + _CHUNK)
-        position = start
-        while position < stop:
-            b = position // bucket
-            end = min(stop, (b + 1) * bucket)
-            scale_b = scale[b]
-            finite = np.isfinite(scale_b)
-            divisor = scale_b if finite and scale_b > 0 else np.float32(np.inf)
-            decoded = _decoded_scale(scale_b)
-            piece, out = p[position:end], codes[position - start : end - start]
-            kept = residual[position:end] if residual.size else residual
-            if levels == 0:
-                _nuqsgd_piece(
-                    piece, divisor, exponent, position, key_lo, key_hi, decoded, out, kept
-                )
-            elif residual.size:
-                _uniform_codes_with_feedback(
-                    piece, divisor, s, position, key_lo, key_hi, decoded, out, kept
-                )
-            else:
-                _uniform_codes(piece, divisor, s, position, key_lo, key_hi, out)
-            position = end
-        if packed.size:
-            per = 8 // width
-            _pack(codes[: stop - start], bound, width, packed[start // per :])
-        else:
-            _values(codes[: stop - start], levels, values[start:stop])
+    if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
+        _quantize(
+            p,
+            0,
+            scale,
+            bucket,
+            levels,
+            exponent,
+            key_lo,
+            key_hi,
+            np.int32(bound),
+            packed[: p.size],
+            residual,
+        )
+    elif packed.size:
+        fields = np.empty(_CHUNK, dtype=np.uint8)
+        per = 8 // width
+        for start in range(0, p.size, _CHUNK):
+            count = min(p.size - start, _CHUNK)
+            _quantize(
+                p,
+                start,
+                scale,
+                bucket,
+                levels,
+                exponent,
+                key_lo,
+                key_hi,
+                np.int32(bound),
+                fields[:count],
+                residual,
+            )
+            _pack_chunk(fields, count, bound, width, packed[start // per :])
+    else:
+        codes = np.empty(_CHUNK, dtype=np.int32)
+        for start in range(0, p.size, _CHUNK):
+            count = min(p.size - start, _CHUNK)
+            _quantize(
+                p,
+                start,
+                scale,
+                bucket,
+                levels,
+                exponent,
+                key_lo,
+                key_hi,
+                np.int32(0),
+                codes[:count],
+                residual,
+            )
+            _values(codes[:count], levels, values[start : start + count])
 
 
 @_jit
@@ -590,10 +691,13 @@ def _values(codes, levels, out):
 
 
 @_jit
-def _pack_any(codes, bound, width, packed):
-    """``_pack`` for every width of ``codes.IntCodes``: 16 and 32 bits little-endian."""
+def _pack_any(codes, bound, width, fields, packed):
+    """``codes`` packed for every width of ``codes.IntCodes``: through the chunk buffer
+    ``fields`` for 2, 4 and 8 bits, 16 and 32 bits little-endian."""
     if width <= 8:
-        _pack(codes, bound, width, packed)
+        for i in range(codes.size):
+            fields[i] = codes[i] + bound
+        _pack_chunk(fields, codes.size, bound, width, packed)
         return
     nbytes = width // 8
     for i in range(codes.size):
@@ -675,12 +779,13 @@ def summed_codes(rows, width, bound, nuqsgd, length, total_bound, total_width, o
     codes of each row of ``rows`` (``width``-bit ``IntCodes(bound)``) summed over the rows
     in int32 and packed into ``out`` at ``total_width`` bits (``IntCodes(total_bound)``)."""
     sums = np.empty(_CHUNK, dtype=np.int32)
+    fields = np.empty(_CHUNK, dtype=np.uint8)
     for start in range(0, length, _CHUNK):
         chunk = sums[: min(length, start + _CHUNK) - start]
         chunk[:] = 0
         for r in range(rows.shape[0]):
             _add_fields(rows[r, start * width // 8 :], width, bound, nuqsgd, chunk)
-        _pack_any(chunk, total_bound, total_width, out[start * total_width // 8 :])
+        _pack_any(chunk, total_bound, total_width, fields, out[start * total_width // 8 :])
 
 
 # The receiving side decodes as it unpacks: each element's field, plus what the rows before
