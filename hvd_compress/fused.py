@@ -291,7 +291,7 @@ def encode(
         codec.bucket_length(p.size),
         levels,
         exponent,
-        *(np.uint32(word) for word in key_words(key)),
+        tuple(np.uint32(word) for word in key_words(key)),
         space.bound,
         space.width,
         values,

@@ -406,10 +406,18 @@ def _lowbias32(x):
 
 
 @_jit(inline="always")
-def _uniform(k, lo, hi):
-    """Draw k of the stream keyed by the 32-bit words (lo, hi): ``seeding.uniforms``."""
-    x = _lowbias32(np.uint32(_lowbias32(np.uint32(np.uint32(k) ^ lo)) ^ hi))
-    return np.float32(np.uint32(x >> 8)) * np.float32(2.0**-24)
+def _word(first, stream):
+    """The word that draw ``first`` of ``stream`` = (lo, multiplier) (``seeding.key_words``)
+    hashes: first multiplier + lo, modulo 2^32. Draw k + 1's is draw k's plus the
+    multiplier: the loops step it so, with no product per draw."""
+    lo, multiplier = stream
+    return np.uint32(np.uint32(np.uint32(first) * multiplier) + lo)
+
+
+@_jit(inline="always")
+def _uniform(word):
+    """The draw of a ``_word``: ``seeding.uniforms``."""
+    return np.float32(np.uint32(_lowbias32(word) >> 8)) * np.float32(2.0**-24)
 
 
 @_jit(inline="always")
@@ -472,64 +480,64 @@ def _nuqsgd_value(code):
 # The code loops write code + ``offset`` into ``out``: the packed exchanges' fields
 # (``codes.IntCodes``: code + bound, one per byte of a uint8 ``out``, which costs a quarter
 # of int32 codes' stores), or the codes themselves (int32, offset 0) for the allreduce's
-# values. Element first + i draws with the 32-bit counter k, stepped beside i rather than
-# cut from the 64-bit first + i: LLVM then keeps it in 32-bit vector lanes.
+# values. Element first + i hashes the 32-bit word of ``_word``, stepped beside i rather
+# than computed from the 64-bit first + i: LLVM then keeps it in 32-bit vector lanes.
 
 
 @_jit(inline="always")
-def _uniform_codes(p, divisor, levels, one_level, first, lo, hi, offset, out):
-    k = np.uint32(first)
+def _uniform_codes(p, divisor, levels, one_level, first, stream, offset, out):
+    x = _word(first, stream)
     for i in range(p.size):
-        u = _uniform(k, lo, hi)
+        u = _uniform(x)
         if one_level:
             out[i] = _one_level_code(p[i], divisor, u) + offset
         else:
             out[i] = _uniform_code(p[i], divisor, levels, u) + offset
-        k = np.uint32(k + np.uint32(1))
+        x = np.uint32(x + stream[1])
 
 
 @_jit(inline="always")
 def _uniform_codes_with_feedback(
-    p, divisor, levels, one_level, first, lo, hi, scale, offset, out, residual
+    p, divisor, levels, one_level, first, stream, scale, offset, out, residual
 ):
-    k = np.uint32(first)
+    x = _word(first, stream)
     for i in range(p.size):
-        u = _uniform(k, lo, hi)
+        u = _uniform(x)
         if one_level:
             code = _one_level_code(p[i], divisor, u)
         else:
             code = _uniform_code(p[i], divisor, levels, u)
         out[i] = code + offset
         residual[i] = p[i] - np.float32(code) * scale / levels
-        k = np.uint32(k + np.uint32(1))
+        x = np.uint32(x + stream[1])
 
 
 @_jit(error_model="numpy")
-def _uniform_piece(p, divisor, levels, first, lo, hi, scale, offset, out, residual):
+def _uniform_piece(p, divisor, levels, first, stream, scale, offset, out, residual):
     # One inlined copy per kind of loop; ``one_level`` a constant in each, so that LLVM
     # drops the general code's floor, min and conversions where s = 1.
     if levels == 1 and residual.size:
         _uniform_codes_with_feedback(
-            p, divisor, levels, True, first, lo, hi, scale, offset, out, residual
+            p, divisor, levels, True, first, stream, scale, offset, out, residual
         )
     elif levels == 1:
-        _uniform_codes(p, divisor, levels, True, first, lo, hi, offset, out)
+        _uniform_codes(p, divisor, levels, True, first, stream, offset, out)
     elif residual.size:
         _uniform_codes_with_feedback(
-            p, divisor, levels, False, first, lo, hi, scale, offset, out, residual
+            p, divisor, levels, False, first, stream, scale, offset, out, residual
         )
     else:
-        _uniform_codes(p, divisor, levels, False, first, lo, hi, offset, out)
+        _uniform_codes(p, divisor, levels, False, first, stream, offset, out)
 
 
 @_jit(inline="always")
-def _nuqsgd_codes(p, divisor, s, first, lo, hi, scale, offset, out, residual):
+def _nuqsgd_codes(p, divisor, s, first, stream, scale, offset, out, residual):
     # s is a constant where this is inlined, so LLVM unrolls the loop over levels and
     # vectorizes the loop over elements.
-    k = np.uint32(first)
+    x = _word(first, stream)
     for i in range(p.size):
-        out[i] = _nuqsgd_code(p[i], divisor, s, _uniform(k, lo, hi)) + offset
-        k = np.uint32(k + np.uint32(1))
+        out[i] = _nuqsgd_code(p[i], divisor, s, _uniform(x)) + offset
+        x = np.uint32(x + stream[1])
     # The residual from the codes, in a loop of its own over the chunk (in the loop above it
     # keeps LLVM from vectorizing); / 2^s as a product, which is exactly the same and cheaper.
     for i in range(residual.size):
@@ -538,20 +546,20 @@ def _nuqsgd_codes(p, divisor, s, first, lo, hi, scale, offset, out, residual):
 
 
 @_jit(error_model="numpy")
-def _nuqsgd_piece(p, divisor, s, first, lo, hi, scale, offset, out, residual):
+def _nuqsgd_piece(p, divisor, s, first, stream, scale, offset, out, residual):
     # One inlined copy per exponent s = 2^(b-1) - 2 of b = 2 to 5 bits.
     if s == 0:
-        _nuqsgd_codes(p, divisor, 0, first, lo, hi, scale, offset, out, residual)
+        _nuqsgd_codes(p, divisor, 0, first, stream, scale, offset, out, residual)
     elif s == 2:
-        _nuqsgd_codes(p, divisor, 2, first, lo, hi, scale, offset, out, residual)
+        _nuqsgd_codes(p, divisor, 2, first, stream, scale, offset, out, residual)
     elif s == 6:
-        _nuqsgd_codes(p, divisor, 6, first, lo, hi, scale, offset, out, residual)
+        _nuqsgd_codes(p, divisor, 6, first, stream, scale, offset, out, residual)
     else:
-        _nuqsgd_codes(p, divisor, 14, first, lo, hi, scale, offset, out, residual)
+        _nuqsgd_codes(p, divisor, 14, first, stream, scale, offset, out, residual)
 
 
 @_jit(error_model="numpy")
-def _quantize(p, start, scale, bucket, levels, exponent, key_lo, key_hi, offset, out, residual):
+def _quantize(p, start, scale, bucket, levels, exponent, stream, offset, out, residual):
     """code + ``offset`` of elements start .. start + out.size - 1 of ``p`` into ``out``
     (``quantized``), each under its bucket's scale; their residuals into ``residual``'s
     elements if it is not empty."""
@@ -567,11 +575,9 @@ def _quantize(p, start, scale, bucket, levels, exponent, key_lo, key_hi, offset,
         piece, into = p[position:end], out[position - start : end - start]
         kept = residual[position:end] if residual.size else residual
         if levels == 0:
-            _nuqsgd_piece(
-                piece, divisor, exponent, position, key_lo, key_hi, decoded, offset, into, kept
-            )
+            _nuqsgd_piece(piece, divisor, exponent, position, stream, decoded, offset, into, kept)
         else:
-            _uniform_piece(piece, divisor, s, position, key_lo, key_hi, decoded, offset, into, kept)
+            _uniform_piece(piece, divisor, s, position, stream, decoded, offset, into, kept)
         position = end
 
 
@@ -616,16 +622,14 @@ def _pack_chunk(fields, count, bound, width, packed):
 
 
 @_jit(error_model="numpy")
-def quantized(
-    p, scale, bucket, levels, exponent, key_lo, key_hi, bound, width, values, packed, residual
-):
-    """One worker's codes of ``p`` under its bucket scales, drawn from the stream
-    (key_lo, key_hi) (``seeding.uniforms``, draw k for element k): ``UniformQuantizer`` with
-    s = ``levels``, or with ``levels`` 0 ``NUQSGD`` with 2^-``exponent`` its smallest
-    level. Written as the exchange sends them: into ``packed`` at ``width`` bits per code
-    (``codes.IntCodes(bound)``), or else into ``values`` (the codes' values, in the
-    allreduce's carrier). With a ``residual``, p - decode(values, scale, 1) goes there (NaN
-    where the scale is not finite, as the eager decode gives)."""
+def quantized(p, scale, bucket, levels, exponent, stream, bound, width, values, packed, residual):
+    """One worker's codes of ``p`` under its bucket scales, drawn from ``stream``
+    (``seeding.key_words``; draw k for element k of ``seeding.uniforms``):
+    ``UniformQuantizer`` with s = ``levels``, or with ``levels`` 0 ``NUQSGD`` with
+    2^-``exponent`` its smallest level. Written as the exchange sends them: into ``packed``
+    at ``width`` bits per code (``codes.IntCodes(bound)``), or else into ``values`` (the
+    codes' values, in the allreduce's carrier). With a ``residual``, p - decode(values,
+    scale, 1) goes there (NaN where the scale is not finite, as the eager decode gives)."""
     if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
         _quantize(
             p,
@@ -634,8 +638,7 @@ def quantized(
             bucket,
             levels,
             exponent,
-            key_lo,
-            key_hi,
+            stream,
             np.int32(bound),
             packed[: p.size],
             residual,
@@ -652,8 +655,7 @@ def quantized(
                 bucket,
                 levels,
                 exponent,
-                key_lo,
-                key_hi,
+                stream,
                 np.int32(bound),
                 fields[:count],
                 residual,
@@ -670,8 +672,7 @@ def quantized(
                 bucket,
                 levels,
                 exponent,
-                key_lo,
-                key_hi,
+                stream,
                 np.int32(0),
                 codes[:count],
                 residual,
@@ -993,8 +994,10 @@ def decoded_segments(rows, width, bound, length, scale, bucket, divisor, out):
 
 
 @_jit
-def draws(key_lo, key_hi, out):
-    """Draws 0 .. out.size - 1 of the stream (key_lo, key_hi), as the kernels above draw
-    them inside their loops: for tests to compare with ``seeding.uniforms``."""
+def draws(stream, out):
+    """Draws 0 .. out.size - 1 of ``stream`` (``seeding.key_words``), as the kernels above
+    draw them inside their loops: for tests to compare with ``seeding.uniforms``."""
+    x = _word(0, stream)
     for k in range(out.size):
-        out[k] = _uniform(k, key_lo, key_hi)
+        out[k] = _uniform(x)
+        x = np.uint32(x + stream[1])

@@ -40,27 +40,31 @@ def _lowbias32(x):
 
 
 def key_words(key: int) -> tuple[int, int]:
-    """(lo, hi): the low and high 32-bit words of the stream ``key``, as ``uniforms``
-    hashes them."""
-    return key & _MASK32, (key >> 32) & _MASK32
+    """(lo, multiplier): the 32-bit words of the stream ``key`` that ``uniforms`` hashes
+    each counter with: the key's low word, and twice its high word plus one (odd, so that
+    counter times multiplier is a bijection of 32-bit words)."""
+    return key & _MASK32, (((key >> 32) << 1) | 1) & _MASK32
 
 
 def uniforms(key: int, numel: int) -> np.ndarray:
     """Draws 0 .. numel - 1 of the stream ``key`` (a ``stream_seed``), float32 in [0, 1).
 
-    Draw k is (h(k) >> 8) 2^-24 with h(k) = lowbias32(lowbias32(k ^ lo) ^ hi) on 32-bit
-    words, lo and hi the low and high 32 bits of the key: a counter-based generator, so a
-    kernel computes each draw where it uses it instead of reading a tensor of draws (which
-    took as long to make as the rest of the encoding). Four multiply-xorshift rounds; for
+    Draw k is (h(k) >> 8) 2^-24 with h(k) = lowbias32(k m + lo) on 32-bit words (wrapping),
+    (lo, m) the ``key_words``: a counter-based generator, so a kernel computes each draw
+    where it uses it instead of reading a tensor of draws (which took as long to make as
+    the rest of the encoding). Each key takes the counters along its own arithmetic
+    progression, which lowbias32's two multiply-xorshift rounds then scramble; one round
+    of hashing, not two, because the draws are a third of a quantizer's encoding time. For
     one key h is a bijection of the counter, so the 24-bit draws of a tensor (fewer than
     2^32 elements) never repeat a 32-bit state. Two keys with equal high words draw the
-    same values at counters k and k ^ lo ^ lo' (a 2^-31 chance for two stream seeds, and
-    then shared only where both counters fall inside the tensor).
+    same values shifted, at counters k and k + (lo - lo') / m modulo 2^32 (a 2^-31 chance
+    for two stream seeds, and then shared only where both counters fall inside the
+    tensor).
 
     Implemented once more in each place that draws, all giving the same numbers: torch ops
     (``hvd_compress.pt.seeding``), the CPU kernels (``hvd_compress.kernels``) and TensorFlow
-    ops (``hvd_compress.tf.pipeline``).
+    ops (``hvd_compress.tf.seeding``).
     """
-    lo, hi = (np.uint32(word) for word in key_words(key))
-    x = _lowbias32(_lowbias32(np.arange(numel, dtype=np.uint32) ^ lo) ^ hi)
+    lo, multiplier = (np.uint32(word) for word in key_words(key))
+    x = _lowbias32(np.arange(numel, dtype=np.uint32) * multiplier + lo)
     return (x >> 8).astype(np.float32) * np.float32(2.0**-24)

@@ -280,7 +280,7 @@ def test_one_generator_in_numpy_torch_and_the_kernels(numel):
             pt_seeding.uniforms(key, numel, torch.device("cpu")).numpy(), want
         )
         drawn = np.empty(numel, np.float32)
-        kernels.draws(*(np.uint32(word) for word in seeding.key_words(key)), drawn)
+        kernels.draws(tuple(np.uint32(word) for word in seeding.key_words(key)), drawn)
         np.testing.assert_array_equal(drawn, want)
     if not numel:
         return

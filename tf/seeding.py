@@ -54,8 +54,9 @@ def _lowbias32(x):
 @tf.function(jit_compile=True)
 def uniforms(key: tf.Tensor, numel: int) -> tf.Tensor:
     """Draws 0 .. numel - 1 of the stream ``key`` (an int64 tensor), float32."""
-    x = tf.bitwise.bitwise_xor(
-        tf.range(numel, dtype=tf.int64), tf.bitwise.bitwise_and(key, _MASK32)
+    lo = tf.bitwise.bitwise_and(key, _MASK32)
+    multiplier = tf.bitwise.bitwise_and(_right_shift(key, 32) * 2 + 1, _MASK32)
+    x = _lowbias32(
+        tf.bitwise.bitwise_and(tf.range(numel, dtype=tf.int64) * multiplier + lo, _MASK32)
     )
-    x = _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(x), tf.bitwise.right_shift(key, 32)))
     return tf.cast(tf.bitwise.right_shift(x, 8), tf.float32) * 2.0**-24
