@@ -21,6 +21,7 @@ import numpy as np
 from hvd_compress.blocksign import BlockSign
 from hvd_compress.codes import IntCodes
 from hvd_compress.seeding import key_words
+from hvd_compress.terngrad import shifted_variance
 
 # Numba installed, and not turned off by ``HVD_COMPRESS_KERNELS=0`` (which keeps the eager
 # ops everywhere, to compare the two).
@@ -209,19 +210,19 @@ def scaled_signs(bits: np.ndarray, scales: np.ndarray, numel: int) -> np.ndarray
 
 
 def local_scale(codec, g: np.ndarray) -> np.ndarray:
-    """``TernGrad.local_scale`` (min(c sigma, max|g|), in two passes: the sum and max|g|,
-    then the centered squares) or the QSGD family's (``_local_norms``: one pass) of the flat
-    float32 ``g``; +inf everywhere for a non-finite gradient, as the eager ops."""
+    """``TernGrad.local_scale`` (min(c sigma, max|g|)) or the QSGD family's
+    (``_local_norms``), each in one pass over the flat float32 ``g``; +inf everywhere for a
+    non-finite gradient, as the eager ops."""
     if codec.name == "terngrad":
         if g.size == 0:
             return np.zeros(1, dtype=np.float32)
-        total, top = kernels().sum_and_top(g, g.view(np.int32))
+        total, squares, top = kernels().shifted_moments_and_top(g, g.view(np.int32))
         scale = np.int32(top).view(np.float32)  # max|g|
-        if not np.isfinite(total):
+        if not np.isfinite(total):  # d = g - g[0] is not finite where g is not
             scale = np.float32(np.inf)
         elif codec.clip != 0:
-            variance = kernels().centered_squares(g, total / g.size) / g.size
-            scale = min(np.float32(codec.clip) * np.float32(np.sqrt(variance)), scale)
+            sigma = np.sqrt(shifted_variance(total, squares, g.size))
+            scale = min(np.float32(codec.clip) * np.float32(sigma), scale)
         return np.array([scale], dtype=np.float32)
     d = codec.bucket_length(g.size)
     if getattr(codec, "norm", "l2") == "l2":

@@ -341,25 +341,21 @@ def averaged_block_l1(bits, scales, count, residual, ratio, block, out, sums):
 # that LLVM vectorizes, where the maximum of floats it does not.
 
 
-@_jit(fastmath={"reassoc"})
-def sum_and_top(g, bits):
-    """TernGrad's first pass: the float64 sum of g, and the bits of max|g|."""
-    total, top = 0.0, np.int32(0)
+# reassoc and contract: the sums' order and rounding are free (float64 sums of float32
+# elements, as exact in any order as the float32 results need), and the vectorized loop
+# with fused multiply-adds is a memory pass, not the adds' latency chain.
+@_jit(fastmath={"reassoc", "contract"})
+def shifted_moments_and_top(g, bits):
+    """TernGrad's one pass (``terngrad.shifted_variance``): the float64 sums of d and d^2
+    for d = g - g[0], and the bits of max|g|."""
+    shift = np.float64(g[0]) if g.size else 0.0
+    total, squares, top = 0.0, 0.0, np.int32(0)
     for i in range(g.size):
-        total += np.float64(g[i])
+        d = np.float64(g[i]) - shift
+        total += d
+        squares += d * d
         top = max(top, bits[i] & np.int32(0x7FFFFFFF))
-    return total, top
-
-
-@_jit(fastmath={"reassoc"})
-def centered_squares(g, mean):
-    """TernGrad's second pass: the float64 sum of (g - mean)^2, the reference's variance
-    times the element count."""
-    total = 0.0
-    for i in range(g.size):
-        c = np.float64(g[i]) - mean
-        total += c * c
-    return total
+    return total, squares, top
 
 
 @_jit(fastmath={"reassoc"})

@@ -30,6 +30,14 @@ from .quantizer import UniformQuantizer
 from .validation import check_float
 
 
+def shifted_variance(total: float, squares: float, count: int) -> float:
+    """The variance of ``count`` elements g from the float64 sums of d and d^2 over them,
+    d = g - g[0]: one pass over g, where subtracting the mean first takes two. Shifted by an
+    element, the sums do not cancel each other when the mean dwarfs the spread (a constant
+    g gives exactly 0); the clamp at 0 takes off what rounding leaves below it."""
+    return max(squares - total * total / count, 0.0) / count
+
+
 class TernGrad(UniformQuantizer):
     """Stochastic ternary gradients with a shared per-tensor scaler.
 
@@ -69,9 +77,10 @@ class TernGrad(UniformQuantizer):
         if not np.isfinite(g).all():
             return np.full(1, np.inf, np.float32)
         amax = np.abs(g).max(initial=np.float32(0))
-        if self.clip == 0:
+        if self.clip == 0 or g.size == 0:
             return np.full(1, amax, np.float32)
-        sigma = np.sqrt(np.mean(np.square(g - g.mean(dtype=np.float64)), dtype=np.float64))
+        d = g.astype(np.float64) - np.float64(g[0])
+        sigma = np.sqrt(shifted_variance(d.sum(), d @ d, g.size))
         return np.full(1, min(np.float32(self.clip) * np.float32(sigma), amax), np.float32)
 
     def probabilities(self, grad, scale):

@@ -21,11 +21,13 @@ class TernGrad(reference.TernGrad, UniformQuantizer):
         if self.clip == 0:
             scale = amax
         else:
-            # Two passes in float64, as the reference: torch.var_mean's one-pass float32
-            # algorithm is several times slower, and less exact.
-            centered = g.to(torch.float64)
-            centered -= centered.mean()
-            sigma = (torch.dot(centered, centered) / g.numel()).sqrt().to(torch.float32)
+            # The reference's float64 sums of d = g - g[0] (``terngrad.shifted_variance``):
+            # torch.var_mean's float32 algorithm is several times slower, and less exact.
+            d = g.to(torch.float64)
+            d -= d[:1].clone()
+            total, count = d.sum(), g.numel()
+            variance = (torch.dot(d, d) - total * total / count).clamp_(min=0) / count
+            sigma = variance.sqrt().to(torch.float32)
             scale = torch.minimum(self.clip * sigma, amax)
         # Kept on the device (no .item()): +inf flags a non-finite gradient to the Max. The
         # max propagates NaN and Inf, so it tells without another pass over the gradient.

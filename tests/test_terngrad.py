@@ -26,6 +26,26 @@ def test_local_scale_is_clipped_max_norm():
     assert ref.local_scale(small) == 1.0
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+def test_scale_when_the_mean_dwarfs_the_spread(monkeypatch, kernels):
+    """sigma from one pass of sums shifted by g[0]: exact for a constant gradient (0) and
+    within float32 rounding of the exact sigma when the mean is 10^6 spreads, in the
+    reference, the torch port's eager ops and the kernels."""
+    from hvd_compress.pt import fused
+
+    monkeypatch.setattr(fused, "ENABLED", kernels and fused.ENABLED)
+    if kernels and not fused.ENABLED:
+        pytest.skip("numba is not installed")
+    ref, port = hvd_compress.TernGrad(clip=2.5), hc.TernGrad(clip=2.5)
+    constant = np.full(10_001, 0.1, np.float32)
+    assert ref.local_scale(constant)[0] == 0
+    assert port.local_scale(torch.from_numpy(constant)).item() == 0
+    g = (1000 + 1e-3 * gaussian(10_001)).astype(np.float32)
+    exact = 2.5 * np.sqrt(np.mean((g.astype(np.float64) - np.mean(g.astype(np.float64))) ** 2))
+    assert ref.local_scale(g)[0] == pytest.approx(exact, rel=1e-6)
+    assert port.local_scale(torch.from_numpy(g)).item() == pytest.approx(exact, rel=1e-6)
+
+
 @pytest.mark.parametrize("clip", [0.0, 2.5])
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_port_matches_reference(clip, device):

@@ -19,10 +19,13 @@ class TernGrad(reference.TernGrad, UniformQuantizer):
         if self.clip == 0:
             scale = amax
         else:
-            # float64 moments, as in the reference: float32 sums of millions of elements
-            # drift from it in the last bits.
+            # The reference's float64 sums of d = g - g[0] (``terngrad.shifted_variance``):
+            # float32 sums of millions of elements drift from it in the last bits.
             g64 = tf.cast(g, tf.float64)
-            sigma = tf.sqrt(tf.reduce_mean(tf.square(g64 - tf.reduce_mean(g64))))
+            d = g64 - g64[:1]
+            total, count = tf.reduce_sum(d), tf.cast(tf.size(d), tf.float64)
+            squares = tf.reduce_sum(tf.square(d))
+            sigma = tf.sqrt(tf.maximum(squares - total * total / count, 0.0) / count)
             scale = tf.minimum(self.clip * tf.cast(sigma, tf.float32), amax)
         # +inf flags a non-finite gradient to the Max; the max propagates NaN and Inf, so it
         # tells without another pass over the gradient.
