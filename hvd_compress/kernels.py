@@ -707,41 +707,57 @@ def _pack_any(codes, bound, width, fields, packed):
 def _field_value(field, bound, nuqsgd):
     """The value of a packed field: its code, field - bound, or with ``nuqsgd`` that code's
     ``NUQSGD.values``."""
-    code = field - bound
+    code = np.int32(field) - bound
     return _nuqsgd_value(code) if nuqsgd else code
 
 
-@_jit(inline="always")
-def _add_packed(row, width, bound, nuqsgd, acc):
-    # The fields of a byte by constant shifts, in int32: LLVM unrolls the loop over them and
-    # vectorizes the loop over bytes (a lookup of each byte's values in a table it does not).
-    per = 8 // width
-    mask = np.int32((1 << width) - 1)
-    for j in range(acc.size // per):
-        byte = np.int32(row[j])
-        for t in range(per):
-            acc[per * j + t] += _field_value((byte >> (width * t)) & mask, bound, nuqsgd)
-    for i in range(acc.size - acc.size % per, acc.size):
-        acc[i] += _field_value(_field_at(row, i, width), bound, nuqsgd)
+# The receiving side unpacks a chunk of a row into a field per byte first, four (2 bits) or
+# two (4 bits) from each byte by constant shifts into one word, as ``_pack_fields`` packs
+# them; the loops that add or decode the values then run over contiguous fields. Both
+# vectorize, where one loop over the row's bytes storing each byte's fields four elements
+# apart vectorizes poorly (it took 1.5x the time of the two for 2-bit codes).
 
 
 @_jit
-def _add_fields(row, width, bound, nuqsgd, acc):
-    """acc[i] += the value of field i of the packed ``row`` (``_field_value``): codes of 2,
-    4 or 8 bits."""
-    # One inlined copy per width and kind of value.
-    if width == 2 and nuqsgd:
-        _add_packed(row, 2, np.int32(bound), True, acc)
-    elif width == 2:
-        _add_packed(row, 2, np.int32(bound), False, acc)
-    elif width == 4 and nuqsgd:
-        _add_packed(row, 4, np.int32(bound), True, acc)
+def _unpack_fields(row, width, count, fields):
+    """The first ``count`` fields of the packed ``row`` (``codes.IntCodes`` of 2, 4 or 8
+    bits, field 0 at a byte's start), one per byte, into ``fields`` (``_CHUNK`` bytes)."""
+    if width == 2:
+        words = fields.view(np.uint32)
+        for j in range(-(-count // 4)):
+            byte = np.uint32(row[j])
+            words[j] = (
+                (byte & np.uint32(0x3))
+                | ((byte & np.uint32(0xC)) << np.uint32(6))
+                | ((byte & np.uint32(0x30)) << np.uint32(12))
+                | ((byte & np.uint32(0xC0)) << np.uint32(18))
+            )
     elif width == 4:
-        _add_packed(row, 4, np.int32(bound), False, acc)
-    elif width == 8 and nuqsgd:
-        _add_packed(row, 8, np.int32(bound), True, acc)
+        halves = fields.view(np.uint16)
+        for j in range(-(-count // 2)):
+            byte = np.uint16(row[j])
+            halves[j] = (byte & np.uint16(0xF)) | ((byte & np.uint16(0xF0)) << np.uint16(4))
     else:
-        _add_packed(row, 8, np.int32(bound), False, acc)
+        for j in range(count):
+            fields[j] = row[j]
+
+
+@_jit(inline="always")
+def _add_values(fields, bound, nuqsgd, acc):
+    for i in range(acc.size):
+        acc[i] += _field_value(fields[i], bound, nuqsgd)
+
+
+@_jit
+def _add_fields(row, width, bound, nuqsgd, fields, acc):
+    """acc[i] += the value of field i of the packed ``row`` (``_field_value``): codes of 2,
+    4 or 8 bits, unpacked through the scratch ``fields``."""
+    _unpack_fields(row, width, acc.size, fields)
+    # One inlined copy per kind of value.
+    if nuqsgd:
+        _add_values(fields, np.int32(bound), True, acc)
+    else:
+        _add_values(fields, np.int32(bound), False, acc)
 
 
 @_jit(error_model="numpy")
@@ -781,63 +797,40 @@ def summed_codes(rows, width, bound, nuqsgd, length, total_bound, total_width, o
         chunk = sums[: min(length, start + _CHUNK) - start]
         chunk[:] = 0
         for r in range(rows.shape[0]):
-            _add_fields(rows[r, start * width // 8 :], width, bound, nuqsgd, chunk)
+            _add_fields(rows[r, start * width // 8 :], width, bound, nuqsgd, fields, chunk)
         _pack_any(chunk, total_bound, total_width, fields, out[start * total_width // 8 :])
 
 
-# The receiving side decodes as it unpacks: each element's field, plus what the rows before
-# it summed (``partial``), goes to float32 and is scaled in the same pass, so a row is read
-# once and ``out`` written once: unpacking into a buffer and then decoding it takes a second
-# pass over the chunk, which costs as much as the decode itself.
-
-
-@_jit(inline="always")
-def _field_at(row, i, width):
-    """Field i of the packed ``row`` (``codes.IntCodes``) of 2, 4 or 8 bits."""
-    per = 8 // width
-    return (np.int32(row[i // per]) >> (width * (i % per))) & np.int32((1 << width) - 1)
+@_jit(inline="always", error_model="numpy")
+def _scaled_values(fields, bound, nuqsgd, partial, scale, divisor, add, out):
+    # A loop of its own per kind of output, which LLVM vectorizes (a test of the kind inside
+    # one loop keeps it from vectorizing some).
+    if add:
+        for i in range(out.size):
+            out[i] += np.float32(_field_value(fields[i], bound, nuqsgd)) * scale / divisor
+    elif partial.size:
+        for i in range(out.size):
+            value = _field_value(fields[i], bound, nuqsgd)
+            out[i] = np.float32(value + partial[i]) * scale / divisor
+    else:
+        for i in range(out.size):
+            out[i] = np.float32(_field_value(fields[i], bound, nuqsgd)) * scale / divisor
 
 
 @_jit(error_model="numpy")
-def _decoded_at(row, i, width, bound, nuqsgd, partial, scale, divisor, add, out):
-    """out[i] (+)= the decode of partial[i] (none if ``partial`` is empty) + the value of
-    field i of ``row``: for the fields of a bucket that starts or ends inside a byte (of 2
-    or 4 bits: wider fields fill whole bytes)."""
-    value = _field_value(_field_at(row, i, width), bound, nuqsgd)
-    decoded = np.float32(value + (partial[i] if partial.size else 0)) * scale / divisor
-    out[i] = out[i] + decoded if add else decoded
-
-
-@_jit(inline="always", error_model="numpy")
-def _decoded_bytes(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
-    # _decoded_at over the fields of out's whole bytes (of 2, 4 or 8 bits), by constant
-    # shifts as _add_packed: a loop of its own per kind of output, which LLVM vectorizes (a
-    # test of the kind inside one loop keeps it from vectorizing some). Returns how many it
-    # decoded.
-    per = 8 // width
-    mask = np.int32((1 << width) - 1)
-    count = out.size - out.size % per
-    if add:
-        for j in range(count // per):
-            for t in range(per):
-                value = _field_value((np.int32(row[j]) >> (width * t)) & mask, bound, nuqsgd)
-                out[per * j + t] += np.float32(value) * scale / divisor
-    elif partial.size:
-        for j in range(count // per):
-            for t in range(per):
-                value = _field_value((np.int32(row[j]) >> (width * t)) & mask, bound, nuqsgd)
-                out[per * j + t] = np.float32(value + partial[per * j + t]) * scale / divisor
+def _scaled_fields(fields, bound, nuqsgd, partial, scale, divisor, add, out):
+    """out = or += the decode under ``scale`` / ``divisor`` of the values of ``fields`` (plus
+    ``partial``'s, if it is not empty)."""
+    # One inlined copy per kind of value.
+    if nuqsgd:
+        _scaled_values(fields, bound, True, partial, scale, divisor, add, out)
     else:
-        for j in range(count // per):
-            for t in range(per):
-                value = _field_value((np.int32(row[j]) >> (width * t)) & mask, bound, nuqsgd)
-                out[per * j + t] = np.float32(value) * scale / divisor
-    return count
+        _scaled_values(fields, bound, False, partial, scale, divisor, add, out)
 
 
 @_jit(error_model="numpy")
 def _decoded_wide(row, width, bound, scale, divisor, out):
-    """out = the decode of the 16- or 32-bit sums of ``row``. Returns how many it decoded."""
+    """out = the decode of the 16- or 32-bit sums of ``row``."""
     # A loop per width, each field's bytes assembled by constant shifts, which LLVM
     # vectorizes (a loop over each field's bytes it does not).
     if width == 16:
@@ -853,62 +846,47 @@ def _decoded_wide(row, width, bound, scale, divisor, out):
                 | np.int64(row[4 * i + 3]) << 24
             )
             out[i] = np.float32(field - bound) * scale / divisor
-    return out.size
 
 
 @_jit(error_model="numpy")
-def _decoded_fields(row, width, bound, nuqsgd, partial, scale, divisor, add, out):
-    # One inlined copy per width and kind of value of codes (numba's inlining of each copy
-    # is what compiling these kernels costs: the kind of output stays a runtime test).
+def _decode_row(
+    row, width, bound, nuqsgd, partial, first, scale, bucket, divisor, add, fields, out
+):
+    """out (elements first .. first + out.size; field 0 of ``row`` is element first, on a
+    byte boundary) = or += ``Codec.decode`` of partial + the values of row's fields, under
+    scale[b] for bucket b (NaN where it is not finite); ``fields`` a chunk's scratch."""
+    bound = np.int32(bound)
     if width > 8:
         if add or partial.size or nuqsgd:
             raise ValueError("width: only sums of codes have 16 or 32 bits")
-        return _decoded_wide(row, width, bound, scale, divisor, out)
-    if width == 2 and nuqsgd:
-        return _decoded_bytes(row, 2, bound, True, partial, scale, divisor, add, out)
-    if width == 2:
-        return _decoded_bytes(row, 2, bound, False, partial, scale, divisor, add, out)
-    if width == 4 and nuqsgd:
-        return _decoded_bytes(row, 4, bound, True, partial, scale, divisor, add, out)
-    if width == 4:
-        return _decoded_bytes(row, 4, bound, False, partial, scale, divisor, add, out)
-    if width == 8 and nuqsgd:
-        return _decoded_bytes(row, 8, bound, True, partial, scale, divisor, add, out)
-    return _decoded_bytes(row, 8, bound, False, partial, scale, divisor, add, out)
-
-
-@_jit(error_model="numpy")
-def _decode_row(row, width, bound, nuqsgd, partial, first, scale, bucket, divisor, add, out):
-    """out (elements first .. first + out.size; field 0 of ``row`` is element first, on a
-    byte boundary) = or += ``Codec.decode`` of partial + the values of row's fields, under
-    scale[b] for bucket b (NaN where it is not finite)."""
-    bound = np.int32(bound)
-    per = max(1, 8 // width)
-    position, stop = first, first + out.size
-    while position < stop:
-        b = position // bucket
-        end = min(stop, (b + 1) * bucket)
-        scale_b = _decoded_scale(scale[b])
-        lo, hi = position - first, end - first
-        # A bucket that starts inside a byte: its fields up to the next byte one at a time.
-        aligned = min(hi, -(-lo // per) * per)
-        for i in range(lo, aligned):
-            _decoded_at(row, i, width, bound, nuqsgd, partial, scale_b, divisor, add, out)
-        if aligned < hi:
-            done = aligned + _decoded_fields(
-                row[aligned * width // 8 :],
-                width,
+        position, stop = first, first + out.size
+        while position < stop:
+            b = position // bucket
+            end = min(stop, (b + 1) * bucket)
+            lo, hi = position - first, end - first
+            scale_b = _decoded_scale(scale[b])
+            _decoded_wide(row[lo * width // 8 :], width, bound, scale_b, divisor, out[lo:hi])
+            position = end
+        return
+    for start in range(0, out.size, _CHUNK):
+        count = min(out.size - start, _CHUNK)
+        _unpack_fields(row[start * width // 8 :], width, count, fields)
+        position, stop = first + start, first + start + count
+        while position < stop:
+            b = position // bucket
+            end = min(stop, (b + 1) * bucket)
+            lo, hi = position - first, end - first
+            _scaled_fields(
+                fields[lo - start : hi - start],
                 bound,
                 nuqsgd,
-                partial[aligned:hi] if partial.size else partial,
-                scale_b,
+                partial[lo:hi] if partial.size else partial,
+                _decoded_scale(scale[b]),
                 divisor,
                 add,
-                out[aligned:hi],
+                out[lo:hi],
             )
-            for i in range(done, hi):
-                _decoded_at(row, i, width, bound, nuqsgd, partial, scale_b, divisor, add, out)
-        position = end
+            position = end
 
 
 @_jit
@@ -916,6 +894,7 @@ def decoded_sums(rows, width, bound, nuqsgd, scale, bucket, divisor, out):
     """The allgather's decode under a shared scale: out = decode of the sum over rows of
     the values of their first out.size codes."""
     sums = np.empty(_CHUNK, dtype=np.int32)
+    fields = np.empty(_CHUNK, dtype=np.uint8)
     divisor = np.float32(divisor)
     last = rows.shape[0] - 1
     for start in range(0, out.size, _CHUNK):
@@ -923,7 +902,7 @@ def decoded_sums(rows, width, bound, nuqsgd, scale, bucket, divisor, out):
         chunk = sums[: stop - start] if last else sums[:0]
         chunk[:] = 0
         for r in range(last):
-            _add_fields(rows[r, start * width // 8 :], width, bound, nuqsgd, chunk)
+            _add_fields(rows[r, start * width // 8 :], width, bound, nuqsgd, fields, chunk)
         _decode_row(
             rows[last, start * width // 8 :],
             width,
@@ -935,6 +914,7 @@ def decoded_sums(rows, width, bound, nuqsgd, scale, bucket, divisor, out):
             bucket,
             divisor,
             False,
+            fields,
             out[start:stop],
         )
 
@@ -944,6 +924,7 @@ def decoded_own_scales(rows, width, bound, nuqsgd, scales, bucket, divisor, out)
     """The allgather's decode under each worker's own scales (row r of ``scales``): out =
     the sum over rows, in order, of the decoded values of their first out.size codes."""
     none = np.empty(0, dtype=np.int32)
+    fields = np.empty(_CHUNK, dtype=np.uint8)
     divisor = np.float32(divisor)
     # A chunk at a time, so that each row adds to a piece of ``out`` still in the cache.
     for start in range(0, out.size, _CHUNK):
@@ -961,6 +942,7 @@ def decoded_own_scales(rows, width, bound, nuqsgd, scales, bucket, divisor, out)
                 bucket,
                 divisor,
                 r > 0,
+                fields,
                 out[start:stop],
             )
 
@@ -970,6 +952,7 @@ def decoded_segments(rows, width, bound, length, scale, bucket, divisor, out):
     """The sharded exchange's decode: row r holds the summed values of elements
     r length .. (r + 1) length - 1, decoded into ``out`` (cut at out.size)."""
     none = np.empty(0, dtype=np.int32)
+    fields = np.empty(_CHUNK, dtype=np.uint8)
     divisor = np.float32(divisor)
     for r in range(rows.shape[0]):
         first = r * length
@@ -985,6 +968,7 @@ def decoded_segments(rows, width, bound, length, scale, bucket, divisor, out):
             bucket,
             divisor,
             False,
+            fields,
             out[first : first + valid],
         )
 
