@@ -578,8 +578,9 @@ def _quantize(p, start, scale, bucket, levels, exponent, stream, offset, out, re
 
 
 # Packing reads the fields four (2 bits) or two (4 bits) at a time as one little-endian word
-# and moves each to its place with a constant shift: a loop over contiguous words, which
-# LLVM vectorizes, where a loop gathering every fourth byte it vectorizes poorly.
+# (every platform numba targets is little-endian) and moves each to its place with a
+# constant shift: a loop over contiguous words, which LLVM vectorizes, where a loop
+# gathering every fourth byte it vectorizes poorly.
 
 
 @_jit
