@@ -22,6 +22,12 @@ from hvd_compress.blocksign import BlockSign
 # Whether the kernels run at all (tests and benchmarks switch it to compare).
 ENABLED = core.AVAILABLE
 
+# The functions that build a call, and with them the functions the call runs, stay as
+# written: inside the pipeline's ``tf.function`` autograph would convert them, and each call
+# would then run the converted code, whose every conditional expression and call goes
+# through autograph's checks at run time (most of a call's Python time).
+_unconverted = tf.autograph.experimental.do_not_convert
+
 
 def _on_cpu(tensor) -> bool:
     """Whether ``tensor`` is on the CPU: placed there, or unplaced (in a graph) on a
@@ -62,6 +68,7 @@ def _signs(numel):
     return tf.TensorSpec([-(-numel // 8)], tf.uint8)
 
 
+@_unconverted
 def local_scale(codec, grad: tf.Tensor) -> tf.Tensor:
     """``TernGrad.local_scale`` or the QSGD family's (``hvd_compress.fused.local_scale``)."""
     g = tf.reshape(grad, [-1])
@@ -69,6 +76,7 @@ def local_scale(codec, grad: tf.Tensor) -> tf.Tensor:
     return scale
 
 
+@_unconverted
 def _worker_state(numel, residual, momentum):
     """What the worker's calls take after the vector and the ratio: the tensors (the
     residual, the momentum buffer, where given), and the function of their arrays that
@@ -99,6 +107,7 @@ def _set_buffer(momentum, results):
         momentum.out = tf.reshape(results[-1], tf.shape(momentum.buffer))
 
 
+@_unconverted
 def compensated_scale(codec, vector: tf.Tensor, residual, ratio, momentum=None) -> tuple:
     """``ErrorFeedback.compensate`` and ``codec.local_scale`` (``hvd_compress.fused``):
     (p, scale), p = u + residual * ratio (``ratio`` may be a tensor). u is ``vector``, or
@@ -128,6 +137,7 @@ def compensated_scale(codec, vector: tf.Tensor, residual, ratio, momentum=None) 
     return results[0], results[1]
 
 
+@_unconverted
 def compensated_encode(
     codec,
     exchange,
@@ -172,6 +182,7 @@ def compensated_encode(
     return results[0], results[1], results[2] if feedback else None
 
 
+@_unconverted
 def signs_with_feedback(codec, p: tf.Tensor, scale: tf.Tensor) -> tuple:
     """``BlockSign.encode``, packing, and the residual p - decode(codes) that
     ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
@@ -183,6 +194,7 @@ def signs_with_feedback(codec, p: tf.Tensor, scale: tf.Tensor) -> tuple:
     )
 
 
+@_unconverted
 def server_step(server, codec, messages: tf.Tensor, head: int, block: int, count: int, numel: int):
     """``ServerStep`` of a server (of one shard, or replicated over a whole tensor) whose
     workers each sent a message (row of ``messages``: ``head`` bytes of float32 block
@@ -203,6 +215,7 @@ def server_step(server, codec, messages: tf.Tensor, head: int, block: int, count
     return packed, scale
 
 
+@_unconverted
 def scaled_signs(bits: tf.Tensor, scales: tf.Tensor, numel: int) -> tf.Tensor:
     """``packing.unpack_scaled_signs``: the first ``numel`` signs of each row of ``bits``
     times that row's scale, as float32 rows."""
@@ -214,6 +227,7 @@ def scaled_signs(bits: tf.Tensor, scales: tf.Tensor, numel: int) -> tf.Tensor:
     return out
 
 
+@_unconverted
 def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feedback: bool):
     """``codec.encode`` of p under ``scale`` with the draws of stream ``key`` (an int64
     tensor), written as ``exchange`` sends it (its ``payload``: packed codes, or values in
@@ -235,6 +249,7 @@ def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feed
     return results[0], results[1] if feedback else None
 
 
+@_unconverted
 def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
     (out,) = _call(
@@ -245,6 +260,7 @@ def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.
     return out
 
 
+@_unconverted
 def summed_codes(codec, rows: tf.Tensor, length: int, total_space) -> tf.Tensor:
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
     every row, summed over the rows and packed in ``total_space``."""
@@ -256,6 +272,7 @@ def summed_codes(codec, rows: tf.Tensor, length: int, total_space) -> tf.Tensor:
     return out
 
 
+@_unconverted
 def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: int) -> tf.Tensor:
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
     (out,) = _call(
@@ -266,6 +283,7 @@ def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: in
     return out
 
 
+@_unconverted
 def decoded_own_scales(codec, messages: tf.Tensor, head: int, count: int, numel: int) -> tf.Tensor:
     """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
     scales, then the codes) of ``codec.decode`` of their values, each under its own scales."""
@@ -277,6 +295,7 @@ def decoded_own_scales(codec, messages: tf.Tensor, head: int, count: int, numel:
     return out
 
 
+@_unconverted
 def decoded_segments(
     codec, rows: tf.Tensor, total_space, length: int, scale: tf.Tensor, count: int, numel: int
 ) -> tf.Tensor:
