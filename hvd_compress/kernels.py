@@ -555,10 +555,12 @@ def _nuqsgd_piece(p, divisor, s, first, stream, scale, offset, out, residual):
 
 
 @_jit(error_model="numpy")
-def _quantize(p, start, scale, bucket, levels, exponent, stream, offset, out, residual):
+def _quantize(p, start, quantizer, offset, out, residual):
     """code + ``offset`` of elements start .. start + out.size - 1 of ``p`` into ``out``
-    (``quantized``), each under its bucket's scale; their residuals into ``residual``'s
-    elements if it is not empty."""
+    under ``quantizer`` = (scale, bucket, levels, exponent, stream) of ``quantized``, each
+    under its bucket's scale; their residuals into ``residual``'s elements if it is not
+    empty."""
+    scale, bucket, levels, exponent, stream = quantizer
     s = np.float32(levels)  # s of the uniform quantizer, 0 for NUQSGD
     position, stop = start, start + out.size
     while position < stop:
@@ -627,53 +629,21 @@ def quantized(p, scale, bucket, levels, exponent, stream, bound, width, values, 
     at ``width`` bits per code (``codes.IntCodes(bound)``), or else into ``values`` (the
     codes' values, in the allreduce's carrier). With a ``residual``, p - decode(values,
     scale, 1) goes there (NaN where the scale is not finite, as the eager decode gives)."""
+    quantizer = (scale, bucket, levels, exponent, stream)
     if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
-        _quantize(
-            p,
-            0,
-            scale,
-            bucket,
-            levels,
-            exponent,
-            stream,
-            np.int32(bound),
-            packed[: p.size],
-            residual,
-        )
+        _quantize(p, 0, quantizer, np.int32(bound), packed[: p.size], residual)
     elif packed.size:
         fields = np.empty(_CHUNK, dtype=np.uint8)
         per = 8 // width
         for start in range(0, p.size, _CHUNK):
             count = min(p.size - start, _CHUNK)
-            _quantize(
-                p,
-                start,
-                scale,
-                bucket,
-                levels,
-                exponent,
-                stream,
-                np.int32(bound),
-                fields[:count],
-                residual,
-            )
+            _quantize(p, start, quantizer, np.int32(bound), fields[:count], residual)
             _pack_chunk(fields, count, bound, width, packed[start // per :])
     else:
         codes = np.empty(_CHUNK, dtype=np.int32)
         for start in range(0, p.size, _CHUNK):
             count = min(p.size - start, _CHUNK)
-            _quantize(
-                p,
-                start,
-                scale,
-                bucket,
-                levels,
-                exponent,
-                stream,
-                np.int32(0),
-                codes[:count],
-                residual,
-            )
+            _quantize(p, start, quantizer, np.int32(0), codes[:count], residual)
             _values(codes[:count], levels, values[start : start + count])
 
 
