@@ -94,8 +94,10 @@ _SMALL_TENSOR = 1 << 16
 # The block of a step the planner does not measure (``CompressionPipeline._cpu``).
 _UNMEASURED = contextlib.nullcontext()
 
-# The adaptive mode's probes: the fastest of this many of each (``_probe_links``).
-_PROBE_REPEATS = 2
+# The adaptive mode's probes: the fastest of this many of each (``_probe_links``). A
+# collective under a name Horovod has not seen yet negotiates in full, and any can meet a
+# rank descheduled.
+_PROBE_REPEATS = 5
 
 
 def _codes_name(name):
@@ -897,42 +899,51 @@ class CompressionPipeline:
         """Every carrier's ``Link``, fitted to a small and a large probe collective on
         ``device`` (``adaptive.CARRIERS``); the large one grows until the link's bandwidth
         shows. Each probe's time is the slowest rank's, so every rank grows and fits alike."""
-        links = {}
-        for carrier in CARRIERS:
-            small = self._probe(carrier, PROBE_SMALL, device)
-            nbytes = PROBE_START
-            while True:
-                large = self._probe(carrier, nbytes, device)
-                grown = next_probe(nbytes, large)
-                if grown is None:
-                    break
-                nbytes = grown
-            links[carrier] = Link.fit(
-                (probe_sent(carrier, PROBE_SMALL, self.world_size), small),
-                (probe_sent(carrier, nbytes, self.world_size), large),
+        small = dict(zip(CARRIERS, self._probe([(c, PROBE_SMALL) for c in CARRIERS], device)))
+        sizes = dict.fromkeys(CARRIERS, PROBE_START)
+        large = {}
+        growing = list(CARRIERS)
+        while growing:
+            seconds = self._probe([(carrier, sizes[carrier]) for carrier in growing], device)
+            large.update(zip(growing, seconds))
+            grown = {carrier: next_probe(sizes[carrier], large[carrier]) for carrier in growing}
+            growing = [carrier for carrier, nbytes in grown.items() if nbytes is not None]
+            sizes.update((carrier, grown[carrier]) for carrier in growing)
+        return {
+            carrier: Link.fit(
+                (probe_sent(carrier, PROBE_SMALL, self.world_size), small[carrier]),
+                (probe_sent(carrier, sizes[carrier], self.world_size), large[carrier]),
             )
-        return links
+            for carrier in CARRIERS
+        }
 
-    def _probe(self, carrier, nbytes, device):
-        """Seconds of the fastest of ``_PROBE_REPEATS`` collectives of ``nbytes`` on
-        ``carrier``, the slowest rank's. An allreduce that every rank must reach comes
-        first, so that a late rank delays the probe but is not measured as the link."""
-        dtype, collective = CARRIERS[carrier]
-        dtype = getattr(torch, dtype)
-        tensor = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=device)
-        name = f"hvdc.adaptive.{carrier}.{nbytes}"
+    def _probe(self, probes, device):
+        """Seconds of the fastest of ``_PROBE_REPEATS`` collectives of each (carrier,
+        nbytes) of ``probes``, the slowest rank's. The probes take turns, so that a burst of
+        noise (a rank descheduled, Horovod's background thread busy) falls on all of them
+        rather than on every repeat of one carrier, which would then look slower than the
+        others. An allreduce that every rank must reach comes first, so that a late rank
+        delays the probes but is not measured as the link."""
         ranks = self.process_set
+        collectives = []
+        for carrier, nbytes in probes:
+            dtype, collective = CARRIERS[carrier]
+            dtype = getattr(torch, dtype)
+            tensor = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=device)
+            collectives.append((collective, tensor, f"hvdc.adaptive.{carrier}.{nbytes}"))
         arrive = torch.zeros(1, device=device)
         hvd.allreduce_(arrive, op=hvd.Sum, name="hvdc.adaptive.arrive", process_set=ranks)
-        best = float("inf")
+        best = [float("inf")] * len(collectives)
         for _ in range(_PROBE_REPEATS):
-            start = time.perf_counter()
-            if collective == "allgather":
-                hvd.allgather(tensor, name=name, process_set=ranks)
-            else:
-                hvd.allreduce_(tensor, op=hvd.Sum, name=name, process_set=ranks)
-            best = min(best, time.perf_counter() - start)
-        return _max_over_ranks([best], f"{name}.seconds", ranks)[0]
+            for i, (collective, tensor, name) in enumerate(collectives):
+                start = time.perf_counter()
+                if collective == "allgather":
+                    hvd.allgather(tensor, name=name, process_set=ranks)
+                else:
+                    hvd.allreduce_(tensor, op=hvd.Sum, name=name, process_set=ranks)
+                best[i] = min(best[i], time.perf_counter() - start)
+        agreed = ".".join(f"{carrier}{nbytes}" for carrier, nbytes in probes)
+        return _max_over_ranks(best, f"hvdc.adaptive.seconds.{agreed}", ranks)
 
     # ----- state -----
 

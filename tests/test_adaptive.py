@@ -1,5 +1,9 @@
 """The adaptive mode's timeline model and planner (``hvd_compress.adaptive``), without
-Horovod: exact timelines, the choices they imply, and the planner's bookkeeping."""
+Horovod's processes: exact timelines, the choices they imply, the planner's bookkeeping
+and the link probes."""
+
+import functools
+import types
 
 import pytest
 
@@ -132,6 +136,38 @@ def test_probes_grow_until_the_bandwidth_shows():
     assert next_probe(16 << 20, 0.001) is None  # the largest
     assert probe_sent("bytes", 1000, 4) == 3000  # an allgather sends N - 1 copies
     assert probe_sent("fp16", 1000, 4) == uncompressed_traffic(500, 4, 2).sent
+
+
+def test_a_burst_of_noise_falls_on_every_carrier_alike(monkeypatch):
+    """The PyTorch pipeline's probes (``_probe_links``) with Horovod's collectives
+    replaced by a clock: each takes 1 ms, but the first five after the ranks meet take
+    20 ms more (a rank descheduled). The carriers' probes take turns, so every carrier
+    keeps fast repeats and all fit the same latency; five repeats of one carrier in a row
+    would have made that carrier alone 20 ms slower."""
+    from hvd_compress.pt import pipeline
+
+    clock = {"now": 0.0, "calls": 0}
+
+    def collective(*args, **kwargs):
+        clock["calls"] += 1
+        clock["now"] += 1e-3 + (20e-3 if clock["calls"] <= 5 else 0.0)
+
+    def arrive(*args, name, **kwargs):
+        if name == "hvdc.adaptive.arrive":
+            clock["calls"] = 0
+        else:
+            collective()
+
+    monkeypatch.setattr(pipeline.hvd, "allreduce_", arrive)
+    monkeypatch.setattr(pipeline.hvd, "allgather", collective)
+    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(pipeline, "_max_over_ranks", lambda values, name, ranks: values)
+    probes = types.SimpleNamespace(process_set=None, world_size=2)
+    probes._probe = functools.partial(pipeline.CompressionPipeline._probe, probes)
+    links = pipeline.CompressionPipeline._probe_links(probes, "cpu")
+    assert set(links) == set(CARRIERS)
+    for link in links.values():
+        assert link.latency == pytest.approx(1e-3)
 
 
 def test_planner_warms_up_decides_and_redecides():
