@@ -32,7 +32,7 @@ from tqdm import tqdm
 from . import network, plots, report
 from .job import HorovodJob, LocalHosts, NamespacedHosts
 from .methods import CODEC_METHODS, METHODS, PEER_METHODS, TWO_LEVEL_METHODS
-from .protocol import EVENT, TF_METHODS
+from .protocol import EVENT, LONG_SECONDS, TF_METHODS
 from .shapes import MODELS
 
 DEFAULT_WORKERS = (2, 4)
@@ -138,13 +138,15 @@ def add_arguments(parser):
         "--steps",
         type=int,
         default=None,
-        help="timed steps per configuration (default: 10 for cnn, 3 for resnet50)",
+        help="timed steps per configuration (default: 10 for cnn, 3 for resnet50); one "
+        f"where the first takes {LONG_SECONDS:g} s or more",
     )
     parser.add_argument(
         "--bare-repeats",
         type=int,
         default=2,
-        help="replays of the bare collectives per configuration (default 2)",
+        help="replays of the bare collectives per configuration (default 2); one where the "
+        f"first takes {LONG_SECONDS:g} s or more",
     )
     parser.add_argument(
         "--accuracy-methods",

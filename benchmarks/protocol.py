@@ -21,6 +21,11 @@ TIMING_LR = 0.01
 # Timed steps of each compute baseline, whatever the model: a step without exchange is
 # cheap (0.3 s for the 25M-parameter model at N = 4), and its median steadies with more.
 COMPUTE_STEPS = 10
+# A measurement (a timed step, a replay of bare collectives) whose first run took this many
+# seconds on some rank is made once: only the 25M-parameter model's uncompressed exchanges at
+# 100 Mbit/s take that long (4.4-14 s a step; every codec's step under 3.5 s), transfers
+# bound by the link that repeat to within 5%, and repeating them took minutes of the matrix.
+LONG_SECONDS = 4.0
 # The TensorFlow port's methods (``benchmarks.tf_worker``), as rows of the same tables.
 TF_METHODS = ("tf-hvd-none", "tf-hvd-fp16", "tf-terngrad", "tf-qsgd-inf", "tf-ef-sign")
 TF_PREFIX = "tf-"
@@ -33,8 +38,9 @@ class Driver:
 
     Args:
         rank, size: this worker's Horovod rank and the job's size.
-        allreduce: ``allreduce(name)``, a small blocking allreduce of the worker's
-            framework under a collective name: the barrier.
+        allreduce: ``allreduce(name, value)``, a blocking Max-allreduce of the number
+            ``value`` in the worker's framework under a collective name: the largest
+            value over the ranks.
     """
 
     def __init__(self, rank, size, allreduce):
@@ -57,7 +63,17 @@ class Driver:
 
     def barrier(self):
         self.barriers += 1
-        self.allreduce(f"bench.barrier.{self.barriers}")
+        self.allreduce(f"bench.barrier.{self.barriers}", 0.0)
+
+    def repeated(self, measure, count):
+        """The seconds of ``count`` calls of ``measure`` (which returns the seconds it
+        took), or of the first alone if it took ``LONG_SECONDS`` or more on some rank:
+        the ranks decide together, since each call runs collectives."""
+        seconds = [measure()]
+        self.barriers += 1
+        if count > 1 and self.allreduce(f"bench.long.{self.barriers}", seconds[0]) < LONG_SECONDS:
+            seconds += [measure() for _ in range(count - 1)]
+        return seconds
 
 
 def interface_bytes(interface):
@@ -86,6 +102,12 @@ def timed_steps(trainer, batches, steps):
         trainer.step(inputs, targets)
         seconds.append(time.perf_counter() - start)
     return seconds
+
+
+def timed_steps_of(driver, trainer, batches, steps):
+    """``timed_steps`` as a configuration's measurement: one step if it is a long one
+    (``Driver.repeated``)."""
+    return driver.repeated(lambda: timed_steps(trainer, batches, 1)[0], steps)
 
 
 def sent_bytes(codec, stats, world_size, nodes=None, node_allreduce=False):

@@ -47,6 +47,7 @@ from .protocol import (  # noqa: E402
     interface_bytes,
     sent_bytes,
     timed_steps,
+    timed_steps_of,
 )
 from .shapes import (  # noqa: E402
     CLASSES,
@@ -234,9 +235,9 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
             timed_steps(run, batches, WARMUP_STEPS)
             driver.barrier()
         before = interface_bytes(interface)
-        seconds = timed_steps(run, batches, steps)
+        seconds = timed_steps_of(driver, run, batches, steps)
         driver.barrier()  # as benchmarks.worker: the last step's bytes are counted
-        tx, rx = difference(interface_bytes(interface), before, steps)
+        tx, rx = difference(interface_bytes(interface), before, len(seconds))
         handed, sent = sizes()
         driver.emit(
             "step",
@@ -254,15 +255,19 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
     gc.collect()
 
 
+def _largest(name, value):
+    """The largest of the ranks' ``value`` (``Driver``'s allreduce)."""
+    total = hvd.allreduce(tf.constant([value], tf.float64), name=name, op=hvd.Max)
+    return float(total.numpy()[0])
+
+
 def main(spec_path):
     with open(spec_path) as f:
         spec = json.load(f)
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    driver = Driver(
-        hvd.rank(), hvd.size(), lambda name: hvd.allreduce(tf.zeros(1), name=name).numpy()
-    )
+    driver = Driver(hvd.rank(), hvd.size(), _largest)
     interface = os.environ.get("HOROVOD_GLOO_IFACE")
     driver.barrier()
     for model in spec["models"]:

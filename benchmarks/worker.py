@@ -39,6 +39,7 @@ from .protocol import (
     difference,
     interface_bytes,
     timed_steps,
+    timed_steps_of,
 )
 
 # Seconds of idle traffic counted to measure Horovod's control messages.
@@ -74,7 +75,8 @@ def measure_bare(driver, work, rates, repeats):
         driver.shape(rate)
         measured = {}
         for name, collectives in exchanges.items():
-            seconds = [replay(collectives, name.replace(" ", "-")) for _ in range(repeats)]
+            tag = name.replace(" ", "-")
+            seconds = driver.repeated(lambda: replay(collectives, tag), repeats)
             measured[name] = {
                 "seconds": statistics.median(seconds),
                 "sent": sum(c.sent(hvd.size()) for c in collectives),
@@ -97,12 +99,12 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
             driver.barrier()
         before = interface_bytes(interface)
         with HorovodProbe() as probe:
-            seconds = timed_steps(trainer, batches, steps)
+            seconds = timed_steps_of(driver, trainer, batches, steps)
         # A rank's last step can return while its final send still waits in its link's tbf
         # queue; the barrier's bytes queue behind it, so once every rank has passed the barrier
         # the step's bytes have been counted.
         driver.barrier()
-        tx, rx = difference(interface_bytes(interface), before, steps)
+        tx, rx = difference(interface_bytes(interface), before, len(seconds))
         result = dict(
             model=work.name,
             method=method,
@@ -115,9 +117,9 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
             wire_rx=rx,
         )
         if method in CODEC_METHODS:
-            result["wait_seconds"] = probe.wait_seconds / steps
+            result["wait_seconds"] = probe.wait_seconds / len(seconds)
             result["bare_seconds"] = statistics.median(
-                replay(recorded, method) for _ in range(repeats)
+                driver.repeated(lambda: replay(recorded, method), repeats)
             )
             result["bare_sent"] = sum(c.sent(hvd.size()) for c in recorded)
             result["adaptive"] = trainer.optimizer.compression_stats().get("adaptive")
@@ -148,6 +150,11 @@ def accuracy_curve(driver, work, method, rate, steps, every, lr):
     driver.emit("accuracy", model=work.name, method=method, rate=rate, lr=lr, points=points)
 
 
+def _largest(name, value):
+    """The largest of the ranks' ``value`` (``Driver``'s allreduce)."""
+    return hvd.allreduce(torch.tensor([value], dtype=torch.float64), name=name, op=hvd.Max).item()
+
+
 def main(spec_path):
     with open(spec_path) as f:
         spec = json.load(f)
@@ -155,7 +162,7 @@ def main(spec_path):
     hvd.init(process_sets="dynamic" if needs_process_sets(every) else None)
     if needs_ddp(spec["methods"]) or needs_ddp(spec["accuracy"]["methods"]):
         init_ddp()
-    driver = Driver(hvd.rank(), hvd.size(), lambda name: hvd.allreduce(torch.zeros(1), name=name))
+    driver = Driver(hvd.rank(), hvd.size(), _largest)
     interface = os.environ.get("HOROVOD_GLOO_IFACE")
     driver.barrier()
     before = interface_bytes(interface)

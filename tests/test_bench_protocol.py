@@ -1,0 +1,33 @@
+"""The benchmark workers' shared protocol (``benchmarks.protocol``): how many times a
+configuration is measured, decided alike on every rank."""
+
+import itertools
+
+from benchmarks.protocol import LONG_SECONDS, Driver
+
+
+def _driver(other_ranks_seconds):
+    """Rank 1's driver in a job whose other ranks measured ``other_ranks_seconds``: its
+    allreduce returns the largest value, as the workers' Max-allreduce does."""
+    names = []
+
+    def largest(name, value):
+        names.append(name)
+        return max(value, other_ranks_seconds)
+
+    return Driver(1, 4, largest), names
+
+
+def test_a_configuration_is_measured_count_times_unless_its_first_run_is_long():
+    runs = itertools.count()
+    driver, names = _driver(0.0)
+    assert driver.repeated(lambda: next(runs) + 0.5, 3) == [0.5, 1.5, 2.5]
+    driver, _ = _driver(0.0)
+    assert driver.repeated(lambda: LONG_SECONDS, 3) == [LONG_SECONDS]
+    # One rank's long first run decides for all: each run is a collective of every rank.
+    driver, names = _driver(LONG_SECONDS + 1)
+    assert driver.repeated(lambda: 0.1, 3) == [0.1]
+    assert len(set(names)) == len(names) == 1
+    # A single measurement asks nobody.
+    driver, names = _driver(0.0)
+    assert driver.repeated(lambda: 0.1, 1) == [0.1] and names == []
