@@ -156,6 +156,17 @@ def rows(events, per_node=1):
     return result
 
 
+def _trial(trial, challenger):
+    """A trial's outcome: the decision's (against the paths it replaced), or its
+    challenger's (every tensor on one path, against the decision)."""
+    if trial is None:
+        return "-"
+    seconds = f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])})"
+    if challenger:
+        return f"all {challenger} {'stood' if trial['kept'] else 'fell'} {seconds}"
+    return f"{'kept' if trial['kept'] else 'reverted'} {seconds}"
+
+
 def _auto_table(rows):
     lines = []
     for r in rows:
@@ -178,10 +189,7 @@ def _auto_table(rows):
                 "yes" if ratio is not None and ratio <= AUTO_BOUND else "no",
                 " ".join(f"{p} {counts[p]}" for p in sorted(counts)) or "-",
                 " / ".join(_ms(predicted.get(p)) for p in ("chosen", "codec", "fp16", "fp32")),
-                "-"
-                if trial is None
-                else f"{'kept' if trial['kept'] else 'reverted'} "
-                f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])})",
+                _trial(trial, decision.get("challenger")),
             ]
         )
     return (
@@ -196,7 +204,7 @@ def _auto_table(rows):
                 f"within {AUTO_BOUND}x",
                 "tensors by path",
                 "predicted exchange: chosen / codec / fp16 / fp32",
-                "trial: decision vs all codec (ms)",
+                "trial: tried vs replaced (ms)",
             ],
             lines,
         )

@@ -47,6 +47,10 @@ be wrong where its probes are: a probe runs alone on a quiet link, while the ste
 collectives share the CPU with the backward pass of every rank on the host, which with more
 ranks than cores makes an uncompressed allreduce far slower than its probe predicts. The
 trial makes "never slower than the paths in force" a measurement rather than a forecast.
+A decision that keeps the paths in force is challenged instead: the fastest single path
+that differs from them (every tensor by the codec, fp16 or fp32), if predicted within
+``CHALLENGE_MARGIN`` of the decision, takes the trial's place, and stands only if its steps
+are no slower. So a model wrong in either direction costs at most a trial per decision.
 """
 
 from __future__ import annotations
@@ -67,6 +71,11 @@ _PREFERENCE = {"fp32": 0, "fp16": 1, "codec": 2}
 # so that the median is a measured step and one outlier (a first step's allocations) is
 # outvoted.
 TRIAL_STEPS = 3
+# A decision that keeps the paths in force is challenged by the fastest single path predicted
+# at most this many times its exchange: with more ranks than cores the model errs by about
+# that factor (docs/adaptive.md), and the bound keeps a challenge's cost below one more
+# exchange per step for ``TRIAL_STEPS`` steps.
+CHALLENGE_MARGIN = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,9 +311,11 @@ class Decision:
     paths: dict[str, str]
     predicted: dict[str, float]
     # The trial (``TRIAL_STEPS``): the median step seconds under the paths replaced and
-    # under the decision's, and whether the decision stood; None until it is judged (and
-    # where the decision changed no path).
+    # under the decision's (or its challenger's), and whether those stood; None until it is
+    # judged (and where nothing was tried).
     trial: dict[str, float | bool] | None = None
+    # The single path tried against a decision that kept the paths in force, if any.
+    challenger: str | None = None
 
 
 class Planner:
@@ -426,6 +437,7 @@ class Planner:
             "next_decision": self.next_decision,
             "judging": self.judging,
             "trial": decision.trial,
+            "challenger": decision.challenger,
             "links": {
                 carrier: {
                     "latency_seconds": link.latency,
@@ -517,6 +529,8 @@ class Planner:
             )
         self.paths.update(paths)
         self.decision = Decision(step, dict(links), contention, dict(self.paths), predicted)
+        if self.paths == replaced and self._steps:
+            self._challenge(timings, predicted)
         if self.paths != replaced and self._steps:
             self._replaced = (replaced, statistics.median(self._steps))
             self._steps.clear()
@@ -524,6 +538,20 @@ class Planner:
         else:
             self._schedule(step)
         return self.decision
+
+    def _challenge(self, timings: Sequence[TensorTiming], predicted: Mapping[str, float]) -> None:
+        """Puts the fastest single path that differs from the paths in force on trial, if
+        it is predicted within ``CHALLENGE_MARGIN`` of them (the simpler path on a tie)."""
+        rivals = [
+            (predicted[path], _PREFERENCE[path], path)
+            for path in PATHS
+            if predicted[path] <= CHALLENGE_MARGIN * predicted["chosen"]
+            and uniform(timings, path, self.options.pin) != self.paths
+        ]
+        if rivals:
+            path = min(rivals)[2]
+            self.decision.challenger = path
+            self.paths = uniform(timings, path, self.options.pin)
 
     @property
     def judging(self) -> bool:
@@ -536,9 +564,9 @@ class Planner:
         return [self._replaced[1], statistics.median(self._steps)]
 
     def judge(self, step: int, agreed: Sequence[float]) -> bool:
-        """Keeps the decision on trial if its steps took no longer than the replaced
-        paths' (``agreed`` ``trial_seconds``), else brings those paths back; returns
-        whether it stood."""
+        """Keeps the paths on trial (the decision's, or its challenger's) if their steps
+        took no longer than the replaced paths' (``agreed`` ``trial_seconds``), else brings
+        those paths back; returns whether they stood."""
         (replaced, _), (before, after) = self._replaced, agreed
         kept = after <= before
         if not kept:
@@ -551,12 +579,18 @@ class Planner:
 
     def verdict(self) -> str:
         """The last trial's outcome in one line, for the log."""
-        trial = self.decision.trial
-        return (
-            f"{'kept' if trial['kept'] else 'reverted'}: "
+        trial, challenger = self.decision.trial, self.decision.challenger
+        seconds = (
             f"{trial['seconds'] * 1e3:.1f} ms a step against "
-            f"{trial['replaced_seconds'] * 1e3:.1f} ms under the paths it replaced"
+            f"{trial['replaced_seconds'] * 1e3:.1f} ms under "
         )
+        if challenger:
+            outcome = "which stood" if trial["kept"] else "which fell"
+            return (
+                f"challenged by every tensor by {challenger}, {outcome}: "
+                f"{seconds}the decision's paths"
+            )
+        return f"{'kept' if trial['kept'] else 'reverted'}: {seconds}the paths it replaced"
 
     def _schedule(self, step: int) -> None:
         every = self.options.every

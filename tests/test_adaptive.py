@@ -10,6 +10,7 @@ import pytest
 from hvd_compress import TernGrad
 from hvd_compress.adaptive import (
     CARRIERS,
+    CHALLENGE_MARGIN,
     TRIAL_STEPS,
     Adaptive,
     Link,
@@ -247,6 +248,8 @@ def _decide_on(planner, step, link):
 
 
 FAST, SLOW = (1e-5, 1 / 125e9), (1e-4, 1 / 12.5e6)
+# 40 Gbit/s: the codec predicted 16 ms, fp16 22 ms (within CHALLENGE_MARGIN), fp32 40 ms.
+NEAR = (1e-4, 8 / 40e9)
 
 
 @pytest.mark.parametrize("trial_seconds, kept", [(0.09, True), (0.1, True), (0.11, False)])
@@ -271,6 +274,35 @@ def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_no_slower(tr
     planner.end_step(0.1)
     _decide_on(planner, judged + 10, FAST if kept else SLOW)
     assert not planner.judging and planner.next_decision == judged + 20
+
+
+@pytest.mark.parametrize("trial_seconds, kept", [(0.1, True), (0.11, False)])
+def test_a_decision_that_keeps_the_paths_is_challenged_by_the_nearest_single_path(
+    trial_seconds, kept
+):
+    planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
+    for seconds in (0.5, 0.1, 0.1):
+        planner.end_step(seconds)
+    decision = _decide_on(planner, 3, NEAR)
+    assert decision.paths == dict.fromkeys("ab", "codec")  # the warm-up's paths, kept
+    assert decision.predicted["fp16"] <= CHALLENGE_MARGIN * decision.predicted["chosen"]
+    assert decision.predicted["fp32"] > CHALLENGE_MARGIN * decision.predicted["chosen"]
+    assert decision.challenger == "fp16" and planner.judging
+    assert planner.paths == dict.fromkeys("ab", "fp16")
+    for _ in range(TRIAL_STEPS):
+        planner.end_step(trial_seconds)
+    assert planner.judge(3 + TRIAL_STEPS, planner.trial_seconds()) is kept
+    assert planner.paths == dict.fromkeys("ab", "fp16" if kept else "codec")
+    assert planner.report()["challenger"] == "fp16" and decision.trial["kept"] is kept
+    assert planner.verdict().startswith(
+        f"challenged by every tensor by fp16, which {'stood' if kept else 'fell'}"
+    )
+    # Every single path predicted beyond the margin: nothing is tried.
+    beyond = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
+    beyond.end_step(0.1)
+    decision = _decide_on(beyond, 3, SLOW)
+    assert decision.challenger is None and not beyond.judging
+    assert beyond.paths == dict.fromkeys("ab", "codec")
 
 
 def test_every_zero_decides_once():
