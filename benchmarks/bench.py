@@ -1,7 +1,7 @@
 """``hvd-compress bench``: gradient exchange on a bandwidth-limited network, one Horovod worker
 per network namespace, every link shaped with ``tc tbf`` (``benchmarks.network``).
 
-    hvd-compress bench                 # the whole matrix (make bench), about 22 minutes
+    hvd-compress bench                 # the whole matrix (make bench), about 31 minutes
     hvd-compress bench --workers 2 --rates 100M --models cnn --steps 3 --no-accuracy
     hvd-compress bench --workers 4 --per-node 2 --methods hvd-none,ef-sign,ef-sign-2l ...
 
@@ -49,9 +49,9 @@ OUT = os.path.join(REPO, "benchmarks", "results")
 
 
 def timed_steps(model):
-    """Timed steps per configuration, sized so that the default matrix fits in 25 minutes
-    on 2 cores (the 25M-parameter model's uncompressed step takes ~14 s at 100 Mbit/s and
-    4 workers). The medians of the first 3 (CNN: 10) of 5 (20) steps are 5% (6%) from the
+    """Timed steps per configuration (one where a step takes ``LONG_SECONDS`` or more:
+    the 25M-parameter model's uncompressed step takes ~14 s at 100 Mbit/s and 4 workers).
+    The medians of the first 3 (CNN: 10) of 5 (20) steps are 5% (6%) from the
     full medians on average, 54% (32%) at most, in CPU-bound configurations whose step
     times spread as widely between runs."""
     return 10 if model == "cnn" else 3
