@@ -47,7 +47,7 @@ class Driver:
         self.rank0 = rank == 0
         self.size = size
         self.allreduce = allreduce
-        self.barriers = 0
+        self.collectives = 0  # the driver's own, each under a name of its own
 
     def emit(self, kind, **fields):
         if self.rank0:
@@ -62,18 +62,21 @@ class Driver:
         self.barrier()
 
     def barrier(self):
-        self.barriers += 1
-        self.allreduce(f"bench.barrier.{self.barriers}", 0.0)
+        self._largest("barrier", 0.0)
 
     def repeated(self, measure, count):
         """The seconds of ``count`` calls of ``measure`` (which returns the seconds it
         took), or of the first alone if it took ``LONG_SECONDS`` or more on some rank:
         the ranks decide together, since each call runs collectives."""
         seconds = [measure()]
-        self.barriers += 1
-        if count > 1 and self.allreduce(f"bench.long.{self.barriers}", seconds[0]) < LONG_SECONDS:
+        if count > 1 and self._largest("long", seconds[0]) < LONG_SECONDS:
             seconds += [measure() for _ in range(count - 1)]
         return seconds
+
+    def _largest(self, kind, value):
+        """The largest of the ranks' ``value``, by the next of the driver's collectives."""
+        self.collectives += 1
+        return self.allreduce(f"bench.{kind}.{self.collectives}", value)
 
 
 def interface_bytes(interface):

@@ -20,7 +20,7 @@ def _driver(other_ranks_seconds):
 
 def test_a_configuration_is_measured_count_times_unless_its_first_run_is_long():
     runs = itertools.count()
-    driver, names = _driver(0.0)
+    driver, _ = _driver(0.0)
     assert driver.repeated(lambda: next(runs) + 0.5, 3) == [0.5, 1.5, 2.5]
     driver, _ = _driver(0.0)
     assert driver.repeated(lambda: LONG_SECONDS, 3) == [LONG_SECONDS]
