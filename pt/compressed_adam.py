@@ -74,12 +74,12 @@ class CompressedAdam:
     def compressing(self) -> bool:
         """Whether the next exchange (or the one in flight) sends the momentum through the
         codec: the pipeline counts the exchanges done, T_w of them uncompressed."""
-        return self.pipeline.step >= self.warmup_steps
+        return self.pipeline.state.step >= self.warmup_steps
 
     @property
     def exchanged_momentum(self) -> bool:
         """Whether the exchange just finished (by ``synchronize``) sent the momentum."""
-        return self.pipeline.step > self.warmup_steps
+        return self.pipeline.state.step > self.warmup_steps
 
     def follow(self):
         """Routes every compressed tensor for the next step: by an fp32 allreduce during
@@ -145,7 +145,7 @@ class CompressedAdam:
     def step(self):
         """The compressed stage's Adam step with the frozen variance, from the averaged
         momentum in ``.grad``."""
-        t = self.pipeline.step  # this step's exchange is counted
+        t = self.pipeline.state.step  # this step's exchange is counted
         for group in self.optimizer.param_groups:
             eta, decay = group["lr"], group["weight_decay"]
             step_size = eta / (1 - group["betas"][0] ** t)

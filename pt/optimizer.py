@@ -184,8 +184,6 @@ class _DistributedOptimizer:
     def state_dict(self):
         state = self._hvdc_base.state_dict(self)
         state[STATE_KEY] = self._hvdc_pipeline.state_dict()
-        if self._hvdc_momentum is not None:
-            state[STATE_KEY]["momentum"] = self._hvdc_momentum.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
@@ -194,8 +192,6 @@ class _DistributedOptimizer:
         self._hvdc_base.load_state_dict(self, state_dict)
         if ours is not None:
             self._hvdc_pipeline.load_state_dict(ours)
-            if self._hvdc_momentum is not None and "momentum" in ours:
-                self._hvdc_momentum.load_state_dict(ours["momentum"])
             if self._hvdc_adam is not None:
                 self._hvdc_adam.reload()
 
@@ -208,8 +204,8 @@ class _DistributedOptimizer:
         the chosen paths and of every unpinned tensor on one path (``Planner.report``)."""
         pipeline = self._hvdc_pipeline
         stats = pipeline.compression_stats()
-        if pipeline.planner is not None:
-            stats["adaptive"] = pipeline.planner.report()
+        if pipeline.state.planner is not None:
+            stats["adaptive"] = pipeline.state.planner.report()
         return stats
 
 

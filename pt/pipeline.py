@@ -44,6 +44,7 @@ from .exchange import (
 )
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
+from .state import PipelineState
 
 
 @dataclasses.dataclass
@@ -145,6 +146,8 @@ class CompressionPipeline:
             collective, shard, scale and decision is theirs, and their world size and ranks
             are the set's. On a rank outside it the pipeline exchanges nothing
             (``included`` is False) and only keeps its plans.
+
+    What it carries from one step to the next is ``state`` (``PipelineState``).
     """
 
     def __init__(
@@ -163,8 +166,6 @@ class CompressionPipeline:
         process_set=hvd.global_process_set,
     ):
         self.codec = codec
-        self.worker_memory = ErrorFeedback() if error_feedback else None
-        self.server_memory = ErrorFeedback() if codec.two_way else None
         self.average = average
         self.seed = seed
         self.process_set = process_set
@@ -183,11 +184,7 @@ class CompressionPipeline:
         self.node_allreduce = False
         if exchange == TWO_LEVEL and self.included:
             check_two_level_process_set(process_set is hvd.global_process_set)
-        self.step = 0
         self.meter = Meter()
-        # The wrapper's ``WorkerMomentum``, if any: exchanges that send part of the
-        # velocity (DGC) make it forget what they sent.
-        self.worker_momentum = None
         self.last_step_bytes = 0
         self._in_flight = {}
         # This step's flights whose codes wait for a collective (stage "shard" or "scale"):
@@ -204,7 +201,7 @@ class CompressionPipeline:
         self._choose_exchanges()
         if exchange == TWO_LEVEL and self.included:
             self._join_nodes()
-        self.factor_memory = (
+        factors = (
             FactorMemory(
                 {
                     plan.name: torch.from_numpy(
@@ -217,10 +214,7 @@ class CompressionPipeline:
             if codec.message == "factors"
             else None
         )
-        # State changed by a step only if its exchanged gradients are all finite: objects
-        # with ``commit(keep)``; wrappers add their own (worker momentum).
-        self.step_state = [m for m in self._memories().values() if m is not None]
-        self.planner = None
+        planner = None
         if adaptive is not None:
             if exchange == TWO_LEVEL:
                 raise ValueError(
@@ -232,9 +226,18 @@ class CompressionPipeline:
                     f"adaptive: {codec.name} selects what it sends from its "
                     f"memory; the adaptive mode takes the dense codecs"
                 )
-            self.planner = Planner(
+            planner = Planner(
                 adaptive, [plan.name for plan in self.plans.values() if plan.reason == "compressed"]
             )
+        # Everything the steps carry forward; an optimizer that applies a worker momentum
+        # adds it.
+        self.state = PipelineState(
+            ErrorFeedback() if error_feedback else None,
+            ErrorFeedback() if codec.two_way else None,
+            factors,
+            planner,
+        )
+        if planner is not None:
             self._follow_planner()
         self._step_started = None  # perf_counter() of the step's first gradient
         self._measuring = False  # whether the planner measures this step's tensors
@@ -312,7 +315,7 @@ class CompressionPipeline:
     def _compensates_in_kernels(self, vector):
         """Whether the worker error feedback of ``vector`` runs in ``fused``'s kernels."""
         return (
-            self.worker_memory is not None
+            self.state.worker is not None
             and not self.codec.sparse
             and not vector.is_sparse
             and vector.is_contiguous()
@@ -332,10 +335,12 @@ class CompressionPipeline:
             self._step_started = time.perf_counter()
             if self.codec.uncompressed_steps:
                 self._follow_warm_up()
-            self._measuring = self.planner is not None and self.planner.start_step(self.step)
+            self._measuring = self.state.planner is not None and self.state.planner.start_step(
+                self.state.step
+            )
         plan = self.plans[param]
         if self._measuring:
-            self.planner.ready_at(plan.name, time.perf_counter() - self._step_started)
+            self.state.planner.ready_at(plan.name, time.perf_counter() - self._step_started)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = param.grad
@@ -349,7 +354,7 @@ class CompressionPipeline:
     def _follow_warm_up(self):
         """Sends every compressed tensor whole during the codec's first
         ``uncompressed_steps`` (PowerSGD's ``start_iter``), by the codec after."""
-        path = "codec" if self.step >= self.codec.uncompressed_steps else "fp32"
+        path = "codec" if self.state.step >= self.codec.uncompressed_steps else "fp32"
         for plan in self.plans.values():
             if plan.reason == "compressed":
                 plan.path = path
@@ -366,7 +371,9 @@ class CompressionPipeline:
         try:
             yield
         finally:
-            self.planner.spent(name, phase, time.thread_time() - start, time.perf_counter() - wall)
+            self.state.planner.spent(
+                name, phase, time.thread_time() - start, time.perf_counter() - wall
+            )
 
     def _launch(self, plan, param, grad, ratio, momentum):
         if plan.route in (UNCOMPRESSED, HALF) or grad.is_sparse:
@@ -388,14 +395,14 @@ class CompressionPipeline:
                 self.world_size,
                 self.meter,
                 self.world_size if self.average else 1,
-                self.worker_memory,
-                self.step,
+                self.state.worker,
+                self.state.step,
                 process_set=self.process_set,
-                **({"factors": self.factor_memory} if self.factor_memory is not None else {}),
+                **({"factors": self.state.factors} if self.state.factors is not None else {}),
             )
             flight.handle = flight.exchange.start(grad.reshape(-1), ratio, _codes_name(plan.name))
-            if self.worker_momentum is not None and flight.exchange.selected is not None:
-                self.worker_momentum.mask(plan.name, flight.exchange.selected)
+            if self.state.momentum is not None and flight.exchange.selected is not None:
+                self.state.momentum.mask(plan.name, flight.exchange.selected)
             self._in_flight[param] = flight
         else:
             flight = _InFlight(
@@ -414,15 +421,15 @@ class CompressionPipeline:
             flight.vector, flight.scale = fused.compensated_scale(
                 self.codec,
                 flight.vector,
-                self.worker_memory.residuals.get(plan.name),
+                self.state.worker.residuals.get(plan.name),
                 flight.ratio,
                 momentum=momentum,
             )
-        elif self.worker_memory is not None:
-            flight.vector = self.worker_memory.compensate(plan.name, flight.vector, flight.ratio)
+        elif self.state.worker is not None:
+            flight.vector = self.state.worker.compensate(plan.name, flight.vector, flight.ratio)
         server = None
         if self.codec.two_way:
-            server = ServerStep(self.server_memory, plan.name, flight.ratio)
+            server = ServerStep(self.state.server, plan.name, flight.ratio)
         flight.exchange = make_exchange(
             exchange,
             self.codec,
@@ -489,8 +496,8 @@ class CompressionPipeline:
         carrying any residual that a layout with other nodes left (``_follow_nodes``)."""
         if self.shard_set is None:
             shard, name = flight.vector, flight.plan.name
-            if self.worker_memory is not None and name in self.worker_memory.residuals:
-                shard = self.worker_memory.flush(name, shard, flight.ratio)
+            if self.state.worker is not None and name in self.state.worker.residuals:
+                shard = self.state.worker.flush(name, shard, flight.ratio)
             self._gather_shard(flight, shard)
             return
         exchange = self.between_nodes[flight.plan.name]
@@ -546,8 +553,8 @@ class CompressionPipeline:
         op = hvd.Average if self.average else hvd.Sum
         if grad.is_sparse:
             return hvd.sparse_allreduce_async(grad, name=name, op=op, process_set=self.process_set)
-        if self.worker_memory is not None and plan.name in self.worker_memory.residuals:
-            grad = self.worker_memory.flush(plan.name, grad.reshape(-1), ratio).view(grad.shape)
+        if self.state.worker is not None and plan.name in self.state.worker.residuals:
+            grad = self.state.worker.flush(plan.name, grad.reshape(-1), ratio).view(grad.shape)
         grad = allreducible(grad.to(torch.float16) if half else grad)
         self.meter.hand(grad)
         return hvd.allreduce_async_(
@@ -585,7 +592,7 @@ class CompressionPipeline:
         # A two-level exchange's shard sets hold one rank of each node: the global rank
         # keeps every rank's draws its own.
         rank = hvd.rank() if flight.plan.exchange == TWO_LEVEL else self.rank
-        key = stream_seed(self.seed, rank, self.step, flight.plan.index)
+        key = stream_seed(self.seed, rank, self.state.step, flight.plan.index)
         if fused.applies(self.codec, vector):
             codes, residual = fused.encode(
                 self.codec,
@@ -593,10 +600,10 @@ class CompressionPipeline:
                 vector,
                 flight.scale,
                 key,
-                feedback=self.worker_memory is not None,
+                feedback=self.state.worker is not None,
             )
-            if self.worker_memory is not None:
-                self.worker_memory.propose(name, residual)
+            if self.state.worker is not None:
+                self.state.worker.propose(name, residual)
             start = flight.exchange.start_packed
         else:
             uniforms = (
@@ -605,9 +612,9 @@ class CompressionPipeline:
                 else None
             )
             codes = self.codec.encode(vector, flight.scale, uniforms)
-            if self.worker_memory is not None:
+            if self.state.worker is not None:
                 sent = self.codec.decode(self.codec.values(codes), flight.scale, 1)
-                self.worker_memory.update(name, vector, sent)
+                self.state.worker.update(name, vector, sent)
             start = flight.exchange.start
         with self.meter.charging(name):
             flight.handle = start(codes, flight.scale, _codes_name(name))
@@ -654,10 +661,8 @@ class CompressionPipeline:
             if flight.stage == "gather":
                 gathered = wait(flight.handle) if self.node_set is not None else flight.handle
                 _write_grad(param, gathered[: flight.plan.numel])
-        if self.step_state:
-            keep = all(known.values()) and self.all_finite(skip=known)
-            for state in self.step_state:
-                state.commit(keep)
+        if self.state.committed():
+            self.state.commit(all(known.values()) and self.all_finite(skip=known))
         self.last_sent_elements = {
             flight.plan.name: flight.exchange.sent_elements
             for flight in self._in_flight.values()
@@ -666,11 +671,11 @@ class CompressionPipeline:
         self._in_flight.clear()
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
-        self.step += 1
-        if self.planner is not None:
-            self.planner.end_step(time.perf_counter() - self._step_started)
-            if self.planner.due(self.step):
-                if self.planner.judging:
+        self.state.step += 1
+        if self.state.planner is not None:
+            self.state.planner.end_step(time.perf_counter() - self._step_started)
+            if self.state.planner.due(self.state.step):
+                if self.state.planner.judging:
                     self._judge()
                 else:
                     self._decide()
@@ -710,10 +715,12 @@ class CompressionPipeline:
         )
         if problem:
             raise ValueError(problem)
-        [self.step] = _max_over_ranks([self.step], "hvdc.step", self.process_set, torch.int64)
+        [self.state.step] = _max_over_ranks(
+            [self.state.step], "hvdc.step", self.process_set, torch.int64
+        )
         self._agreed = True
-        if self.planner is not None:
-            self.planner.restart(self.step)
+        if self.state.planner is not None:
+            self.state.planner.restart(self.state.step)
             self._follow_planner()
 
     def _follow_world(self):
@@ -739,17 +746,17 @@ class CompressionPipeline:
             # Every rank sees the new size, so all agree again, with any that joined (a rank
             # renumbered in a world of the same size cannot tell whether others were).
             self._agreed = False
-        if self.worker_memory is not None:
-            for name, residual in self.worker_memory.residuals.items():
-                self.worker_memory.residuals[name] = residual * (size / self.world_size)
-        if self.server_memory is not None:
+        if self.state.worker is not None:
+            for name, residual in self.state.worker.residuals.items():
+                self.state.worker.residuals[name] = residual * (size / self.world_size)
+        if self.state.server is not None:
             by_name = {plan.name: plan for plan in self.plans.values()}
-            for name in list(self.server_memory.residuals):
+            for name in list(self.state.server.residuals):
                 self._server_residual_to_worker(by_name[name], size)
         self.world_size, self.rank = size, rank
         self._choose_exchanges()
-        if self.planner is not None:
-            self.planner.restart(self.step)
+        if self.state.planner is not None:
+            self.state.planner.restart(self.state.step)
             self._follow_planner()
 
     def _server_residual_to_worker(self, plan, world):
@@ -760,7 +767,7 @@ class CompressionPipeline:
         server's (this rank's shard of the current world only) times count at that shard's
         positions."""
         count = world if self.average else 1
-        residual = self.server_memory.residuals.pop(plan.name)
+        residual = self.state.server.residuals.pop(plan.name)
         exchange, numel, ranks, rank = self.server_exchange(plan)
         if exchange == "sharded":
             shard = make_exchange("sharded", self.codec, numel, ranks, self.meter, 1).shard(rank)
@@ -769,7 +776,7 @@ class CompressionPipeline:
             residual = full
         else:
             residual = residual * (count / world)
-        self.worker_memory.residuals[plan.name] = self.worker_memory.compensate(plan.name, residual)
+        self.state.worker.residuals[plan.name] = self.state.worker.compensate(plan.name, residual)
 
     def server_exchange(self, plan):
         """(exchange, elements, ranks, this rank's index among them) of the exchange whose
@@ -802,16 +809,16 @@ class CompressionPipeline:
         _, shard = self.nodes.locate(self.rank)
         carried = {}
         for param, plan in self.plans.items():
-            if plan.exchange != TWO_LEVEL or self.worker_memory is None:
+            if plan.exchange != TWO_LEVEL or self.state.worker is None:
                 continue
-            if self.server_memory is not None and plan.name in self.server_memory.residuals:
+            if self.state.server is not None and plan.name in self.state.server.residuals:
                 self._server_residual_to_worker(plan, self.nodes.cross_size)
             # Zeros where this rank holds no residual, in a dtype every rank agrees on.
             zeros = param.new_zeros(
                 plan.numel, dtype=torch.promote_types(param.dtype, torch.float32)
             )
             whole = self._padded(plan, zeros)
-            residual = self.worker_memory.residuals.pop(plan.name, None)
+            residual = self.state.worker.residuals.pop(plan.name, None)
             if residual is not None:
                 whole.view(self.nodes.local_size, -1)[shard] = residual * scale
             carried[plan.name] = (plan, whole[: plan.numel])
@@ -826,7 +833,7 @@ class CompressionPipeline:
                     op=hvd.Average if self.average else hvd.Sum,
                     process_set=self.node_set,
                 )
-            self.worker_memory.residuals[name] = residual
+            self.state.worker.residuals[name] = residual
 
     # ----- the adaptive mode -----
 
@@ -837,12 +844,12 @@ class CompressionPipeline:
         for plan in self.plans.values():
             if plan.reason != "compressed":
                 continue
-            path = self.planner.path(plan.name)
+            path = self.state.planner.path(plan.name)
             if (
                 plan.path == "codec"
                 and path != "codec"
-                and self.server_memory is not None
-                and plan.name in self.server_memory.residuals
+                and self.state.server is not None
+                and plan.name in self.state.server.residuals
             ):
                 self._server_residual_to_worker(plan, self.world_size)
             plan.path = path
@@ -851,48 +858,50 @@ class CompressionPipeline:
         """Probes the link, agrees with every rank on the measurements and takes the
         planner's decision (``hvd_compress.adaptive``); called between steps, on every
         rank at the same step."""
+        planner = self.state.planner
         plans = {plan.name: (param, plan) for param, plan in self.plans.items()}
-        for name in self.planner.compressible:
+        for name in planner.compressible:
             grad = plans[name][0].grad
             if grad is not None and not grad.is_sparse:
                 start = time.thread_time()
                 half = grad.to(torch.float16)
                 middle = time.thread_time()
                 half.to(grad.dtype)
-                self.planner.record(name, "fp16", "before", middle - start)
-                self.planner.record(name, "fp16", "after", time.thread_time() - middle)
+                planner.record(name, "fp16", "before", middle - start)
+                planner.record(name, "fp16", "after", time.thread_time() - middle)
         links = self._probe_links(next(iter(self.plans)).device)
         agreed = _max_over_ranks(
-            self.planner.measurements(), "hvdc.adaptive.measurements", self.process_set
+            planner.measurements(), "hvdc.adaptive.measurements", self.process_set
         )
         traffic = {
             name: path_traffic(
                 self.codec, plan.numel, self.world_size, plan.exchange, param.element_size()
             )
             for name, (param, plan) in plans.items()
-            if name in self.planner.paths
+            if name in planner.paths
         }
-        timings, contention = self.planner.timings(agreed, traffic)
-        self.planner.decide(self.step, timings, links, contention)
+        timings, contention = planner.timings(agreed, traffic)
+        planner.decide(self.state.step, timings, links, contention)
         self._follow_planner()
         if self.rank == 0:
-            log.info("hvd_compress adaptive, step %d: %s", self.step, self.planner.describe())
+            log.info("hvd_compress adaptive, step %d: %s", self.state.step, planner.describe())
 
     def _judge(self):
         """Agrees with every rank on the step times of the decision on trial and keeps or
         reverts it (``adaptive.Planner.judge``); called between steps, on every rank at
         the same step."""
-        self.planner.judge(
-            self.step,
-            _max_over_ranks(self.planner.trial_seconds(), "hvdc.adaptive.trial", self.process_set),
+        planner = self.state.planner
+        planner.judge(
+            self.state.step,
+            _max_over_ranks(planner.trial_seconds(), "hvdc.adaptive.trial", self.process_set),
         )
         self._follow_planner()
         if self.rank == 0:
             log.info(
                 "hvd_compress adaptive, step %d: decision of step %d %s",
-                self.step,
-                self.planner.decision.step,
-                self.planner.verdict(),
+                self.state.step,
+                planner.decision.step,
+                planner.verdict(),
             )
 
     def _probe_links(self, device):
@@ -950,21 +959,10 @@ class CompressionPipeline:
     def state_dict(self):
         # The world the residuals were made in: a state restored into another world is
         # adapted to it at the next step (``_follow_world``).
-        state = {"step": self.step, "world_size": self.world_size, "rank": self.rank}
+        state = {**self.state.state_dict(), "world_size": self.world_size, "rank": self.rank}
         if self.nodes is not None:  # the residuals are of this layout's shards
             state["nodes"] = self.nodes.node_sets()
-        for role, memory in self._memories().items():
-            if memory is not None:
-                state[role] = memory.state_dict()
         return state
-
-    def _memories(self):
-        """The state kept across steps, by its role in ``state_dict``."""
-        return {
-            "worker": self.worker_memory,
-            "server": self.server_memory,
-            "factors": self.factor_memory,
-        }
 
     def load_state_dict(self, state):
         nodes = None if self.nodes is None else self.nodes.node_sets()
@@ -973,15 +971,10 @@ class CompressionPipeline:
                 f"load_state_dict: the state's residuals are of a two-level exchange's "
                 f"shards on the nodes {state.get('nodes')}; this pipeline's nodes are {nodes}"
             )
-        self.step = int(state["step"])
         self.world_size = int(state.get("world_size", self.world_size))
         self.rank = int(state.get("rank", self.rank))
-        for role, memory in self._memories().items():
-            if memory is not None and role in state:
-                memory.load_state_dict(self.placed(state[role]))
-        if self.planner is not None:
-            # Measurements are of this machine and job: a restored run warms up again.
-            self.planner.restart(self.step)
+        self.state.load_state_dict(state, self.placed)
+        if self.state.planner is not None:
             self._follow_planner()
 
     def placed(self, tensors):
@@ -1021,5 +1014,5 @@ class CompressionPipeline:
         """What the last step handed to Horovod, and how each tensor travels
         (``accounting.compression_stats``)."""
         return accounting.compression_stats(
-            self.codec, self.step, self.last_step_bytes, self._sent()
+            self.codec, self.state.step, self.last_step_bytes, self._sent()
         )

@@ -44,8 +44,8 @@ def _mass(pipeline):
             _, shard = pipeline.nodes.locate(pipeline.rank)
             numel = pipeline.nodes.shard_length(plan.numel)
             positions, ranks = slice(shard * numel, (shard + 1) * numel), pipeline.nodes.cross_size
-        total = pipeline.worker_memory.residuals.get(plan.name, torch.zeros(numel)) / ranks
-        server = pipeline.server_memory.residuals.get(plan.name)
+        total = pipeline.state.worker.residuals.get(plan.name, torch.zeros(numel)) / ranks
+        server = pipeline.state.server.residuals.get(plan.name)
         if server is not None:
             where, share = _server_mass(pipeline, plan, server)
             total = total.clone()
@@ -114,7 +114,7 @@ def main(directory, steps, change_at, exchange, hosts_after):
             "params": params,
             "size": hvd.size(),
             "nodes": pipeline.nodes and pipeline.nodes.node_sets(),
-            "residuals": sorted(pipeline.worker_memory.residuals),
+            "residuals": sorted(pipeline.state.worker.residuals),
         },
         os.path.join(directory, f"rank{hvd.rank()}.pt"),
     )

@@ -83,7 +83,7 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
     exchanged, residuals = [], []
     for step in range(steps):
         if step == switch_at:
-            pipeline.planner.paths["hidden.weight"] = "fp32"
+            pipeline.state.planner.paths["hidden.weight"] = "fp32"
             pipeline._follow_planner()
         optimizer.zero_grad()
         x = torch.randn(8, 64, generator=data)
@@ -94,7 +94,7 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
         residuals.append(
             sorted(
                 name
-                for memory in (pipeline.worker_memory, pipeline.server_memory)
+                for memory in (pipeline.state.worker, pipeline.state.server)
                 for name in memory.residuals
             )
         )

@@ -131,7 +131,7 @@ def _against_the_hook(device_kind, port):
         # DDP rebuilds its buckets after the first step, one per tensor from then on.
         if state.iter >= START_ITER and bucket.index() not in state.q_memory_dict:
             [param] = bucket.parameters()
-            factor = pipeline.factor_memory.residuals.get(name_of[param])
+            factor = pipeline.state.factors.residuals.get(name_of[param])
             if factor is not None:
                 # Warm start from our Q: the hook orthogonalizes it, as we do.
                 state.q_memory_dict[bucket.index()] = factor.clone().view(-1)

@@ -118,7 +118,7 @@ def _compressed_adam_job(codec, directory=None, resume_at=None, replay=False):
         ).assert_consumed()
         record["resumed"] = _train(resumed, resumed_optimizer, range(resume_at, STEPS))["params"]
     pipeline = optimizer._hvdc_pipeline
-    memories = {"worker": pipeline.worker_memory, "server": pipeline.server_memory}
+    memories = {"worker": pipeline.state.worker, "server": pipeline.state.server}
     for role, memory in memories.items():
         residuals = {} if memory is None else memory.residuals
         record[role] = {name: r.numpy() for name, r in residuals.items()}

@@ -134,10 +134,10 @@ def test_fit_keeps_ranks_identical_after_every_batch():
         if codec.wire == "fixed":
             assert all(r["bytes"] == r["expected_bytes"] for r in results)
         saved = " ".join(first["saved"])
-        assert "optimizer/_hvdc_pipeline/step" in saved
+        assert "optimizer/_hvdc_pipeline/state/step" in saved
         if codec.two_way:
-            assert "_hvdc_pipeline/server_memory/residuals" in saved
-            assert "_hvdc_pipeline/worker_memory/residuals" in saved
+            assert "_hvdc_pipeline/state/server/residuals" in saved
+            assert "_hvdc_pipeline/state/worker/residuals" in saved
 
 
 def _fit_keras2(codecs, batches=3, batch_size=8):

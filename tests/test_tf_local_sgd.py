@@ -270,7 +270,7 @@ def test_rounds_agree_steps_are_clipped_and_collectives_counted(world):
         "_hvdc_steps",
         "_hvdc_syncs",
         "_hvdc_anchors",
-        "_hvdc_pipeline/worker_memory/residuals",
+        "_hvdc_pipeline/state/worker/residuals",
     ):
         assert f"optimizer/{state}" in saved, (state, saved)
 

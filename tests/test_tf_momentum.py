@@ -95,8 +95,8 @@ def _train_ef(exchange, steps=40, drop_at=20):
         "params": params,
         "grads": grads,
         "rates": rates,
-        "worker": {k: v.numpy() for k, v in pipeline.worker_memory.residuals.items()},
-        "server": {k: v.numpy() for k, v in pipeline.server_memory.residuals.items()},
+        "worker": {k: v.numpy() for k, v in pipeline.state.worker.residuals.items()},
+        "server": {k: v.numpy() for k, v in pipeline.state.server.residuals.items()},
         "names": [plan.name for plan in pipeline.plans],
         "reasons": [plan.reason for plan in pipeline.plans],
     }

@@ -256,7 +256,7 @@ def _tape_loop(codec, steps, traced, layout=None):
         "records": records,
         "tensors": stats["tensors"],
         "kinds": {plan.name: plan.layer for plan in pipeline.plans},
-        "memory": {name: r.numpy() for name, r in pipeline.worker_memory.residuals.items()},
+        "memory": {name: r.numpy() for name, r in pipeline.state.worker.residuals.items()},
     }
 
 

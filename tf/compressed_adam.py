@@ -61,12 +61,12 @@ class CompressedAdam:
     def compressing(self):
         """Whether the next exchange (or the one in flight) sends the momentum through the
         codec: the pipeline counts the exchanges done, T_w of them uncompressed."""
-        return self.pipeline.step >= self.warmup_steps
+        return self.pipeline.state.step >= self.warmup_steps
 
     @property
     def exchanged_momentum(self):
         """Whether the exchange just finished sent the momentum."""
-        return self.pipeline.step > self.warmup_steps
+        return self.pipeline.state.step > self.warmup_steps
 
     def _moments(self, variable):
         index = self.optimizer._get_variable_index(variable)
@@ -87,7 +87,9 @@ class CompressedAdam:
     def before_exchange(self, grads):
         """After the warm-up, each gradient (in the pipeline's order; None stays None)
         turned into this worker's u_i."""
-        tf.cond(self.pipeline.step == self.warmup_steps, self._freeze, lambda: tf.constant(False))
+        tf.cond(
+            self.pipeline.state.step == self.warmup_steps, self._freeze, lambda: tf.constant(False)
+        )
         beta1, beta2 = self.optimizer.beta_1, self.optimizer.beta_2
         bound = max(1.0, (1 - beta1) / (1 - beta2) ** 0.5)  # c
 
@@ -127,7 +129,7 @@ class CompressedAdam:
         def frozen():
             m, _ = self._moments(variable)
             momentum = tf.cast(gradient, variable.dtype)
-            t = tf.cast(self.pipeline.step, variable.dtype)  # this step's exchange is counted
+            t = tf.cast(self.pipeline.state.step, variable.dtype)  # this step's exchange is counted
             step_size = tf.cast(learning_rate, variable.dtype) / (1 - self.optimizer.beta_1**t)
             m.assign(momentum)
             variable.assign_sub(step_size * (momentum / self._denominator(variable)))

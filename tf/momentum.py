@@ -61,8 +61,7 @@ class WorkerMomentum(tf.Module):
         # (name -> m, eta) of the step in flight, kept by ``commit`` only if the step's
         # gradients are finite everywhere (the pipeline decides, like its residuals).
         self.proposed = {}
-        pipeline.step_state.append(self)
-        pipeline.worker_momentum = self
+        pipeline.state.momentum = self
 
     def mask(self, name, indices):
         """Forgets the proposed momentum of tensor ``name`` at ``indices`` (int64, [k, 1]),

@@ -94,7 +94,7 @@ class _DistributedOptimizer:
     @property
     def compression_variables(self):
         """The step counter, error-feedback residuals and worker momentum
-        (``tf.Variable``\\ s; the pipeline lists the momentum it commits)."""
+        (``tf.Variable``\\ s of the pipeline's ``PipelineState``)."""
         return list(self._hvdc_pipeline.variables)
 
 

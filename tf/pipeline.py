@@ -33,6 +33,7 @@ from . import fused, seeding, topology
 from .exchange import Meter, make_exchange, make_sparse_exchange, refuse_xla
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
+from .state import PipelineState
 
 
 @dataclasses.dataclass
@@ -87,6 +88,8 @@ class CompressionPipeline(tf.Module):
             collective, shard, scale and agreement check is theirs, and their world size and
             ranks are the set's. On a rank outside it ``reduce`` returns the gradients as
             they are (``included`` is False).
+
+    What it carries from one step to the next is ``state`` (``PipelineState``).
     """
 
     def __init__(
@@ -124,9 +127,6 @@ class CompressionPipeline(tf.Module):
             self.node_set, self.shard_set = topology.join(self.nodes)
             self.node_allreduce = averages_by_allreduce(not tf.config.list_logical_devices("GPU"))
         self.meter = Meter()
-        # The wrapper's ``WorkerMomentum``, if any: exchanges that send part of the
-        # velocity (DGC) make it forget what they sent.
-        self.worker_momentum = None
         uncompressed = set(uncompressed)
         # Keras 3 variables give their shape as a tuple and their dtype as a string.
         self.shapes = [tf.TensorShape(variable.shape) for _, variable in named_variables]
@@ -184,7 +184,7 @@ class CompressionPipeline(tf.Module):
             if plan.exchange == TWO_LEVEL and self.shard_set is not None
         }
         with tf.init_scope():
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.last_step_bytes = tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="last_step_bytes"
             )
@@ -199,12 +199,12 @@ class CompressionPipeline(tf.Module):
         # The tensors this rank encodes: all compressed ones but the two-level tensors of a
         # job on one node, whose shards cross no network.
         encoded = [p for p in compressed if p.exchange != TWO_LEVEL or p.name in self.between_nodes]
-        self.worker_memory = (
+        worker = (
             ErrorFeedback({plan.name: self._coded_numel(plan) for plan in encoded}, name="worker")
             if error_feedback
             else None
         )
-        self.factor_memory = (
+        factors = (
             FactorMemory(
                 {
                     plan.name: codec.initial_factor(seed, plan.index, plan.shape)
@@ -224,16 +224,16 @@ class CompressionPipeline(tf.Module):
                     self.world_size,
                     self.meter,
                     count,
-                    self.worker_memory,
-                    self.step,
+                    worker,
+                    step,
                     process_set=process_set,
-                    **({"factors": self.factor_memory} if self.factor_memory is not None else {}),
+                    **({"factors": factors} if factors is not None else {}),
                 )
                 for plan in compressed
             }
         else:
             self.exchanges = {plan.name: self._make_exchange(plan) for plan in encoded}
-        self.server_memory = (
+        server = (
             ErrorFeedback(
                 {
                     name: exchange.server_numel(self._coding_rank(name))
@@ -244,11 +244,9 @@ class CompressionPipeline(tf.Module):
             if codec.two_way
             else None
         )
-        # State changed by a step only if its exchanged gradients are all finite: objects
-        # with ``commit(keep)``; wrappers add their own (worker momentum).
-        self.step_state = [
-            m for m in (self.worker_memory, self.server_memory, self.factor_memory) if m is not None
-        ]
+        # Everything the steps carry forward; an optimizer that applies a worker momentum
+        # adds it.
+        self.state = PipelineState(step, worker, server, factors)
 
     def _coded_numel(self, plan):
         """Elements that this rank encodes of ``plan``'s tensor: a two-level tensor's
@@ -299,7 +297,7 @@ class CompressionPipeline(tf.Module):
         """Whether gradient ``index``'s worker error feedback runs in ``fused``'s kernels,
         which can also take its momentum step (``WorkerMomentum.Deferred``)."""
         return (
-            self.worker_memory is not None
+            self.state.worker is not None
             and self.plans[index].exchange not in (UNCOMPRESSED, TWO_LEVEL)
             and not self.codec.sparse
             and not self.codec.uncompressed_steps
@@ -322,7 +320,7 @@ class CompressionPipeline(tf.Module):
             )
         refuse_xla("hvd_compress")
         if not self.included:
-            self.step.assign_add(1)
+            self.state.step.assign_add(1)
             return list(grads)
         grads = [
             tf.zeros(shape, dtype) if grad is None else grad
@@ -330,7 +328,7 @@ class CompressionPipeline(tf.Module):
         ]
         if self.codec.uncompressed_steps:
             # PowerSGD's start_iter: every tensor whole at first.
-            warming_up = self.step < self.codec.uncompressed_steps
+            warming_up = self.state.step < self.codec.uncompressed_steps
             whole = warming_up if whole is None else whole | warming_up
         momentum = momentum or [None] * len(grads)
         if whole is None:
@@ -341,7 +339,7 @@ class CompressionPipeline(tf.Module):
                 lambda: self._exchange_whole(grads),
                 lambda: self._exchange(grads, ratio, momentum),
             )
-        self.step.assign_add(1)
+        self.state.step.assign_add(1)
         return outputs
 
     def _exchange_whole(self, grads):
@@ -398,11 +396,9 @@ class CompressionPipeline(tf.Module):
                 and dtype == decoded.dtype
             ):
                 known[index] = exchange.finite
-        if self.step_state:
+        if self.state.committed():
             unknown = [output for index, output in enumerate(outputs) if index not in known]
-            keep = tf.reduce_all(tf.stack([self.all_finite(unknown), *known.values()]))
-            for state in self.step_state:
-                state.commit(keep)
+            self.state.commit(tf.reduce_all(tf.stack([self.all_finite(unknown), *known.values()])))
         self._account(sent_elements)
         return outputs
 
@@ -481,8 +477,8 @@ class CompressionPipeline(tf.Module):
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
         exchange = self.exchanges[plan.name]
         decoded = exchange(vector, ratio, _codes_name(plan))
-        if self.worker_momentum is not None and exchange.selected is not None:
-            self.worker_momentum.mask(plan.name, exchange.selected)
+        if self.state.momentum is not None and exchange.selected is not None:
+            self.state.momentum.mask(plan.name, exchange.selected)
         return tf.cast(tf.reshape(decoded, grad.shape), grad.dtype)
 
     def _start_two_level(self, plan, grad, ratio, alltoall_fusion):
@@ -537,22 +533,22 @@ class CompressionPipeline(tf.Module):
         exchange_name = self.between_nodes.get(plan.name, plan.exchange)
         process_set = self.shard_set if plan.name in self.between_nodes else self.process_set
         fuses = fused.applies(self.codec, vector)
-        residual = None if self.worker_memory is None else self.worker_memory.residuals[plan.name]
+        residual = None if self.state.worker is None else self.state.worker.residuals[plan.name]
         exchange = self.exchanges[plan.name]
         exchange.fusion = alltoall_fusion
         if self.codec.two_way:
-            exchange.server = ServerStep(self.server_memory, plan.name, ratio)
+            exchange.server = ServerStep(self.state.server, plan.name, ratio)
         shared = self.codec.scaled and self.codec.shares_scale(exchange_name)
         # A two-level exchange's shard sets hold one rank of each node: the global rank
         # keeps every rank's draws its own.
         rank = hvd.rank() if plan.exchange == TWO_LEVEL else self.rank
-        key = seeding.stream_seed(self.seed, rank, self.step, plan.index)
+        key = seeding.stream_seed(self.seed, rank, self.state.step, plan.index)
         if fuses and not shared:
             payload, scale, kept = fused.compensated_encode(
                 self.codec, exchange, vector, residual, ratio, key, residual is not None, momentum
             )
             if residual is not None:
-                self.worker_memory.propose(plan.name, kept)
+                self.state.worker.propose(plan.name, kept)
             return exchange.start_packed(payload, scale, _codes_name(plan))
         scale = None
         if residual is not None:
@@ -561,7 +557,7 @@ class CompressionPipeline(tf.Module):
                     self.codec, vector, residual, ratio, momentum
                 )
             else:
-                vector = self.worker_memory.compensate(plan.name, vector, ratio)
+                vector = self.state.worker.compensate(plan.name, vector, ratio)
         if self.codec.scaled:
             if scale is None:
                 scale = self.codec.local_scale(vector)
@@ -578,15 +574,15 @@ class CompressionPipeline(tf.Module):
                 self.codec, exchange, vector, scale, key, feedback=residual is not None
             )
             if residual is not None:
-                self.worker_memory.propose(plan.name, kept)
+                self.state.worker.propose(plan.name, kept)
             return exchange.start_packed(payload, scale, _codes_name(plan))
         draws = None
         if self.codec.stochastic:
             draws = seeding.uniforms(key, vector.shape[0])
         codes = self.codec.encode(vector, scale, draws)
-        if self.worker_memory is not None:
+        if self.state.worker is not None:
             sent = self.codec.decode(self.codec.values(codes), scale, 1)
-            self.worker_memory.update(plan.name, vector, sent)
+            self.state.worker.update(plan.name, vector, sent)
         return exchange.start(codes, scale, _codes_name(plan))
 
     # ----- accounting -----
@@ -619,7 +615,10 @@ class CompressionPipeline(tf.Module):
         """What the last step handed to Horovod, and how each tensor travels
         (``accounting.compression_stats``)."""
         return accounting.compression_stats(
-            self.codec, int(self.step.numpy()), int(self.last_step_bytes.numpy()), self._sent()
+            self.codec,
+            int(self.state.step.numpy()),
+            int(self.last_step_bytes.numpy()),
+            self._sent(),
         )
 
 
