@@ -83,11 +83,7 @@ class WorkerMomentum:
             if buffer is not None and defer:
                 deferred = self.Deferred(buffer, mu, group["nesterov"], torch.empty_like(grad))
                 buffer = deferred.out
-            elif (
-                buffer is not None
-                and grad.is_contiguous()
-                and fused.applies(self.pipeline.codec, grad)
-            ):
+            elif buffer is not None and grad.is_contiguous() and self.pipeline.plans[param].kernels:
                 buffer = fused.momentum(grad, buffer, mu, group["nesterov"])
             else:
                 buffer = grad.clone() if buffer is None else torch.add(grad, buffer, alpha=mu)

@@ -61,6 +61,9 @@ class TensorPlan:
     # A compressed tensor's path this step (``hvd_compress.adaptive.PATHS``); only the
     # adaptive mode sends one by another path than its codec.
     path: str = "codec"
+    # Whether ``fused``'s kernels do its codec's and its memories' work (a CPU float32
+    # tensor of a codec they cover): decided here once, read by every stage.
+    kernels: bool = False
 
     @property
     def route(self):
@@ -197,6 +200,7 @@ class CompressionPipeline:
             self.plans[p] = dataclasses.replace(
                 self._plan(name, index, p, exchange, name in uncompressed),
                 layer=codec.layer_kind(name, tuple(p.shape)),
+                kernels=fused.applies(codec, p),
             )
         self._choose_exchanges()
         if exchange == TWO_LEVEL and self.included:
@@ -306,20 +310,21 @@ class CompressionPipeline:
     def fuses(self, param):
         """Whether ``param``'s worker error feedback runs in ``fused``'s kernels, which can
         also take its momentum step (``WorkerMomentum.Deferred``)."""
+        plan = self.plans[param]
         return (
-            self.plans[param].route not in (UNCOMPRESSED, HALF, TWO_LEVEL)
+            plan.route not in (UNCOMPRESSED, HALF, TWO_LEVEL)
             and param.grad is not None
-            and self._compensates_in_kernels(param.grad)
+            and self._compensates_in_kernels(plan, param.grad)
         )
 
-    def _compensates_in_kernels(self, vector):
-        """Whether the worker error feedback of ``vector`` runs in ``fused``'s kernels."""
+    def _compensates_in_kernels(self, plan, vector):
+        """Whether the worker error feedback of ``vector``, ``plan``'s gradient or shard,
+        runs in ``fused``'s kernels."""
         return (
-            self.state.worker is not None
-            and not self.codec.sparse
+            plan.kernels
+            and self.state.worker is not None
             and not vector.is_sparse
             and vector.is_contiguous()
-            and fused.applies(self.codec, vector)
         )
 
     def launch(self, param, ratio=1.0, momentum=None):
@@ -501,7 +506,7 @@ class CompressionPipeline:
             self._gather_shard(flight, shard)
             return
         exchange = self.between_nodes[flight.plan.name]
-        flight.fused = self._compensates_in_kernels(flight.vector)
+        flight.fused = self._compensates_in_kernels(flight.plan, flight.vector)
         self._start_scale(flight, None, exchange, self.nodes.cross_size, self.shard_set)
 
     def _gather_shard(self, flight, shard):
@@ -593,7 +598,7 @@ class CompressionPipeline:
         # keeps every rank's draws its own.
         rank = hvd.rank() if flight.plan.exchange == TWO_LEVEL else self.rank
         key = stream_seed(self.seed, rank, self.state.step, flight.plan.index)
-        if fused.applies(self.codec, vector):
+        if flight.plan.kernels:
             codes, residual = fused.encode(
                 self.codec,
                 flight.exchange,

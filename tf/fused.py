@@ -30,9 +30,9 @@ _unconverted = tf.autograph.experimental.do_not_convert
 
 
 def _on_cpu(tensor) -> bool:
-    """Whether ``tensor`` is on the CPU: placed there, or unplaced (in a graph) on a
-    machine without a GPU."""
-    device = tensor.device.upper()
+    """Whether ``tensor`` is on the CPU: placed there, or unplaced (in a graph, or a Keras 3
+    variable, which names no device) on a machine without a GPU."""
+    device = (getattr(tensor, "device", None) or "").upper()
     if "GPU" in device:
         return False
     return "CPU" in device or not tf.config.list_logical_devices("GPU")

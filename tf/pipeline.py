@@ -47,6 +47,9 @@ class TensorPlan:
     reason: str  # why it is, or is not, compressed
     layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
     shape: tuple = ()  # a compressed tensor's shape, which low-rank codecs factor
+    # Whether ``fused``'s kernels do its codec's and its memories' work (a CPU float32
+    # tensor of a codec they cover): decided here once, read by every stage.
+    kernels: bool = False
 
 
 def uniforms(seed, rank, step, index, shape):
@@ -135,8 +138,9 @@ class CompressionPipeline(tf.Module):
             dataclasses.replace(
                 self._plan(name, index, shape, dtype, exchange, name in uncompressed),
                 layer=codec.layer_kind(name, tuple(shape)),
+                kernels=fused.applies(codec, variable),
             )
-            for index, ((name, _), shape, dtype) in enumerate(
+            for index, ((name, variable), shape, dtype) in enumerate(
                 zip(named_variables, self.shapes, self.dtypes)
             )
         ]
@@ -296,14 +300,14 @@ class CompressionPipeline(tf.Module):
     def fuses(self, index, grad):
         """Whether gradient ``index``'s worker error feedback runs in ``fused``'s kernels,
         which can also take its momentum step (``WorkerMomentum.Deferred``)."""
+        plan = self.plans[index]
         return (
-            self.state.worker is not None
-            and self.plans[index].exchange not in (UNCOMPRESSED, TWO_LEVEL)
-            and not self.codec.sparse
+            plan.kernels
+            and self.state.worker is not None
+            and plan.exchange not in (UNCOMPRESSED, TWO_LEVEL)
             and not self.codec.uncompressed_steps
             and grad is not None
             and not isinstance(grad, tf.IndexedSlices)
-            and fused.applies(self.codec, grad)
         )
 
     def reduce(self, grads, ratio=1.0, whole=None, momentum=None):
@@ -532,7 +536,6 @@ class CompressionPipeline(tf.Module):
         name = collective_name(plan)
         exchange_name = self.between_nodes.get(plan.name, plan.exchange)
         process_set = self.shard_set if plan.name in self.between_nodes else self.process_set
-        fuses = fused.applies(self.codec, vector)
         residual = None if self.state.worker is None else self.state.worker.residuals[plan.name]
         exchange = self.exchanges[plan.name]
         exchange.fusion = alltoall_fusion
@@ -543,7 +546,7 @@ class CompressionPipeline(tf.Module):
         # keeps every rank's draws its own.
         rank = hvd.rank() if plan.exchange == TWO_LEVEL else self.rank
         key = seeding.stream_seed(self.seed, rank, self.state.step, plan.index)
-        if fuses and not shared:
+        if plan.kernels and not shared:
             payload, scale, kept = fused.compensated_encode(
                 self.codec, exchange, vector, residual, ratio, key, residual is not None, momentum
             )
@@ -552,7 +555,7 @@ class CompressionPipeline(tf.Module):
             return exchange.start_packed(payload, scale, _codes_name(plan))
         scale = None
         if residual is not None:
-            if fuses:
+            if plan.kernels:
                 vector, scale = fused.compensated_scale(
                     self.codec, vector, residual, ratio, momentum
                 )
@@ -569,7 +572,7 @@ class CompressionPipeline(tf.Module):
                     ignore_name_scope=True,
                     process_set=process_set,
                 )
-        if fuses:
+        if plan.kernels:
             payload, kept = fused.encode(
                 self.codec, exchange, vector, scale, key, feedback=residual is not None
             )
