@@ -28,6 +28,7 @@ from hvd_compress.adaptive import (
     probe_sent,
 )
 from hvd_compress.cost import TWO_LEVEL
+from hvd_compress.plan import TensorPlan, plan_tensor
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 from hvd_compress.topology import averages_by_allreduce
@@ -45,32 +46,6 @@ from .exchange import (
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
-
-
-@dataclasses.dataclass
-class TensorPlan:
-    """How one parameter's gradient travels; fixed at construction."""
-
-    name: str
-    index: int
-    numel: int
-    exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
-    reason: str  # why it is, or is not, compressed
-    layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
-    shape: tuple = ()  # a compressed tensor's shape, which low-rank codecs factor
-    # A compressed tensor's path this step (``hvd_compress.adaptive.PATHS``); only the
-    # adaptive mode sends one by another path than its codec.
-    path: str = "codec"
-    # Whether ``fused``'s kernels do its codec's and its memories' work (a CPU float32
-    # tensor of a codec they cover): decided here once, read by every stage.
-    kernels: bool = False
-
-    @property
-    def route(self):
-        """How the gradient travels this step: the codec's exchange, or an allreduce."""
-        if self.exchange == UNCOMPRESSED or self.path == "fp32":
-            return UNCOMPRESSED
-        return HALF if self.path == "fp16" else self.exchange
 
 
 @dataclasses.dataclass
@@ -197,10 +172,15 @@ class CompressionPipeline:
         uncompressed = set(uncompressed)
         self.plans = {}
         for index, (name, p) in enumerate(named_parameters):
-            self.plans[p] = dataclasses.replace(
-                self._plan(name, index, p, exchange, name in uncompressed),
-                layer=codec.layer_kind(name, tuple(p.shape)),
-                kernels=fused.applies(codec, p),
+            self.plans[p] = plan_tensor(
+                codec,
+                name,
+                index,
+                tuple(p.shape),
+                p.is_floating_point(),
+                exchange,
+                name in uncompressed,
+                fused.applies(codec, p),
             )
         self._choose_exchanges()
         if exchange == TWO_LEVEL and self.included:
@@ -256,17 +236,6 @@ class CompressionPipeline:
         self._agreed = False
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
-
-    def _plan(self, name, index, param, exchange, whole):
-        numel = param.numel()
-        if whole:
-            return TensorPlan(name, index, numel, UNCOMPRESSED, "excluded")
-        if not param.is_floating_point():
-            return TensorPlan(name, index, numel, UNCOMPRESSED, "not floating point")
-        reason = self.codec.why_whole(tuple(param.shape))
-        if reason is not None:
-            return TensorPlan(name, index, numel, UNCOMPRESSED, reason)
-        return TensorPlan(name, index, numel, exchange, "compressed", shape=tuple(param.shape))
 
     def _join_nodes(self):
         """Takes the nodes where Horovod's ranks sit as the two-level exchange's layout:

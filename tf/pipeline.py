@@ -7,7 +7,6 @@ drive the same code. It is a ``tf.Module``: its step counter and error-feedback 
 are variables, so it runs inside ``tf.function`` and ``tf.train.Checkpoint`` saves it.
 """
 
-import dataclasses
 import re
 
 import horovod.tensorflow as hvd
@@ -17,6 +16,7 @@ from hvd_compress import accounting, agreement, cost, fusion
 from hvd_compress.accounting import UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES, TWO_LEVEL
+from hvd_compress.plan import plan_tensor
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
 from hvd_compress.topology import averages_by_allreduce
@@ -34,22 +34,6 @@ from .exchange import Meter, make_exchange, make_sparse_exchange, refuse_xla
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
-
-
-@dataclasses.dataclass
-class TensorPlan:
-    """How one variable's gradient travels; fixed at construction."""
-
-    name: str
-    index: int
-    numel: int
-    exchange: str  # "allreduce (uncompressed)" or the name of a compressed exchange
-    reason: str  # why it is, or is not, compressed
-    layer: str = "other"  # the kind of layer that owns it (``codec.layer_kind``)
-    shape: tuple = ()  # a compressed tensor's shape, which low-rank codecs factor
-    # Whether ``fused``'s kernels do its codec's and its memories' work (a CPU float32
-    # tensor of a codec they cover): decided here once, read by every stage.
-    kernels: bool = False
 
 
 def uniforms(seed, rank, step, index, shape):
@@ -135,10 +119,15 @@ class CompressionPipeline(tf.Module):
         self.shapes = [tf.TensorShape(variable.shape) for _, variable in named_variables]
         self.dtypes = [tf.as_dtype(variable.dtype) for _, variable in named_variables]
         self.plans = [
-            dataclasses.replace(
-                self._plan(name, index, shape, dtype, exchange, name in uncompressed),
-                layer=codec.layer_kind(name, tuple(shape)),
-                kernels=fused.applies(codec, variable),
+            plan_tensor(
+                codec,
+                name,
+                index,
+                tuple(shape.as_list()),
+                dtype.is_floating,
+                exchange,
+                name in uncompressed,
+                fused.applies(codec, variable),
             )
             for index, ((name, variable), shape, dtype) in enumerate(
                 zip(named_variables, self.shapes, self.dtypes)
@@ -278,17 +267,6 @@ class CompressionPipeline(tf.Module):
         return make_exchange(
             name, self.codec, self._coded_numel(plan), world, self.meter, count, process_set=ranks
         )
-
-    def _plan(self, name, index, shape, dtype, exchange, whole):
-        numel = shape.num_elements()
-        if whole:
-            return TensorPlan(name, index, numel, UNCOMPRESSED, "excluded")
-        if not dtype.is_floating:
-            return TensorPlan(name, index, numel, UNCOMPRESSED, "not floating point")
-        reason = self.codec.why_whole(tuple(shape.as_list()))
-        if reason is not None:
-            return TensorPlan(name, index, numel, UNCOMPRESSED, reason)
-        return TensorPlan(name, index, numel, exchange, "compressed", shape=tuple(shape.as_list()))
 
     # ----- one step -----
 
@@ -600,7 +578,7 @@ class CompressionPipeline(tf.Module):
                 plan.layer,
                 plan.numel,
                 dtype.size,
-                plan.exchange,
+                plan.route,
                 plan.reason,
                 int(tensor_bytes[plan.index]),
                 int(sent_elements[plan.index]),
