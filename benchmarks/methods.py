@@ -73,6 +73,11 @@ class Trainer:
         loss.backward()
         self.optimizer.step()
 
+    def on_trial(self):
+        """Whether the paths in force are on trial (the adaptive mode's): the steps that
+        judge them are not those of the paths that stand."""
+        return False
+
     def handed(self):
         """Bytes handed to the collectives in the last step, per worker."""
         raise NotImplementedError
@@ -122,9 +127,14 @@ class CodecTrainer(Trainer):
         self.warmup_steps = max(self.warmup_steps, self.codec.uncompressed_steps + 1)
         if adaptive:
             # The decision follows the adaptive warm-up, and its trial the decision; one
-            # more step runs the paths that stood.
+            # more step runs the paths that stood (a challenger's trial adds steps while
+            # ``on_trial``).
             self.warmup_steps = hc.Adaptive().warmup_steps + TRIAL_STEPS + 2
             self.per_rate = True
+
+    def on_trial(self):
+        adaptive = self.optimizer.compression_stats().get("adaptive")
+        return adaptive is not None and adaptive.get("judging", False)
 
     def handed(self):
         return self.optimizer.compression_stats()["bytes_handed"]

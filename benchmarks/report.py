@@ -156,15 +156,21 @@ def rows(events, per_node=1):
     return result
 
 
-def _trial(trial, challenger):
-    """A trial's outcome: the decision's (against the paths it replaced), or its
-    challenger's (every tensor on one path, against the decision)."""
-    if trial is None:
-        return "-"
-    seconds = f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])})"
-    if challenger:
-        return f"all {challenger} {'stood' if trial['kept'] else 'fell'} {seconds}"
-    return f"{'kept' if trial['kept'] else 'reverted'} {seconds}"
+def _trials(decision):
+    """The trials' outcomes: the decision's (against the paths it replaced), then its
+    challenger's (every tensor on one path, against the paths in force before it)."""
+
+    def seconds(trial):
+        return f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])})"
+
+    outcomes = []
+    trial, challenge = decision.get("trial"), decision.get("challenge")
+    if trial is not None:
+        outcomes.append(f"{'kept' if trial['kept'] else 'reverted'} {seconds(trial)}")
+    if challenge is not None:
+        verdict = "stood" if challenge["kept"] else "fell"
+        outcomes.append(f"all {decision['challenger']} {verdict} {seconds(challenge)}")
+    return "; ".join(outcomes) or "-"
 
 
 def _auto_table(rows):
@@ -176,7 +182,6 @@ def _auto_table(rows):
         decision = auto["adaptive"] or {}
         predicted = decision.get("predicted_seconds", {})
         counts = decision.get("counts", {})
-        trial = decision.get("trial")
         ratio = auto["over_fastest"]
         lines.append(
             [
@@ -189,7 +194,7 @@ def _auto_table(rows):
                 "yes" if ratio is not None and ratio <= AUTO_BOUND else "no",
                 " ".join(f"{p} {counts[p]}" for p in sorted(counts)) or "-",
                 " / ".join(_ms(predicted.get(p)) for p in ("chosen", "codec", "fp16", "fp32")),
-                _trial(trial, decision.get("challenger")),
+                _trials(decision),
             ]
         )
     return (

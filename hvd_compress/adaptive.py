@@ -47,10 +47,12 @@ be wrong where its probes are: a probe runs alone on a quiet link, while the ste
 collectives share the CPU with the backward pass of every rank on the host, which with more
 ranks than cores makes an uncompressed allreduce far slower than its probe predicts. The
 trial makes "never slower than the paths in force" a measurement rather than a forecast.
-A decision that keeps the paths in force is challenged instead: the fastest single path
-that differs from them (every tensor by the codec, fp16 or fp32), if predicted within
-``CHALLENGE_MARGIN`` of the decision, takes the trial's place, and stands only if its steps
-are no slower. So a model wrong in either direction costs at most a trial per decision.
+A decision that keeps the paths in force, or whose trial fell, is challenged: the fastest
+single path that differs from the paths in force and from the decision's (every tensor by
+the codec, fp16 or fp32), if predicted within ``CHALLENGE_MARGIN`` of the decision, is tried
+the same way. So a model wrong in either direction costs at most two trials per decision,
+and where the model's choice and the paths in force both lose to a third path, that path
+is found.
 """
 
 from __future__ import annotations
@@ -71,10 +73,10 @@ _PREFERENCE = {"fp32": 0, "fp16": 1, "codec": 2}
 # so that the median is a measured step and one outlier (a first step's allocations) is
 # outvoted.
 TRIAL_STEPS = 3
-# A decision that keeps the paths in force is challenged by the fastest single path predicted
-# at most this many times its exchange: with more ranks than cores the model errs by about
-# that factor (docs/adaptive.md), and the bound keeps a challenge's cost below one more
-# exchange per step for ``TRIAL_STEPS`` steps.
+# A decision that keeps the paths in force, or whose trial fell, is challenged by the fastest
+# single path predicted at most this many times its exchange: with more ranks than cores the
+# model errs by about that factor (docs/adaptive.md), and the bound keeps a challenge's cost
+# below one more exchange per step for ``TRIAL_STEPS`` steps.
 CHALLENGE_MARGIN = 2.0
 
 
@@ -310,12 +312,22 @@ class Decision:
     contention: float
     paths: dict[str, str]
     predicted: dict[str, float]
-    # The trial (``TRIAL_STEPS``): the median step seconds under the paths replaced and
-    # under the decision's (or its challenger's), and whether those stood; None until it is
-    # judged (and where nothing was tried).
+    # The trial (``TRIAL_STEPS``) of the decision's paths, where they differ from those in
+    # force: the median step seconds under the paths replaced and under the decision's, and
+    # whether the decision's stood; None until it is judged, and where nothing changed.
     trial: dict[str, float | bool] | None = None
-    # The single path tried against a decision that kept the paths in force, if any.
+    # The single path tried after a decision that kept the paths in force or whose trial
+    # fell (``Planner._rival_of``), and its trial, as ``trial``; None where none was tried.
     challenger: str | None = None
+    challenge: dict[str, float | bool] | None = None
+
+
+def _seconds(trial: Mapping[str, float | bool]) -> str:
+    """A trial's median steps, for the log."""
+    return (
+        f"{trial['seconds'] * 1e3:.1f} ms a step against "
+        f"{trial['replaced_seconds'] * 1e3:.1f} ms under "
+    )
 
 
 class Planner:
@@ -361,6 +373,8 @@ class Planner:
         self._steps: collections.deque = collections.deque(maxlen=TRIAL_STEPS)
         # While a decision is on trial: the paths it replaced and their median step.
         self._replaced: tuple[dict[str, str], float] | None = None
+        # The single path (its name and paths) to try if the decision's trial falls.
+        self._rival: tuple[str, dict[str, str]] | None = None
 
     def path(self, name: str) -> str:
         return self.paths.get(name, "fp32")
@@ -438,6 +452,7 @@ class Planner:
             "judging": self.judging,
             "trial": decision.trial,
             "challenger": decision.challenger,
+            "challenge": decision.challenge,
             "links": {
                 carrier: {
                     "latency_seconds": link.latency,
@@ -467,6 +482,7 @@ class Planner:
                 for carrier, link in d.links.items()
             )
             + f"; CPU contention {d.contention:.1f}"
+            + (f"; every tensor by {d.challenger} on trial" if d.challenger else "")
         )
 
     # ----- the decision -----
@@ -529,29 +545,47 @@ class Planner:
             )
         self.paths.update(paths)
         self.decision = Decision(step, dict(links), contention, dict(self.paths), predicted)
-        if self.paths == replaced and self._steps:
-            self._challenge(timings, predicted)
+        # Without steps under the paths in force (a new warm-up) there is nothing to
+        # compare with: the decision stands untried.
+        self._rival = self._rival_of(timings, replaced) if self._steps else None
+        if self.paths == replaced and self._rival is not None:
+            self._challenge()
         if self.paths != replaced and self._steps:
-            self._replaced = (replaced, statistics.median(self._steps))
-            self._steps.clear()
-            self.next_decision = step + TRIAL_STEPS
+            self._try(step, replaced, statistics.median(self._steps))
         else:
             self._schedule(step)
         return self.decision
 
-    def _challenge(self, timings: Sequence[TensorTiming], predicted: Mapping[str, float]) -> None:
-        """Puts the fastest single path that differs from the paths in force on trial, if
-        it is predicted within ``CHALLENGE_MARGIN`` of them (the simpler path on a tie)."""
+    def _rival_of(
+        self, timings: Sequence[TensorTiming], replaced: Mapping[str, str]
+    ) -> tuple[str, dict[str, str]] | None:
+        """The fastest single path whose paths differ from ``replaced`` and from the
+        decision's, if predicted within ``CHALLENGE_MARGIN`` of the decision (the simpler
+        path on a tie): its name and paths."""
+        predicted = self.decision.predicted
         rivals = [
             (predicted[path], _PREFERENCE[path], path)
             for path in PATHS
             if predicted[path] <= CHALLENGE_MARGIN * predicted["chosen"]
-            and uniform(timings, path, self.options.pin) != self.paths
+            and uniform(timings, path, self.options.pin) not in (replaced, self.paths)
         ]
-        if rivals:
-            path = min(rivals)[2]
-            self.decision.challenger = path
-            self.paths = uniform(timings, path, self.options.pin)
+        if not rivals:
+            return None
+        path = min(rivals)[2]
+        return path, uniform(timings, path, self.options.pin)
+
+    def _challenge(self) -> None:
+        """Puts the rival's paths in force (``_rival_of``)."""
+        self.decision.challenger, paths = self._rival
+        self.paths = dict(paths)
+        self._rival = None
+
+    def _try(self, step: int, replaced: dict[str, str], seconds: float) -> None:
+        """Puts the paths in force on trial against ``replaced``, whose median step took
+        ``seconds``, for the next ``TRIAL_STEPS`` steps."""
+        self._replaced = (replaced, seconds)
+        self._steps.clear()
+        self.next_decision = step + TRIAL_STEPS
 
     @property
     def judging(self) -> bool:
@@ -566,31 +600,40 @@ class Planner:
     def judge(self, step: int, agreed: Sequence[float]) -> bool:
         """Keeps the paths on trial (the decision's, or its challenger's) if their steps
         took no longer than the replaced paths' (``agreed`` ``trial_seconds``), else brings
-        those paths back; returns whether they stood."""
+        those paths back and, after the decision's own trial, tries its rival against
+        them; returns whether the paths on trial stood."""
         (replaced, _), (before, after) = self._replaced, agreed
         kept = after <= before
+        outcome = {"replaced_seconds": before, "seconds": after, "kept": kept}
+        if self.decision.challenger is None:
+            self.decision.trial = outcome
+        else:
+            self.decision.challenge = outcome
+        self._replaced = None
         if not kept:
             self.paths = replaced
             self._steps.clear()
-        self.decision.trial = {"replaced_seconds": before, "seconds": after, "kept": kept}
-        self._replaced = None
-        self._schedule(step)
+        if not kept and self._rival is not None:
+            self._challenge()
+            self._try(step, replaced, before)
+        else:
+            self._schedule(step)
         return kept
 
     def verdict(self) -> str:
         """The last trial's outcome in one line, for the log."""
-        trial, challenger = self.decision.trial, self.decision.challenger
-        seconds = (
-            f"{trial['seconds'] * 1e3:.1f} ms a step against "
-            f"{trial['replaced_seconds'] * 1e3:.1f} ms under "
-        )
-        if challenger:
-            outcome = "which stood" if trial["kept"] else "which fell"
+        decision = self.decision
+        if decision.challenge is not None:
+            outcome = "stood" if decision.challenge["kept"] else "fell"
             return (
-                f"challenged by every tensor by {challenger}, {outcome}: "
-                f"{seconds}the decision's paths"
+                f"challenger every tensor by {decision.challenger} {outcome}: "
+                f"{_seconds(decision.challenge)}the paths in force before it"
             )
-        return f"{'kept' if trial['kept'] else 'reverted'}: {seconds}the paths it replaced"
+        outcome = "kept" if decision.trial["kept"] else "reverted"
+        verdict = f"{outcome}: {_seconds(decision.trial)}the paths it replaced"
+        if self.judging:
+            verdict += f"; every tensor by {decision.challenger} on trial against them"
+        return verdict
 
     def _schedule(self, step: int) -> None:
         every = self.options.every

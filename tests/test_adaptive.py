@@ -250,6 +250,8 @@ def _decide_on(planner, step, link):
 FAST, SLOW = (1e-5, 1 / 125e9), (1e-4, 1 / 12.5e6)
 # 40 Gbit/s: the codec predicted 16 ms, fp16 22 ms (within CHALLENGE_MARGIN), fp32 40 ms.
 NEAR = (1e-4, 8 / 40e9)
+# 100 Gbit/s: fp16 predicted 10 ms, the codec and fp32 16 ms (both within the margin).
+THIRD = (1e-4, 8 / 100e9)
 
 
 @pytest.mark.parametrize("trial_seconds, kept", [(0.09, True), (0.1, True), (0.11, False)])
@@ -293,9 +295,10 @@ def test_a_decision_that_keeps_the_paths_is_challenged_by_the_nearest_single_pat
         planner.end_step(trial_seconds)
     assert planner.judge(3 + TRIAL_STEPS, planner.trial_seconds()) is kept
     assert planner.paths == dict.fromkeys("ab", "fp16" if kept else "codec")
-    assert planner.report()["challenger"] == "fp16" and decision.trial["kept"] is kept
+    assert not planner.judging and decision.trial is None
+    assert planner.report()["challenger"] == "fp16" and decision.challenge["kept"] is kept
     assert planner.verdict().startswith(
-        f"challenged by every tensor by fp16, which {'stood' if kept else 'fell'}"
+        f"challenger every tensor by fp16 {'stood' if kept else 'fell'}"
     )
     # Every single path predicted beyond the margin: nothing is tried.
     beyond = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
@@ -303,6 +306,39 @@ def test_a_decision_that_keeps_the_paths_is_challenged_by_the_nearest_single_pat
     decision = _decide_on(beyond, 3, SLOW)
     assert decision.challenger is None and not beyond.judging
     assert beyond.paths == dict.fromkeys("ab", "codec")
+
+
+@pytest.mark.parametrize("challenge_seconds, stood", [(0.1, True), (0.11, False)])
+def test_a_decision_whose_trial_falls_is_challenged_by_a_third_path(challenge_seconds, stood):
+    planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
+    for seconds in (0.5, 0.1, 0.1):
+        planner.end_step(seconds)
+    decision = _decide_on(planner, 3, THIRD)
+    assert planner.paths == dict.fromkeys("ab", "fp16") and decision.challenger is None
+    for _ in range(TRIAL_STEPS):
+        planner.end_step(0.2)
+    judged = 3 + TRIAL_STEPS
+    assert planner.judge(judged, planner.trial_seconds()) is False
+    # Neither the paths in force (the codec) nor the decision's (fp16) again: fp32.
+    assert decision.challenger == "fp32" and planner.judging
+    assert planner.paths == dict.fromkeys("ab", "fp32")
+    assert planner.verdict() == (
+        "reverted: 200.0 ms a step against 100.0 ms under the paths it replaced; "
+        "every tensor by fp32 on trial against them"
+    )
+    assert planner.due(judged + TRIAL_STEPS) and not planner.due(judged + TRIAL_STEPS - 1)
+    for _ in range(TRIAL_STEPS):
+        planner.end_step(challenge_seconds)
+    # Against the steps under the paths in force before the decision.
+    assert planner.trial_seconds() == [pytest.approx(0.1), pytest.approx(challenge_seconds)]
+    assert planner.judge(judged + TRIAL_STEPS, planner.trial_seconds()) is stood
+    assert not planner.judging and planner.next_decision == judged + TRIAL_STEPS + 10
+    assert planner.paths == dict.fromkeys("ab", "fp32" if stood else "codec")
+    report = planner.report()
+    assert report["trial"]["kept"] is False and report["challenge"]["kept"] is stood
+    assert planner.verdict().startswith(
+        f"challenger every tensor by fp32 {'stood' if stood else 'fell'}"
+    )
 
 
 def test_every_zero_decides_once():

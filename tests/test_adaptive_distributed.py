@@ -11,10 +11,11 @@ from .test_pt_distributed import Net
 
 pytestmark = pytest.mark.multiprocess
 
-# Step 2 ends in a decision (warm-up of 2); if it changed paths, step 5 judges it (trial
-# of TRIAL_STEPS) and step 8 decides again, else steps 5 and 8 decide (every 3).
+# Step 2 ends in a decision (warm-up of 2); each trial that follows (the decision's, if it
+# changed paths; a challenger's, if it did not or its trial fell) takes TRIAL_STEPS, and
+# EVERY = 3 steps after the last the next decision comes, by step 11.
 WARMUP, EVERY = 2, 3
-STEPS = WARMUP + TRIAL_STEPS + EVERY
+STEPS = WARMUP + 2 * TRIAL_STEPS + EVERY
 LATE_SECONDS = 1.5
 
 
@@ -126,16 +127,20 @@ def test_every_rank_takes_the_same_decisions(adaptive_runs):
     assert first["routes"] == second["routes"]
     torch.testing.assert_close(first["params"], second["params"], rtol=0, atol=0)
     decided = [r["decided_at_step"] for r in first["reports"]]
-    # Decided after the warm-up; then, after the trial if the decision changed paths,
-    # every EVERY steps.
-    tried = first["reports"][WARMUP - 1]["judging"]
-    second_decision = WARMUP + (TRIAL_STEPS if tried else 0) + EVERY
+    # Decided after the warm-up; then, after its trials (the decision's if it changed
+    # paths, a challenger's if it did not or its trial fell), every EVERY steps.
+    trials = 0
+    while first["reports"][WARMUP - 1 + trials * TRIAL_STEPS]["judging"]:
+        trials += 1
+    assert trials <= 2
+    second_decision = WARMUP + trials * TRIAL_STEPS + EVERY
     assert decided == [None] * (WARMUP - 1) + [WARMUP] * (second_decision - WARMUP) + [
         second_decision
     ] * (STEPS + 1 - second_decision)
-    if tried:
-        judged = first["reports"][WARMUP + TRIAL_STEPS - 1]
-        assert not judged["judging"] and set(judged["trial"]) == {
+    if trials:
+        judged = first["reports"][WARMUP + trials * TRIAL_STEPS - 1]
+        assert not judged["judging"]
+        assert set(judged["challenge"] or judged["trial"]) == {
             "replaced_seconds",
             "seconds",
             "kept",
