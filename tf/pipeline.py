@@ -104,15 +104,15 @@ class CompressionPipeline(tf.Module):
         # Outside the set the rank keeps no shard of a sharded server: rank 0's sizes stand in.
         self.rank = process_set.rank() if self.included else 0
         self.prescale_factor, self.postscale_factor = prescale_factor, postscale_factor
-        # The two-level exchange's layout, this rank's process sets (``topology.join``) and
-        # whether a node averages by an allreduce (``topology.averages_by_allreduce``).
+        self.exchange = exchange
+        # The two-level exchange's layout, this rank's process sets, the exchange among
+        # the nodes of each tensor's shards and whether a node averages by an allreduce
+        # (``_join_nodes``).
         self.nodes = self.node_set = self.shard_set = None
+        self.between_nodes = {}
         self.node_allreduce = False
         if exchange == TWO_LEVEL and self.included:
             check_two_level_process_set(process_set is hvd.global_process_set)
-            self.nodes = topology.current_nodes()
-            self.node_set, self.shard_set = topology.join(self.nodes)
-            self.node_allreduce = averages_by_allreduce(not tf.config.list_logical_devices("GPU"))
         self.meter = Meter()
         uncompressed = set(uncompressed)
         # Keras 3 variables give their shape as a tuple and their dtype as a string.
@@ -153,29 +153,11 @@ class CompressionPipeline(tf.Module):
             )
         if problem:
             raise ValueError(problem)
-        if exchange == "auto":
-            # Chosen together: sharded tensors share alltoalls (``cost.choose_exchanges``).
-            chosen = [plan for plan in self.plans if plan.reason == "compressed"]
-            for plan, name in zip(
-                chosen,
-                cost.choose_exchanges(
-                    codec, [plan.numel for plan in chosen], self.world_size, TF_ALLREDUCE_DTYPES
-                ),
-            ):
-                plan.exchange = name
+        self._choose_exchanges()
+        if exchange == TWO_LEVEL and self.included:
+            self._join_nodes()
         count = self.world_size if average else 1
         compressed = [plan for plan in self.plans if plan.exchange != UNCOMPRESSED]
-        # The exchange among the nodes of each two-level tensor's shards, fixed with the nodes.
-        self.between_nodes = {
-            plan.name: cost.two_level_inner(
-                codec,
-                self.nodes.shard_length(plan.numel),
-                self.nodes.cross_size,
-                TF_ALLREDUCE_DTYPES,
-            )
-            for plan in compressed
-            if plan.exchange == TWO_LEVEL and self.shard_set is not None
-        }
         with tf.init_scope():
             step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.last_step_bytes = tf.Variable(
@@ -240,6 +222,41 @@ class CompressionPipeline(tf.Module):
         # Everything the steps carry forward; an optimizer that applies a worker momentum
         # adds it.
         self.state = PipelineState(step, worker, server, factors)
+
+    def _join_nodes(self):
+        """Takes the nodes where Horovod's ranks sit as the two-level exchange's layout:
+        this rank's process sets (``topology.join``) and the exchange among the nodes of
+        each tensor's shards. Collective."""
+        self.nodes = topology.current_nodes()
+        self.node_set, self.shard_set = topology.join(self.nodes)
+        self.node_allreduce = averages_by_allreduce(not tf.config.list_logical_devices("GPU"))
+        self.between_nodes = {
+            plan.name: cost.two_level_inner(
+                self.codec,
+                self.nodes.shard_length(plan.numel),
+                self.nodes.cross_size,
+                TF_ALLREDUCE_DTYPES,
+            )
+            for plan in self.plans
+            if plan.exchange == TWO_LEVEL and self.shard_set is not None
+        }
+
+    def _choose_exchanges(self):
+        """``exchange="auto"``: the compressed tensors' exchanges, chosen together
+        (``cost.choose_exchanges``: sharded tensors share alltoalls)."""
+        if self.exchange != "auto":
+            return
+        compressed = [plan for plan in self.plans if plan.reason == "compressed"]
+        for plan, exchange in zip(
+            compressed,
+            cost.choose_exchanges(
+                self.codec,
+                [plan.numel for plan in compressed],
+                self.world_size,
+                TF_ALLREDUCE_DTYPES,
+            ),
+        ):
+            plan.exchange = exchange
 
     def _coded_numel(self, plan):
         """Elements that this rank encodes of ``plan``'s tensor: a two-level tensor's
