@@ -417,6 +417,13 @@ def _uniform(word):
 
 
 @_jit(inline="always")
+def _divisor(scale):
+    """The divisor S of a bucket's ratios |g| / S: its scale, or inf for a zero or
+    non-finite scale (every ratio 0, as ``normalized``)."""
+    return scale if np.isfinite(scale) and scale > 0 else np.float32(np.inf)
+
+
+@_jit(inline="always")
 def _ratio(g, divisor):
     """|g| / S of the eager ``buckets.ratio`` (``divisor``: S, or inf for a zero or
     non-finite S), with 0 for NaN as ``normalized``."""
@@ -508,22 +515,26 @@ def _uniform_codes_with_feedback(
         x = np.uint32(x + stream[1])
 
 
-@_jit(error_model="numpy")
-def _uniform_piece(p, divisor, levels, first, stream, scale, offset, out, residual):
-    # One inlined copy per kind of loop; ``one_level`` a constant in each, so that LLVM
-    # drops the general code's floor, min and conversions where s = 1.
-    if levels == 1 and residual.size:
-        _uniform_codes_with_feedback(
-            p, divisor, levels, True, first, stream, scale, offset, out, residual
-        )
-    elif levels == 1:
-        _uniform_codes(p, divisor, levels, True, first, stream, offset, out)
-    elif residual.size:
-        _uniform_codes_with_feedback(
-            p, divisor, levels, False, first, stream, scale, offset, out, residual
-        )
-    else:
-        _uniform_codes(p, divisor, levels, False, first, stream, offset, out)
+@_jit(inline="always", error_model="numpy")
+def _uniform_buckets(p, start, stop, quantizer, one_level, feedback, offset, out, residual):
+    """``_uniform_codes`` (with ``feedback``, ``_uniform_codes_with_feedback``) of elements
+    start .. stop - 1 of ``p`` into ``out`` (from its element 0), bucket by bucket."""
+    scale, bucket, levels, _, stream = quantizer
+    s = np.float32(levels)
+    b, position = start // bucket, start
+    while position < stop:
+        end = min(stop, (b + 1) * bucket)
+        divisor = _divisor(scale[b])
+        piece, into = p[position:end], out[position - start : end - start]
+        if feedback:
+            decoded = _decoded_scale(scale[b])
+            kept = residual[position:end]
+            _uniform_codes_with_feedback(
+                piece, divisor, s, one_level, position, stream, decoded, offset, into, kept
+            )
+        else:
+            _uniform_codes(piece, divisor, s, one_level, position, stream, offset, into)
+        position, b = end, b + 1
 
 
 @_jit(inline="always")
@@ -541,17 +552,19 @@ def _nuqsgd_codes(p, divisor, s, first, stream, scale, offset, out, residual):
         residual[i] = p[i] - np.float32(_nuqsgd_value(code)) * scale * np.float32(2.0**-s)
 
 
-@_jit(error_model="numpy")
-def _nuqsgd_piece(p, divisor, s, first, stream, scale, offset, out, residual):
-    # One inlined copy per exponent s = 2^(b-1) - 2 of b = 2 to 5 bits.
-    if s == 0:
-        _nuqsgd_codes(p, divisor, 0, first, stream, scale, offset, out, residual)
-    elif s == 2:
-        _nuqsgd_codes(p, divisor, 2, first, stream, scale, offset, out, residual)
-    elif s == 6:
-        _nuqsgd_codes(p, divisor, 6, first, stream, scale, offset, out, residual)
-    else:
-        _nuqsgd_codes(p, divisor, 14, first, stream, scale, offset, out, residual)
+@_jit(inline="always", error_model="numpy")
+def _nuqsgd_buckets(p, start, stop, quantizer, s, offset, out, residual):
+    """``_nuqsgd_codes`` with smallest level 2^-``s`` of elements start .. stop - 1 of ``p``
+    into ``out`` (from its element 0), bucket by bucket."""
+    scale, bucket, _, _, stream = quantizer
+    b, position = start // bucket, start
+    while position < stop:
+        end = min(stop, (b + 1) * bucket)
+        piece, into = p[position:end], out[position - start : end - start]
+        kept = residual[position:end] if residual.size else residual
+        decoded = _decoded_scale(scale[b])
+        _nuqsgd_codes(piece, _divisor(scale[b]), s, position, stream, decoded, offset, into, kept)
+        position, b = end, b + 1
 
 
 @_jit(error_model="numpy")
@@ -560,23 +573,27 @@ def _quantize(p, start, quantizer, offset, out, residual):
     under ``quantizer`` = (scale, bucket, levels, exponent, stream) of ``quantized``, each
     under its bucket's scale; their residuals into ``residual``'s elements if it is not
     empty."""
-    scale, bucket, levels, exponent, stream = quantizer
-    s = np.float32(levels)  # s of the uniform quantizer, 0 for NUQSGD
-    position, stop = start, start + out.size
-    while position < stop:
-        b = position // bucket
-        end = min(stop, (b + 1) * bucket)
-        scale_b = scale[b]
-        finite = np.isfinite(scale_b)
-        divisor = scale_b if finite and scale_b > 0 else np.float32(np.inf)
-        decoded = _decoded_scale(scale_b)
-        piece, into = p[position:end], out[position - start : end - start]
-        kept = residual[position:end] if residual.size else residual
-        if levels == 0:
-            _nuqsgd_piece(piece, divisor, exponent, position, stream, decoded, offset, into, kept)
-        else:
-            _uniform_piece(piece, divisor, s, position, stream, decoded, offset, into, kept)
-        position = end
+    # One inlined copy of the bucket loop per kind of element loop, its kind a constant
+    # there, so that LLVM specializes each (s = 1 drops the general code's floor, min and
+    # conversions; NUQSGD's loop over levels unrolls) and no call is made per bucket.
+    _, _, levels, exponent, _ = quantizer
+    stop, feedback = start + out.size, residual.size > 0
+    if levels == 1 and feedback:
+        _uniform_buckets(p, start, stop, quantizer, True, True, offset, out, residual)
+    elif levels == 1:
+        _uniform_buckets(p, start, stop, quantizer, True, False, offset, out, residual)
+    elif levels and feedback:
+        _uniform_buckets(p, start, stop, quantizer, False, True, offset, out, residual)
+    elif levels:
+        _uniform_buckets(p, start, stop, quantizer, False, False, offset, out, residual)
+    elif exponent == 0:
+        _nuqsgd_buckets(p, start, stop, quantizer, 0, offset, out, residual)
+    elif exponent == 2:
+        _nuqsgd_buckets(p, start, stop, quantizer, 2, offset, out, residual)
+    elif exponent == 6:
+        _nuqsgd_buckets(p, start, stop, quantizer, 6, offset, out, residual)
+    else:
+        _nuqsgd_buckets(p, start, stop, quantizer, 14, offset, out, residual)
 
 
 # Packing reads the fields four (2 bits) or two (4 bits) at a time as one little-endian word
@@ -788,7 +805,7 @@ def _scaled_values(fields, bound, nuqsgd, partial, scale, divisor, add, out):
             out[i] = np.float32(_field_value(fields[i], bound, nuqsgd)) * scale / divisor
 
 
-@_jit(error_model="numpy")
+@_jit(inline="always", error_model="numpy")
 def _scaled_fields(fields, bound, nuqsgd, partial, scale, divisor, add, out):
     """out = or += the decode under ``scale`` / ``divisor`` of the values of ``fields`` (plus
     ``partial``'s, if it is not empty)."""
