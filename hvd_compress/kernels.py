@@ -23,6 +23,9 @@ only where numba is installed, and only when a kernel is first needed.
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 
 def _jit(function=None, **options):
@@ -31,6 +34,46 @@ def _jit(function=None, **options):
     if function is None:
         return lambda f: _jit(f, **options)
     return numba.njit(nogil=True, cache=True, **options)(function)
+
+
+# Loops that compute more per element than a copy does (the quantizers' draws and levels,
+# the scales' float64 sums) fall behind the memory when their array is not in the cache: the
+# hardware prefetcher runs only a little ahead of the loads such a loop issues, and each
+# pass waited on memory about as long as it computed. They run a piece at a time and ask for
+# the next piece's cache lines before they start on one. Loops that move more bytes than
+# they compute on (the compensation, the decoding) are bounded by the memory's bandwidth,
+# which asking earlier does not raise: they do not.
+_SUM_PIECE = 1024  # elements of a sum's piece: its next piece's lines are in flight at once
+_LINE = 64  # bytes
+
+
+@intrinsic
+def _prefetch_line(typingctx, array, index):
+    """LLVM's prefetch of the cache line that holds array[index], for reading, into every
+    level of the cache; a hint that changes no result."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte = ir.IntType(8).as_pointer()
+        word = ir.IntType(32)
+        prefetch = builder.module.declare_intrinsic(
+            "llvm.prefetch", [byte], ir.FunctionType(ir.VoidType(), [byte, word, word, word])
+        )
+        address = builder.bitcast(builder.gep(data, [args[1]]), byte)
+        # Read (0), locality 3 (keep in every level), data (1).
+        builder.call(prefetch, [address] + [ir.Constant(word, k) for k in (0, 3, 1)])
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
+
+
+@_jit(inline="always")
+def _prefetch_next(array, start, stop):
+    """Asks for the cache lines of the piece of ``array`` after start .. stop - 1, of the
+    same length: called for each piece that a loop is about to work on."""
+    step = max(_LINE // array.itemsize, 1)
+    for i in range(stop, min(2 * stop - start, array.size), step):
+        _prefetch_line(array, i)
 
 
 @_jit
@@ -345,16 +388,27 @@ def averaged_block_l1(bits, scales, count, residual, ratio, block, out, sums):
 # elements, as exact in any order as the float32 results need), and the vectorized loop
 # with fused multiply-adds is a memory pass, not the adds' latency chain.
 @_jit(fastmath={"reassoc", "contract"})
-def shifted_moments_and_top(g, bits):
-    """TernGrad's one pass (``terngrad.shifted_variance``): the float64 sums of d and d^2
-    for d = g - g[0], and the bits of max|g|."""
-    shift = np.float64(g[0]) if g.size else 0.0
+def _shifted_moments_and_top(g, bits, shift):
     total, squares, top = 0.0, 0.0, np.int32(0)
     for i in range(g.size):
         d = np.float64(g[i]) - shift
         total += d
         squares += d * d
         top = max(top, bits[i] & np.int32(0x7FFFFFFF))
+    return total, squares, top
+
+
+@_jit
+def shifted_moments_and_top(g, bits):
+    """TernGrad's one pass (``terngrad.shifted_variance``): the float64 sums of d and d^2
+    for d = g - g[0], and the bits of max|g|."""
+    shift = np.float64(g[0]) if g.size else 0.0
+    total, squares, top = 0.0, 0.0, np.int32(0)
+    for start in range(0, g.size, _SUM_PIECE):
+        stop = min(g.size, start + _SUM_PIECE)
+        _prefetch_next(g, start, stop)
+        piece = _shifted_moments_and_top(g[start:stop], bits[start:stop], shift)
+        total, squares, top = total + piece[0], squares + piece[1], max(top, piece[2])
     return total, squares, top
 
 
@@ -378,14 +432,26 @@ def _top(bits):
 def bucket_squares(g, bucket, sums):
     """QSGD's and NUQSGD's L2 norms, squared: sums[b] = float64 sum of g^2 over bucket b."""
     for b in range(sums.size):
-        sums[b] = _squares(g[b * bucket : (b + 1) * bucket])
+        total = 0.0
+        bucket_stop = min(g.size, (b + 1) * bucket)
+        for start in range(b * bucket, bucket_stop, _SUM_PIECE):
+            stop = min(bucket_stop, start + _SUM_PIECE)
+            _prefetch_next(g, start, stop)
+            total += _squares(g[start:stop])
+        sums[b] = total
 
 
 @_jit
 def bucket_tops(bits, bucket, tops):
     """QSGD-inf's max norms: tops[b] = the bits of max|g| over bucket b."""
     for b in range(tops.size):
-        tops[b] = _top(bits[b * bucket : (b + 1) * bucket])
+        top = np.int32(0)
+        bucket_stop = min(bits.size, (b + 1) * bucket)
+        for start in range(b * bucket, bucket_stop, _SUM_PIECE):
+            stop = min(bucket_stop, start + _SUM_PIECE)
+            _prefetch_next(bits, start, stop)
+            top = max(top, _top(bits[start:stop]))
+        tops[b] = top
 
 
 # numba computes with uint32 words in int64: every result is cut back to 32 bits, which
@@ -649,19 +715,17 @@ def quantized(p, scale, bucket, levels, exponent, stream, bound, width, values, 
     codes' values, in the allreduce's carrier). With a ``residual``, p - decode(values,
     scale, 1) goes there (NaN where the scale is not finite, as the eager decode gives)."""
     quantizer = (scale, bucket, levels, exponent, stream)
-    if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
-        _quantize(p, 0, quantizer, np.int32(bound), packed[: p.size], residual)
-    elif packed.size:
-        fields = np.empty(_CHUNK, dtype=np.uint8)
-        per = 8 // width
-        for start in range(0, p.size, _CHUNK):
-            count = min(p.size - start, _CHUNK)
+    fields = np.empty(_CHUNK, dtype=np.uint8)
+    codes = np.empty(0 if packed.size else _CHUNK, dtype=np.int32)
+    for start in range(0, p.size, _CHUNK):
+        count = min(p.size - start, _CHUNK)
+        _prefetch_next(p, start, start + count)
+        if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
+            _quantize(p, start, quantizer, np.int32(bound), packed[start : start + count], residual)
+        elif packed.size:
             _quantize(p, start, quantizer, np.int32(bound), fields[:count], residual)
-            _pack_chunk(fields, count, bound, width, packed[start // per :])
-    else:
-        codes = np.empty(_CHUNK, dtype=np.int32)
-        for start in range(0, p.size, _CHUNK):
-            count = min(p.size - start, _CHUNK)
+            _pack_chunk(fields, count, bound, width, packed[start * width // 8 :])
+        else:
             _quantize(p, start, quantizer, np.int32(0), codes[:count], residual)
             _values(codes[:count], levels, values[start : start + count])
 
