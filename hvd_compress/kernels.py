@@ -68,11 +68,12 @@ def _prefetch_line(typingctx, array, index):
 
 
 @_jit(inline="always")
-def _prefetch_next(array, start, stop):
-    """Asks for the cache lines of the piece of ``array`` after start .. stop - 1, of the
-    same length: called for each piece that a loop is about to work on."""
+def _prefetch_ahead(array, start, stop, distance):
+    """Asks for the cache lines of array[start + distance : stop + distance]: called for
+    each piece start .. stop - 1 that a loop is about to work on, it keeps the lines
+    ``distance`` elements ahead of the loop in flight."""
     step = max(_LINE // array.itemsize, 1)
-    for i in range(stop, min(2 * stop - start, array.size), step):
+    for i in range(start + distance, min(stop + distance, array.size), step):
         _prefetch_line(array, i)
 
 
@@ -406,7 +407,7 @@ def shifted_moments_and_top(g, bits):
     total, squares, top = 0.0, 0.0, np.int32(0)
     for start in range(0, g.size, _SUM_PIECE):
         stop = min(g.size, start + _SUM_PIECE)
-        _prefetch_next(g, start, stop)
+        _prefetch_ahead(g, start, stop, _SUM_PIECE)
         piece = _shifted_moments_and_top(g[start:stop], bits[start:stop], shift)
         total, squares, top = total + piece[0], squares + piece[1], max(top, piece[2])
     return total, squares, top
@@ -436,7 +437,7 @@ def bucket_squares(g, bucket, sums):
         bucket_stop = min(g.size, (b + 1) * bucket)
         for start in range(b * bucket, bucket_stop, _SUM_PIECE):
             stop = min(bucket_stop, start + _SUM_PIECE)
-            _prefetch_next(g, start, stop)
+            _prefetch_ahead(g, start, stop, _SUM_PIECE)
             total += _squares(g[start:stop])
         sums[b] = total
 
@@ -449,7 +450,7 @@ def bucket_tops(bits, bucket, tops):
         bucket_stop = min(bits.size, (b + 1) * bucket)
         for start in range(b * bucket, bucket_stop, _SUM_PIECE):
             stop = min(bucket_stop, start + _SUM_PIECE)
-            _prefetch_next(bits, start, stop)
+            _prefetch_ahead(bits, start, stop, _SUM_PIECE)
             top = max(top, _top(bits[start:stop]))
         tops[b] = top
 
@@ -719,7 +720,7 @@ def quantized(p, scale, bucket, levels, exponent, stream, bound, width, values, 
     codes = np.empty(0 if packed.size else _CHUNK, dtype=np.int32)
     for start in range(0, p.size, _CHUNK):
         count = min(p.size - start, _CHUNK)
-        _prefetch_next(p, start, start + count)
+        _prefetch_ahead(p, start, start + count, _CHUNK)
         if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
             _quantize(p, start, quantizer, np.int32(bound), packed[start : start + count], residual)
         elif packed.size:
