@@ -38,11 +38,11 @@ def _jit(function=None, **options):
 
 # Loops that compute more per element than a copy does (the quantizers' draws and levels,
 # the scales' float64 sums) fall behind the memory when their array is not in the cache: the
-# hardware prefetcher runs only a little ahead of the loads such a loop issues, and each
-# pass waited on memory about as long as it computed. They run a piece at a time and, before
-# each, ask for the cache lines a fixed distance ahead of it. Loops that move more bytes than
-# they compute on (the compensation, the decoding) are bounded by the memory's bandwidth,
-# which asking earlier does not raise: they do not.
+# hardware prefetcher runs only a little ahead of the loads such a loop issues, and left to
+# it each pass waits on memory about as long as it computes. They run a piece at a time and,
+# before each, ask for the cache lines a fixed distance ahead of it. Loops that move more
+# bytes than they compute on (the compensation, the decoding) are bounded by the memory's
+# bandwidth, which asking earlier does not raise: they do not.
 _SUM_PIECE = 1024  # elements of a sum's piece, and how far ahead of it lines are asked for
 _LINE = 64  # bytes
 
