@@ -214,14 +214,14 @@ def trainer(method, work, world_size):
     return run, codec_bytes
 
 
-def measure_compute(driver, work, batches, method):
-    """The step with no exchange before each method, as ``benchmarks.worker``'s."""
-    run, _ = trainer(None, work, hvd.size())
-    timed_steps(run, batches, WARMUP_STEPS)
+def measure_compute(driver, work, local, batches, method):
+    """The step with no exchange before each method, as ``benchmarks.worker``'s, by the
+    model's ``local`` trainer: traced once, not again before every method."""
+    timed_steps(local, batches, WARMUP_STEPS)
     seconds = []
     for _ in range(COMPUTE_STEPS):
         driver.barrier()
-        seconds += timed_steps(run, batches, 1)
+        seconds += timed_steps(local, batches, 1)
     driver.emit("compute", model=work.name, method=method, seconds=statistics.median(seconds))
 
 
@@ -273,8 +273,9 @@ def main(spec_path):
     for model in spec["models"]:
         work = Workload(model, hvd.rank(), hvd.size(), spec["seed"])
         batches = work.batches(spec["seed"] * 1000 + hvd.rank())
+        local, _ = trainer(None, work, hvd.size())
         for method in spec["tf_methods"]:
-            measure_compute(driver, work, batches, method)
+            measure_compute(driver, work, local, batches, method)
             measure_method(
                 driver, work, batches, method, spec["rates"], spec["steps"][model], interface
             )

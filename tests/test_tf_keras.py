@@ -209,15 +209,21 @@ def test_keras2_fit_matches_horovods_optimizer_and_ranks_agree():
         assert first["bytes"] == first["expected"]
 
 
-def _jit_compiled():
+def _traced_wrappers():
     """What ``model.fit`` with ``jit_compile=True`` (Keras 3's default on a GPU) and a tape in
-    an XLA-compiled ``tf.function`` raise, and which of Horovod's keywords the TensorFlow
-    wrappers refuse away from their defaults."""
+    an XLA-compiled ``tf.function`` raise; which of Horovod's keywords the TensorFlow
+    wrappers refuse away from their defaults; and, for the tape's ``gradient`` and the
+    optimizer's ``apply`` called in a ``tf.function`` traced with autograph, the file that
+    called the pipeline's ``reduce``."""
+    import inspect
+    import os
+
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
 
     import hvd_compress.tf as htf
+    from hvd_compress.tf.pipeline import CompressionPipeline
 
     hvd.init()
     x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
@@ -270,19 +276,46 @@ def _jit_compiled():
                 wrapper(**{keyword: NOT_DEFAULT[keyword]})
             except ValueError as error:
                 refusals[keyword] = str(error)
-    return errors, refusals
+
+    callers = {}
+    reduce = CompressionPipeline.reduce
+
+    def recording_reduce(self, *args, **kwargs):
+        # Converted, the wrapper's method calls from a file autograph generated.
+        callers[caller] = os.path.basename(inspect.stack()[1].filename)
+        return reduce(self, *args, **kwargs)
+
+    CompressionPipeline.reduce = recording_reduce
+    optimizer = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="terngrad")
+
+    @tf.function
+    def tape_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        return htf.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def optimizer_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    for caller, step in (("tape", tape_step), ("optimizer", optimizer_step)):
+        step()
+    return errors, refusals, callers
 
 
-def test_xla_compiled_steps_are_refused_with_the_remedy(tf_refusals):
-    errors, _ = tf_refusals
+def test_xla_compiled_steps_are_refused_with_the_remedy(tf_wrappers):
+    errors, _, _ = tf_wrappers
     assert len(errors) == 2
     for error in errors:
         assert "XLA cannot compile Horovod's collectives" in error
         assert "jit_compile=False" in error
 
 
-def test_horovod_keywords_other_than_their_defaults_are_refused(tf_refusals):
-    _, refusals = tf_refusals
+def test_horovod_keywords_other_than_their_defaults_are_refused(tf_wrappers):
+    _, refusals, _ = tf_wrappers
     assert set(refusals) == {
         "name",
         "device_dense",
@@ -297,7 +330,14 @@ def test_horovod_keywords_other_than_their_defaults_are_refused(tf_refusals):
         assert f": {keyword}=" in error and "is not supported" in error
 
 
+def test_autograph_leaves_the_library_unconverted(tf_wrappers):
+    # Converting the pipeline's code took most of the time of tracing a step, and it needs
+    # no conversion: its tensor-dependent control flow is in explicit tf.cond calls.
+    _, _, callers = tf_wrappers
+    assert callers == {"tape": "tape.py", "optimizer": "optimizer.py"}
+
+
 @pytest.fixture(scope="module")
-def tf_refusals():
-    [result] = run_parallel(_jit_compiled, 1, timeout=300)
+def tf_wrappers():
+    [result] = run_parallel(_traced_wrappers, 1, timeout=300)
     return result

@@ -117,6 +117,8 @@ class _LocalClipSGD:
         """Bytes handed to Horovod by the last ``apply()``."""
         return int(self._hvdc_last_step_bytes.numpy())
 
+    # Unconverted by autograph, as ``DistributedGradientTape.gradient``.
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
         """One local clipped step; after every ``sync_every``-th, the variables are
         averaged."""

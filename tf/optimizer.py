@@ -106,6 +106,8 @@ class _Keras3:
         self._hvdc_base.build(self, variables)
         self._hvdc_attach(variables)
 
+    # Unconverted by autograph, as ``DistributedGradientTape.gradient``.
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None:
             variables = self._trainable_variables
@@ -127,6 +129,7 @@ class _Keras2:
     """The exchange of a Keras 2 (``tf_keras``) optimizer: ``minimize`` and ``model.fit``
     go through ``apply_gradients``, whose first call plans the exchange for its variables."""
 
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads, variables = zip(*grads_and_vars)
         if getattr(self, "_hvdc_pipeline", None) is None:

@@ -110,6 +110,10 @@ class DistributedGradientTape:
         self._uncompressed = frozenset(uncompressed)
         self.pipeline = None
 
+    # Autograph would convert the library's code, which keeps tensor-dependent control flow
+    # in explicit tf.cond calls and needs no conversion: converting it took most of the
+    # time of tracing a step.
+    @tf.autograph.experimental.do_not_convert
     def gradient(
         self,
         target,
