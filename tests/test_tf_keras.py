@@ -331,7 +331,7 @@ def test_horovod_keywords_other_than_their_defaults_are_refused(tf_wrappers):
 
 
 def test_autograph_leaves_the_library_unconverted(tf_wrappers):
-    # Converting the pipeline's code took most of the time of tracing a step, and it needs
+    # Converting the pipeline's code costs most of the time of tracing a step, and it needs
     # no conversion: its tensor-dependent control flow is in explicit tf.cond calls.
     _, _, callers = tf_wrappers
     assert callers == {"tape": "tape.py", "optimizer": "optimizer.py"}

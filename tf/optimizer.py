@@ -129,6 +129,7 @@ class _Keras2:
     """The exchange of a Keras 2 (``tf_keras``) optimizer: ``minimize`` and ``model.fit``
     go through ``apply_gradients``, whose first call plans the exchange for its variables."""
 
+    # Unconverted by autograph, as ``DistributedGradientTape.gradient``.
     @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads, variables = zip(*grads_and_vars)

@@ -110,9 +110,9 @@ class DistributedGradientTape:
         self._uncompressed = frozenset(uncompressed)
         self.pipeline = None
 
-    # Autograph would convert the library's code, which keeps tensor-dependent control flow
-    # in explicit tf.cond calls and needs no conversion: converting it took most of the
-    # time of tracing a step.
+    # Called in a user's tf.function, autograph would convert the library's code, which
+    # needs no conversion (its tensor-dependent control flow is in explicit tf.cond calls)
+    # and whose conversion costs most of the time of tracing a step.
     @tf.autograph.experimental.do_not_convert
     def gradient(
         self,
