@@ -74,8 +74,9 @@ class ErrorFeedback:
     def state_dict(self):
         return {name: residual.clone() for name, residual in self.residuals.items()}
 
-    def load_state_dict(self, state):
-        self.residuals = {name: residual.clone() for name, residual in state.items()}
+    def load_state_dict(self, state, placed):
+        """Restores ``state``, its tensors moved by ``placed`` (``CompressionPipeline.placed``)."""
+        self.residuals = {name: residual.clone() for name, residual in placed(state).items()}
 
 
 class FactorMemory(ErrorFeedback):

@@ -142,7 +142,8 @@ class WorkerMomentum:
             "learning_rate": dict(self.learning_rate),
         }
 
-    def load_state_dict(self, state):
-        self.momentum = {k: v.clone() for k, v in self.pipeline.placed(state["momentum"]).items()}
-        self.decay = {k: v.clone() for k, v in self.pipeline.placed(state["decay"]).items()}
+    def load_state_dict(self, state, placed):
+        """Restores ``state``, its tensors moved by ``placed`` (``CompressionPipeline.placed``)."""
+        self.momentum = {k: v.clone() for k, v in placed(state["momentum"]).items()}
+        self.decay = {k: v.clone() for k, v in placed(state["decay"]).items()}
         self.learning_rate = dict(state["learning_rate"])

@@ -45,8 +45,7 @@ class PipelineState(CommittedState):
         self.step = int(state["step"])
         for role, part in self.committed().items():
             if role in state:
-                # The momentum places its own tensors, of two kinds beside its rates.
-                part.load_state_dict(state[role] if role == "momentum" else placed(state[role]))
+                part.load_state_dict(state[role], placed)
         if self.planner is not None:
             # Measurements are of this machine and job: a restored run warms up again.
             self.planner.restart(self.step)
