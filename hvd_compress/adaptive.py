@@ -617,6 +617,8 @@ class Planner:
             self._challenge()
             self._try(step, replaced, before)
         else:
+            # A rival challenges only the trial it follows; the next decision finds its own.
+            self._rival = None
             self._schedule(step)
         return kept
 

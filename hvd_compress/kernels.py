@@ -716,7 +716,7 @@ def quantized(p, scale, bucket, levels, exponent, stream, bound, width, values, 
     codes' values, in the allreduce's carrier). With a ``residual``, p - decode(values,
     scale, 1) goes there (NaN where the scale is not finite, as the eager decode gives)."""
     quantizer = (scale, bucket, levels, exponent, stream)
-    fields = np.empty(_CHUNK, dtype=np.uint8)
+    fields = np.empty(_CHUNK if packed.size else 0, dtype=np.uint8)
     codes = np.empty(0 if packed.size else _CHUNK, dtype=np.int32)
     for start in range(0, p.size, _CHUNK):
         count = min(p.size - start, _CHUNK)
