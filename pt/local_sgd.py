@@ -182,9 +182,7 @@ class _LocalClipSGD:
         self._hvdc_steps = int(ours["local_steps"])
         self._hvdc_average_grad_norm = ours["average_grad_norm"]
         if self._hvdc_pipeline is not None:
-            self._hvdc_anchors = {
-                name: a.clone() for name, a in self._hvdc_pipeline.placed(ours["anchors"]).items()
-            }
+            self._hvdc_anchors = self._hvdc_pipeline.placed(ours["anchors"])
             self._hvdc_pipeline.load_state_dict(ours["pipeline"])
 
     def compression_stats(self):

@@ -75,8 +75,8 @@ class ErrorFeedback:
         return {name: residual.clone() for name, residual in self.residuals.items()}
 
     def load_state_dict(self, state, placed):
-        """Restores ``state``, its tensors moved by ``placed`` (``CompressionPipeline.placed``)."""
-        self.residuals = {name: residual.clone() for name, residual in placed(state).items()}
+        """Restores ``state`` through ``placed``, which copies its tensors onto their devices."""
+        self.residuals = placed(state)
 
 
 class FactorMemory(ErrorFeedback):

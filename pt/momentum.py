@@ -143,7 +143,7 @@ class WorkerMomentum:
         }
 
     def load_state_dict(self, state, placed):
-        """Restores ``state``, its tensors moved by ``placed`` (``CompressionPipeline.placed``)."""
-        self.momentum = {k: v.clone() for k, v in placed(state["momentum"]).items()}
-        self.decay = {k: v.clone() for k, v in placed(state["decay"]).items()}
+        """Restores ``state`` through ``placed``, which copies its tensors onto their devices."""
+        self.momentum = placed(state["momentum"])
+        self.decay = placed(state["decay"])
         self.learning_rate = dict(state["learning_rate"])

@@ -952,12 +952,13 @@ class CompressionPipeline:
             self._follow_planner()
 
     def placed(self, tensors):
-        """``tensors`` (parameter name -> state tensor) on their parameters' devices: a
-        checkpoint is usually loaded with ``map_location="cpu"``, and its state must live
-        where the gradients are."""
+        """Copies of ``tensors`` (parameter name -> state tensor) on their parameters'
+        devices: a checkpoint is usually loaded with ``map_location="cpu"``, and its state
+        must live where the gradients are, apart from the dict it was loaded into."""
         devices = {plan.name: param.device for param, plan in self.plans.items()}
         return {
-            name: tensor.to(devices.get(name, tensor.device)) for name, tensor in tensors.items()
+            name: tensor.to(devices.get(name, tensor.device), copy=True)
+            for name, tensor in tensors.items()
         }
 
     # ----- accounting -----
