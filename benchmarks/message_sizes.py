@@ -7,8 +7,7 @@ each sends (N - 1) B bytes per rank: an allgather of B bytes per rank, an alltoa
 B bytes to each other rank, and an allreduce whose ring does (a float32 tensor of N B / 8
 elements). The TCP rows (two ranks only) send B bytes from rank 0 to rank 1 ("one way") and
 B bytes each way at once on one connection ("both ways"), as an allgather or alltoall of two
-ranks does.
-On the benchmark's shaped network:
+ranks does. On the benchmark's shaped network:
 
     launch/netns.sh -n 2 -r 100M -- .venv/bin/python -m benchmarks.message_sizes
 
@@ -43,8 +42,8 @@ def _timed(run, repeats):
 
 
 def _collectives(nbytes, world_size):
-    """{row: run(round)} of the Horovod collectives whose messages are ``nbytes`` per
-    pair of ranks."""
+    """{row: run(round)} of the Horovod collectives that each send (N - 1) ``nbytes`` per
+    rank (the module's docstring says how)."""
     per_peer = torch.ones(nbytes * world_size, dtype=torch.uint8)
     own = torch.ones(nbytes, dtype=torch.uint8)
     ring = torch.ones(nbytes * world_size // 8)
