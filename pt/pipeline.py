@@ -223,6 +223,9 @@ class CompressionPipeline:
         )
         if planner is not None:
             self._follow_planner()
+        # The exchange that kept each server residual of a restored state, until the next
+        # step has brought them to this pipeline's exchanges (``load_state_dict``).
+        self._restored_servers = {}
         self._step_started = None  # perf_counter() of the step's first gradient
         self._measuring = False  # whether the planner measures this step's tensors
         # What every rank must compress alike, and whether the ranks of this world have
@@ -303,6 +306,7 @@ class CompressionPipeline:
         gradient on the way."""
         if not self._in_flight:
             self._follow_world()
+            self._follow_restored_servers()
             if not self._agreed:
                 self._agree()
             self._fusions = self._fusion_groups()
@@ -724,9 +728,8 @@ class CompressionPipeline:
             for name, residual in self.state.worker.residuals.items():
                 self.state.worker.residuals[name] = residual * (size / self.world_size)
         if self.state.server is not None:
-            by_name = {plan.name: plan for plan in self.plans.values()}
-            for name in list(self.state.server.residuals):
-                self._server_residual_to_worker(by_name[name], size)
+            for plan in self._server_plans().values():
+                self._server_residual_to_worker(plan, size)
         self.world_size, self.rank = size, rank
         self._choose_exchanges()
         if self.state.planner is not None:
@@ -739,10 +742,11 @@ class CompressionPipeline:
         whose sum is divided by count (``world`` for an average, 1 for a sum), delivers it:
         the replicated server's (held by every rank) times count / world, a sharded
         server's (this rank's shard of the current world only) times count at that shard's
-        positions."""
+        positions; a restored residual by the exchange that kept it."""
         count = world if self.average else 1
         residual = self.state.server.residuals.pop(plan.name)
         exchange, numel, ranks, rank = self.server_exchange(plan)
+        exchange = self._restored_servers.pop(plan.name, exchange)
         if exchange == "sharded":
             shard = make_exchange("sharded", self.codec, numel, ranks, self.meter, 1).shard(rank)
             full = residual.new_zeros(numel)
@@ -751,6 +755,22 @@ class CompressionPipeline:
         else:
             residual = residual * (count / world)
         self.state.worker.residuals[plan.name] = self.state.worker.compensate(plan.name, residual)
+
+    def _follow_restored_servers(self):
+        """Moves each restored server residual that another exchange kept than the one its
+        tensor takes now (a state saved with another ``exchange``, or whose world chose
+        another) into the worker residual, as a change of world would
+        (``_server_residual_to_worker``); the others stand."""
+        plans = self._server_plans() if self._restored_servers else {}
+        for name, exchange in list(self._restored_servers.items()):
+            if name in plans and exchange != self.server_exchange(plans[name])[0]:
+                self._server_residual_to_worker(plans[name], self.world_size)
+        self._restored_servers = {}
+
+    def _server_plans(self):
+        """The plan of each tensor that has a server residual, by name."""
+        by_name = {plan.name: plan for plan in self.plans.values()}
+        return {name: by_name[name] for name in self.state.server.residuals}
 
     def server_exchange(self, plan):
         """(exchange, elements, ranks, this rank's index among them) of the exchange whose
@@ -934,6 +954,10 @@ class CompressionPipeline:
         # The world the residuals were made in: a state restored into another world is
         # adapted to it at the next step (``_follow_world``).
         state = {**self.state.state_dict(), "world_size": self.world_size, "rank": self.rank}
+        if self.state.server is not None:  # whose servers kept the server residuals
+            state["server_exchanges"] = {
+                name: self.server_exchange(plan)[0] for name, plan in self._server_plans().items()
+            }
         if self.nodes is not None:  # the residuals are of this layout's shards
             state["nodes"] = self.nodes.node_sets()
         return state
@@ -948,8 +972,26 @@ class CompressionPipeline:
         self.world_size = int(state.get("world_size", self.world_size))
         self.rank = int(state.get("rank", self.rank))
         self.state.load_state_dict(state, self.placed)
+        if self.state.server is not None:
+            self._restored_servers = dict(
+                state.get("server_exchanges") or self._implied_server_exchanges()
+            )
         if self.state.planner is not None:
             self._follow_planner()
+
+    def _implied_server_exchanges(self):
+        """The exchange that kept each server residual of a state that does not name it,
+        by its length: the whole tensor (or two-level shard) on every rank is an allgather's
+        replicated server, a part of it a sharded server's shard."""
+        residuals = self.state.server.residuals
+        return {
+            name: (
+                "allgather"
+                if residuals[name].numel() == self.server_exchange(plan)[1]
+                else "sharded"
+            )
+            for name, plan in self._server_plans().items()
+        }
 
     def placed(self, tensors):
         """Copies of ``tensors`` (parameter name -> state tensor) on their parameters'

@@ -135,6 +135,112 @@ def test_resumed_runs_continue_bitwise_identically(tmp_path, device):
                 )
 
 
+def _exchange_changes():
+    """ef-sign trains 3 steps under one exchange, saves, and resumes under the other, its
+    state naming the exchanges that kept its server residuals or not (a state from before
+    they were named): [(this rank's residual mass saved, after the resumed pipeline took
+    its exchanges, the exchanges it took, the parameters one step later)]."""
+    import io
+
+    import horovod.torch as hvd
+
+    from .elastic_train import _mass
+
+    hvd.init()
+    results = []
+    for saved_with, resumed_with in (("allgather", "sharded"), ("sharded", "allgather")):
+        for named in (True, False):
+            model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, saved_with)
+            hvd.broadcast_parameters(model.state_dict(), 0)
+            for step in range(3):
+                _step(model, optimizer, schedule, step, hvd.rank())
+            before = _mass(optimizer._hvdc_pipeline)
+            saved = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
+            saved.seek(0)
+            checkpoint = torch.load(saved, weights_only=True)
+            if not named:
+                del checkpoint["optimizer"]["hvd_compress"]["server_exchanges"]
+            model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, resumed_with)
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            pipeline = optimizer._hvdc_pipeline
+            pipeline._follow_restored_servers()  # what the next step starts with
+            after = _mass(pipeline)
+            exchanges = {p.exchange for p in pipeline.plans.values() if p.reason == "compressed"}
+            _step(model, optimizer, schedule, 3, hvd.rank())
+            results.append((before, after, exchanges, _flat(model)))
+    return results
+
+
+def test_a_state_resumed_under_another_exchange_keeps_its_residual_mass():
+    """A server residual is a tensor's on every rank (allgather) or a shard's on one
+    (sharded): resumed under the other exchange, it joins the worker residual, and the
+    average of the next exchange still carries it."""
+    ranks = run_parallel(_exchange_changes, 2)
+    for case in range(4):
+        (before0, after0, exchanges, params0), (before1, after1, _, params1) = (
+            ranks[0][case],
+            ranks[1][case],
+        )
+        assert exchanges == {("sharded", "allgather")[case // 2]}
+        for name in before0:
+            saved, resumed = before0[name] + before1[name], after0[name] + after1[name]
+            assert saved.abs().sum() > 0, name
+            torch.testing.assert_close(resumed, saved, rtol=1e-6, atol=1e-7)
+        assert torch.equal(params0, params1)
+
+
+def _save_sharded(directory):
+    """ef-sign's sharded exchange among 4 ranks, 3 steps, then each rank's checkpoint and
+    the residual mass it holds."""
+    import horovod.torch as hvd
+
+    from .elastic_train import _mass
+
+    hvd.init()
+    model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, "sharded")
+    hvd.broadcast_parameters(model.state_dict(), 0)
+    for step in range(3):
+        _step(model, optimizer, schedule, step, hvd.rank())
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(state, f"{directory}/rank{hvd.rank()}.pt")
+    return _mass(optimizer._hvdc_pipeline)
+
+
+def _resume_on_two(directory):
+    """Ranks 0 and 1 of the 4 resume under the allgather among 2: the residual mass each
+    holds once the pipeline took the new world, and the parameters one step later."""
+    import horovod.torch as hvd
+
+    from .elastic_train import _mass
+
+    hvd.init()
+    model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, "allgather")
+    checkpoint = torch.load(f"{directory}/rank{hvd.rank()}.pt", weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    pipeline = optimizer._hvdc_pipeline
+    pipeline._follow_world()  # what the next step starts with
+    after = _mass(pipeline)
+    _step(model, optimizer, schedule, 3, hvd.rank())
+    return after, _flat(model)
+
+
+def test_a_state_resumed_in_a_smaller_world_under_another_exchange_keeps_its_mass(tmp_path):
+    """Sharded servers' residuals among 4 ranks, resumed by 2 of them under the allgather:
+    each rank's shard joins its worker residual at its positions, as when elastic Horovod
+    drops ranks, and the ranks that left take theirs with them."""
+    saved = run_parallel(_save_sharded, 4, str(tmp_path))
+    resumed = run_parallel(_resume_on_two, 2, str(tmp_path))
+    for rank in range(2):
+        mass, _ = resumed[rank]
+        for name, before in saved[rank].items():
+            assert before.abs().sum() > 0, name
+            torch.testing.assert_close(mass[name], before, rtol=1e-6, atol=1e-7)
+    assert torch.equal(resumed[0][1], resumed[1][1])
+
+
 def _poisoned_step(name, params, error_feedback, exchange, steps, poison_at):
     """Rank 1's loss is NaN at ``poison_at``; the usual GradScaler loop around our optimizer."""
     import horovod.torch as hvd
