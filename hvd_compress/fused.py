@@ -195,6 +195,47 @@ def headed(scale: np.ndarray, packed: np.ndarray) -> np.ndarray:
     return message
 
 
+def sharded_messages(
+    scale: np.ndarray, packed: np.ndarray, count: int, shard_bytes: int
+) -> np.ndarray:
+    """A worker's rows of a sharded exchange that sends its own scales: row k is the bytes
+    of its float32 ``scale``, then shard k of its ``packed`` codes, ``shard_bytes`` bytes
+    of them, zero bytes past the codes (+1 codes, which every receiver cuts off)."""
+    head = scale.astype(np.float32, copy=False).reshape(-1).view(np.uint8)
+    rows = empty((count, head.size + shard_bytes), np.uint8)
+    rows[:, : head.size] = head
+    whole = count * shard_bytes
+    if packed.size < whole:  # most layers' codes fill their shards exactly
+        padded = np.zeros(whole, np.uint8)
+        padded[: packed.size] = packed
+        packed = padded
+    rows[:, head.size :] = packed[:whole].reshape(count, shard_bytes)
+    return rows
+
+
+def server_message(
+    scale: np.ndarray, scale_bytes: int, packed: np.ndarray, shard_bytes: int
+) -> np.ndarray:
+    """A sharded server's row: the bytes of its float32 block ``scale`` and zeros to
+    ``scale_bytes``, then its ``packed`` signs and zeros to ``shard_bytes`` (all servers'
+    rows are as long as the first shard's)."""
+    row = np.zeros((1, scale_bytes + shard_bytes), np.uint8)
+    head = scale.astype(np.float32, copy=False).reshape(-1).view(np.uint8)
+    row[0, : head.size] = head
+    row[0, scale_bytes : scale_bytes + packed.size] = packed
+    return row
+
+
+def servers_signs(rows: np.ndarray, length: int, numel: int) -> tuple:
+    """The sharded servers' result from their gathered rows (``server_message`` with one
+    float32 scale each, ``length`` signs): the first ``numel`` of their signs, in order,
+    each times its server's scale (NaN for a non-finite one); and whether every scale is
+    finite."""
+    scales, bits = split_messages(rows, 4)
+    out = scaled_signs(bits, scales, length)
+    return out.reshape(-1)[:numel], bool(np.isfinite(scales).all())
+
+
 def split_messages(messages: np.ndarray, head: int) -> tuple:
     """Gathered messages (rows) of ``head`` bytes of float32 scales, then packed codes:
     (the scales, a row per message; the codes, a view of the rows)."""

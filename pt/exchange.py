@@ -414,9 +414,12 @@ class ShardedServer(_Exchange):
 
     def start_packed(self, packed, scale, name):
         """``start`` for codes already packed (``fused``)."""
-        shards = self._shards(packed, self.world_size)
-        heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
-        payload = torch.cat([heads.expand(self.world_size, -1), shards], dim=1)
+        if self._fused(scale):
+            payload = fused.sharded_messages(scale, packed, self.world_size, self._shard_bytes)
+        else:
+            shards = self._shards(packed, self.world_size)
+            heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
+            payload = torch.cat([heads.expand(self.world_size, -1), shards], dim=1)
         return self.fusion.send(name, self.meter.hand(payload)), scale, name
 
     def advance(self, pending):
@@ -429,9 +432,13 @@ class ShardedServer(_Exchange):
         block_length = self.codec.bucket_length(self.numel)
         first_block = shard.start // block_length
         one_block = valid and (shard.stop - 1) // block_length == first_block
-        if one_block and self._fused(scale):
+        fuses = self._fused(scale)
+        if one_block and fuses:
             packed, server_scale = fused.server_step(
                 self.server, self.codec, received, self.scale_bytes, first_block, self.count, valid
+            )
+            payload = fused.server_message(
+                server_scale, self.server_scale_bytes, packed, self._shard_bytes
             )
         else:
             scales = _floats(received[:, : self.scale_bytes])
@@ -446,14 +453,21 @@ class ShardedServer(_Exchange):
             average = scaled.sum(dim=0) / self.count
             codes, server_scale, _ = self.server(self.codec, average)
             packed = self._packed(codes)
-        padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
-        padded_scale[: server_scale.numel()] = server_scale
-        payload = torch.cat([padded_scale.view(torch.uint8), self._shards(packed, 1).reshape(-1)])
-        payload = self.meter.hand(payload.reshape(1, -1))
-        return hvd.allgather_async(payload, name=f"{name}.server", process_set=self.process_set)
+            padded_scale = server_scale.new_zeros(self.server_scale_bytes // 4)
+            padded_scale[: server_scale.numel()] = server_scale
+            payload = torch.cat(
+                [padded_scale.view(torch.uint8), self._shards(packed, 1).reshape(-1)]
+            ).reshape(1, -1)
+        payload = self.meter.hand(payload)
+        handle = hvd.allgather_async(payload, name=f"{name}.server", process_set=self.process_set)
+        return handle, fuses
 
-    def finish(self, handle):
+    def finish(self, pending):
+        handle, fuses = pending
         rows = wait(handle)
+        if fuses and self.server_scale_bytes == 4:  # the kernels' scales, one per shard
+            signs, self.finite = fused.servers_signs(rows, self.length, self.numel)
+            return signs
         scales = _floats(rows[:, : self.server_scale_bytes])
         packed = rows[:, self.server_scale_bytes :]
         if scales.shape[1] == 1:  # one block per shard
@@ -468,11 +482,16 @@ class ShardedServer(_Exchange):
     def _packed(self, codes):
         return pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
 
+    @property
+    def _shard_bytes(self):
+        """Bytes of a shard's packed codes (shards start on byte boundaries)."""
+        return self.length // self.codec.code_space.codes_per_byte
+
     def _shards(self, packed, count):
         """Packed codes as ``count`` shards (rows) of ``self.length`` codes. Shards start
         on byte boundaries, so the codes are packed once and the bytes padded with zero
         bits: codes +1 past the tensor's end, which every receiver cuts off."""
-        nbytes = count * self.length // self.codec.code_space.codes_per_byte
+        nbytes = count * self._shard_bytes
         if packed.numel() < nbytes:  # most layers' codes fill their shards exactly
             packed = torch.nn.functional.pad(packed, (0, nbytes - packed.numel()))
         return packed.reshape(count, -1)

@@ -161,6 +161,28 @@ def headed(scale: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return _tensor(core.headed(_array(scale), _array(packed)))
 
 
+def sharded_messages(
+    scale: torch.Tensor, packed: torch.Tensor, count: int, shard_bytes: int
+) -> torch.Tensor:
+    """A worker's rows of the sharded exchange (``hvd_compress.fused.sharded_messages``):
+    row k its float32 ``scale``'s bytes, then shard k of its ``packed`` codes."""
+    return _tensor(core.sharded_messages(_array(scale), _array(packed), count, shard_bytes))
+
+
+def server_message(
+    scale: torch.Tensor, scale_bytes: int, packed: torch.Tensor, shard_bytes: int
+) -> torch.Tensor:
+    """A sharded server's row (``hvd_compress.fused.server_message``)."""
+    return _tensor(core.server_message(_array(scale), scale_bytes, _array(packed), shard_bytes))
+
+
+def servers_signs(rows: torch.Tensor, length: int, numel: int) -> tuple:
+    """The sharded servers' decoded signs from their gathered ``rows``, and whether all
+    their scales are finite (``hvd_compress.fused.servers_signs``)."""
+    out, finite = core.servers_signs(_array(rows, flat=False), length, numel)
+    return _tensor(out), finite
+
+
 def finite(tensor: torch.Tensor) -> bool:
     """Whether every element of CPU ``tensor`` is finite, read without a dispatch."""
     return bool(np.isfinite(_array(tensor)).all())

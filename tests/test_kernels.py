@@ -187,9 +187,18 @@ def test_kernels_are_only_for_cpu_float32_fixed_width_codes():
         assert not fused.applies(codec, torch.zeros(3))
 
 
-_FUSED = ("momentum", "compensated_scale", "signs_with_feedback", "server_step", "scaled_signs")
 # compensated_scale with a ``WorkerMomentum.Deferred``: momentum and compensation in one pass.
 _DEFERRED = "compensated_scale+momentum"
+# The kernels' calls of each exchange's servers: the replicated one (allgather) decodes its
+# own signs; the sharded ones frame the workers' shards and their own messages, and decode
+# the gathered messages.
+_SERVERS = {
+    "allgather": ("server_step", "scaled_signs"),
+    "sharded": ("sharded_messages", "server_step", "server_message", "servers_signs"),
+}
+_FUSED = ("momentum", "compensated_scale", "signs_with_feedback") + tuple(
+    sorted({name for names in _SERVERS.values() for name in names})
+)
 
 
 def _train_counting_kernels(enabled, exchange):
@@ -218,9 +227,8 @@ def test_optimizer_runs_the_kernels_and_trains_as_the_eager_calls(world, exchang
     eager = run_parallel(_train_counting_kernels, world, False, exchange)
     used = set(with_kernels[0][1])
     # Every tensor is compressed, so its momentum is deferred to the compensation (the
-    # momentum kernel of its own is for tensors sent whole); the replicated server
-    # (allgather) and the sharded one both run the server's kernels.
-    want = set(_FUSED) - {"momentum"} | {_DEFERRED}
+    # momentum kernel of its own is for tensors sent whole).
+    want = {"compensated_scale", _DEFERRED, "signs_with_feedback", *_SERVERS[exchange]}
     assert used == want, used
     assert not eager[0][1]
     for (params, _), (eager_params, _) in zip(with_kernels, eager):
@@ -542,9 +550,9 @@ def test_optimizer_runs_the_quantizer_kernels_and_trains_as_the_eager_calls():
                     assert torch.equal(grad, eager_exchanged[name]), name
 
 
-def _ops_added_per_compressed_tensor(exchanges):
-    """Top-level torch ops that each codec adds to one step of ``Net``, per compressed
-    tensor, by exchange (``benchmarks.op_count``'s count)."""
+def _ops_added_per_compressed_tensor(cases):
+    """Top-level torch ops that each (codec, exchange) of ``cases`` adds to one step of
+    ``Net``, per compressed tensor (``benchmarks.op_count``'s count)."""
     import horovod.torch as hvd
     from torch.profiler import ProfilerActivity, profile
 
@@ -586,20 +594,21 @@ def _ops_added_per_compressed_tensor(exchanges):
         "ef-sign": hc.BlockSign(min_size=0),
     }
     added = {}
-    for name, codec in codecs.items():
-        for exchange in exchanges:
-            count, compressed = ops(codec, exchange)
-            added[name, exchange] = (count - baseline) / compressed
+    for name, exchange in cases:
+        count, compressed = ops(codecs[name], exchange)
+        added[name, exchange] = (count - baseline) / compressed
     return added
 
 
 @pytest.mark.multiprocess
 def test_the_kernels_add_a_few_torch_ops_per_compressed_tensor():
     """On CPU a codec's work is the kernels' calls, which take and give arrays without
-    torch's dispatcher, so over the allgather (each codec's exchange at N = 2) compression
-    adds a few ops per compressed tensor: the collective, the payload, the result's view.
-    Views through ``Tensor.numpy()`` or framing by torch ops add 10 to 40."""
-    added = run_parallel(_ops_added_per_compressed_tensor, 2, ("allgather",))[0]
+    torch's dispatcher, so over the allgather (the quantizers' exchange at N = 2) and
+    ef-sign's sharded exchange (its large tensors' from N = 2) compression adds a few ops
+    per compressed tensor: the collectives, the payloads, the result's view. Views through
+    ``Tensor.numpy()`` or framing by torch ops add 10 to 40."""
+    cases = [(name, "allgather") for name in ("terngrad", "qsgd-inf", "ef-sign")]
+    added = run_parallel(_ops_added_per_compressed_tensor, 2, cases + [("ef-sign", "sharded")])[0]
     assert all(count <= 8 for count in added.values()), added
 
 
