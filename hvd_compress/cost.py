@@ -204,16 +204,37 @@ ALLTOALL_LATENCY_BYTES = 37_500
 # the first of them ready long before the backward pass ends.
 FUSION_BYTES = 20 * ALLTOALL_LATENCY_BYTES
 
+# A two-way codec's allgather exchange runs its server on every rank over the whole tensor
+# (the average of the workers' signs, the compensation, the scales, the second compression
+# and its residual); the sharded exchange runs it once per shard, on the shard's rank. That
+# pass takes 2-3 ns per element on one core of the benchmark's host with the fused kernels,
+# the time the 100 Mbit/s link ``ALLTOALL_LATENCY_BYTES`` is counted on takes for 0.025-0.04
+# bytes; the lower end is charged. At N = 2, where both exchanges send the same bytes, it
+# decides: sharding the 25M-parameter model's large tensors shortens its ef-sign step (by
+# more than the server's time at 1 Gbit/s and below: docs/design.md), while the CNN's small
+# tensors would pay more in the alltoall's latency than their servers cost.
+SERVER_BYTES_PER_ELEMENT = 0.025
+
+
+def server_work_saved(codec, numel, world_size):
+    """What the sharded exchange saves each rank of a two-way codec's server work on a
+    tensor of ``numel`` elements against the allgather's replicated server, in bytes of
+    ``SERVER_BYTES_PER_ELEMENT``."""
+    if not codec.two_way:
+        return 0.0
+    return SERVER_BYTES_PER_ELEMENT * numel * (world_size - 1) / world_size
+
 
 def choose_exchanges(codec, sizes, world_size, allreduce_dtypes=TORCH_ALLREDUCE_DTYPES):
     """The exchanges that cost a step the least time, for its compressed tensors of
-    ``sizes`` elements (in that order): bytes sent, plus ``ALLTOALL_LATENCY_BYTES`` for each
-    fusion group of the sharded tensors' alltoalls (one per ``FUSION_BYTES`` they carry, at
-    least one); on a tie, the exchange with fewer collectives.
+    ``sizes`` elements (in that order): bytes sent, less the server work that a two-way
+    codec's sharded exchange saves (``server_work_saved``), plus ``ALLTOALL_LATENCY_BYTES``
+    for each fusion group of the sharded tensors' alltoalls (one per ``FUSION_BYTES`` they
+    carry, at least one); on a tie, the exchange with fewer collectives.
 
-    A tensor goes ``sharded`` only if that sends fewer bytes than any other exchange, and
-    those tensors go in order of the bytes they save, as many as save the most after the
-    latencies of their groups; the others take their next best exchange.
+    A tensor goes ``sharded`` only if that costs less than any other exchange, and those
+    tensors go in order of what they save, as many as save the most after the latencies of
+    their groups; the others take their next best exchange.
     """
     candidates = exchanges_for(codec)
     if len(candidates) == 1:
@@ -224,14 +245,17 @@ def choose_exchanges(codec, sizes, world_size, allreduce_dtypes=TORCH_ALLREDUCE_
             exchange: compressed_traffic(codec, numel, world_size, exchange, allreduce_dtypes)
             for exchange in candidates
         }
-        return sorted(candidates, key=lambda e: (traffic[e].sent, traffic[e].collectives)), traffic
+        charge = {exchange: traffic[exchange].sent for exchange in candidates}
+        if "sharded" in charge:
+            charge["sharded"] -= server_work_saved(codec, numel, world_size)
+        return sorted(candidates, key=lambda e: (charge[e], traffic[e].collectives)), charge
 
     choices = [ranked(numel) for numel in sizes]
     # (bytes saved, index) of each tensor that sharded suits best, the largest saving first.
     savings = sorted(
         (
-            (traffic[order[1]].sent - traffic["sharded"].sent, index)
-            for index, (order, traffic) in enumerate(choices)
+            (charge[order[1]] - charge["sharded"], index)
+            for index, (order, charge) in enumerate(choices)
             if order[0] == "sharded"
         ),
         reverse=True,

@@ -38,12 +38,13 @@ def test_auto_picks_the_fewest_bytes_counting_the_alltoall_latency():
 
 def test_auto_shards_tensors_together_once_their_savings_pay_for_the_alltoall():
     codec = hvd_compress.BlockSign()
-    n = 100_000
+    n = 75_000
 
     def sent(exchange):
         return cost.compressed_traffic(codec, n, 4, exchange).sent
 
-    saving = sent("allgather") - sent("sharded")
+    # Bytes, and the work of the server that the allgather would run on every rank.
+    saving = sent("allgather") - sent("sharded") + cost.server_work_saved(codec, n, 4)
     # Alone, a tensor saves less than the alltoall's latency; two save a little less, three
     # more than the latency of the one fusion group they share.
     assert 2 * saving < cost.ALLTOALL_LATENCY_BYTES < 3 * saving
@@ -51,9 +52,29 @@ def test_auto_shards_tensors_together_once_their_savings_pay_for_the_alltoall():
     assert cost.choose_exchanges(codec, [n, n, n], 4) == ["sharded"] * 3
     # A large tensor pays for the group, and the small one then saves bytes by joining it.
     assert cost.choose_exchanges(codec, [n, 2_000_000], 4) == ["sharded"] * 2
-    # Only tensors that sharded suits join: at N = 2 it sends more bytes than allgather.
-    assert cost.choose_exchanges(codec, [2_000_000] * 3, 2) == ["allgather"] * 3
     assert cost.choose_exchanges(hvd_compress.FP16(), [n] * 3, 4) == ["allreduce"] * 3
+
+
+def test_at_two_workers_a_two_way_codec_shards_the_tensors_whose_server_work_pays():
+    codec = hvd_compress.BlockSign()
+
+    def sent(numel, exchange):
+        return cost.compressed_traffic(codec, numel, 2, exchange).sent
+
+    # At N = 2 both exchanges send a tensor's signs once; sharded adds a shard's scale.
+    assert 0 < sent(2_400_000, "sharded") - sent(2_400_000, "allgather") <= 8
+    # What decides is the server, which the allgather runs on every rank over the whole
+    # tensor: halved, it pays for the alltoall's latency on large tensors, not on small.
+    saved = cost.server_work_saved(codec, 2_400_000, 2)
+    assert saved == pytest.approx(cost.SERVER_BYTES_PER_ELEMENT * 1_200_000)
+    assert saved < cost.ALLTOALL_LATENCY_BYTES < 4 * saved
+    assert cost.choose_exchanges(codec, [2_400_000] * 4, 2) == ["sharded"] * 4
+    assert cost.choose_exchanges(codec, [2_400_000], 2) == ["allgather"]
+    assert cost.choose_exchanges(codec, [20_000] * 4, 2) == ["allgather"] * 4
+    # A one-way codec has no server: its sharded sums only widen the codes.
+    assert cost.server_work_saved(hvd_compress.TernGrad(), 2_400_000, 2) == 0
+    terngrad = cost.choose_exchanges(hvd_compress.TernGrad(), [2_400_000] * 4, 2)
+    assert terngrad == ["allgather"] * 4
 
 
 def test_unknown_exchange():
