@@ -1,10 +1,11 @@
 """One codec's training step under two exchanges, side by side in one Horovod job: the
-synthetic ResNet-50 (or the MNIST-1D CNN) trained by ``hvd_compress.pt.DistributedOptimizer``
-with each ``exchange=``, in alternating blocks of steps, so that a drift of the load falls on
-both.
+synthetic ResNet-50 (or the MNIST-1D CNN) trained with each ``exchange=`` by
+``hvd_compress.pt.DistributedOptimizer`` (or, with ``--tensorflow``, the TensorFlow port's
+``DistributedGradientTape`` in a ``tf.function``), in alternating blocks of steps, so that
+a drift of the load falls on both.
 
     launch/netns.sh -n 2 -r 1G -- python -m benchmarks.exchange_ab \\
-        [--codec ef-sign] [--exchanges allgather,auto] [--model resnet50]
+        [--codec ef-sign] [--exchanges allgather,auto] [--model resnet50] [--tensorflow]
 
 Run it on the benchmark's shaped network (``launch/netns.sh``) or on localhost under
 ``horovodrun``; rank 0 prints each exchange's median step and what ``"auto"`` chose.
@@ -15,14 +16,57 @@ import collections
 import statistics
 import time
 
-import horovod.torch as hvd
-import torch
-
-from .methods import CodecTrainer
-from .models import workload
-
-# Untimed steps of each exchange before the first block: allocations, the kernels' compilation.
+# Untimed steps of each exchange before the first block: allocations, the kernels'
+# compilation, TensorFlow's trace.
 WARMUP_STEPS = 3
+
+
+def _torch_job(args):
+    """(hvd, {exchange: (step, stats)}, barrier) of the PyTorch port."""
+    import horovod.torch as hvd
+    import torch
+
+    from .methods import CodecTrainer
+    from .models import workload
+
+    hvd.init()
+    torch.set_num_threads(1)
+    work = workload(args.model, hvd.rank(), hvd.size())
+    batches = work.batches(1)
+    runs = {}
+    for exchange in args.exchanges.split(","):
+        trainer = CodecTrainer(work.build(), hvd.size(), 0.01, args.codec, exchange=exchange)
+        runs[exchange] = (
+            lambda trainer=trainer: trainer.step(*next(batches)),
+            trainer.optimizer.compression_stats,
+        )
+    return hvd, runs, lambda name: hvd.allreduce(torch.zeros(1), name=name)
+
+
+def _tensorflow_job(args):
+    """(hvd, {exchange: (step, stats)}, barrier) of the TensorFlow port."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    from .tf_worker import Trainer, Workload
+
+    hvd.init()
+    work = Workload(args.model, hvd.rank(), hvd.size(), seed=0)
+    batches = work.batches(1)
+    runs = {}
+    for exchange in args.exchanges.split(","):
+
+        def wrap(tape, exchange=exchange):
+            return htf.DistributedGradientTape(tape, compression=args.codec, exchange=exchange)
+
+        trainer = Trainer(work, wrap, hvd.size())
+        runs[exchange] = (
+            lambda trainer=trainer: trainer.step(*next(batches)),
+            lambda trainer=trainer: trainer.tape.pipeline.compression_stats(),
+        )
+    return hvd, runs, lambda name: hvd.allreduce(tf.zeros(1), name=name)
 
 
 def main(argv=None):
@@ -30,38 +74,33 @@ def main(argv=None):
     parser.add_argument("--codec", default="ef-sign")
     parser.add_argument("--exchanges", default="allgather,auto")
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "cnn"))
+    parser.add_argument("--tensorflow", action="store_true", help="the TensorFlow port")
     parser.add_argument("--rounds", type=int, default=6, help="blocks of each exchange")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per block")
     args = parser.parse_args(argv)
-    hvd.init()
-    torch.set_num_threads(1)
-    work = workload(args.model, hvd.rank(), hvd.size())
-    batches = work.batches(1)
-    trainers = {
-        exchange: CodecTrainer(work.build(), hvd.size(), 0.01, args.codec, exchange=exchange)
-        for exchange in args.exchanges.split(",")
-    }
-    for trainer in trainers.values():
+    # One framework per process: each port refuses a process that imported both Horovods.
+    hvd, runs, barrier = (_tensorflow_job if args.tensorflow else _torch_job)(args)
+    for step, _ in runs.values():
         for _ in range(WARMUP_STEPS):
-            trainer.step(*next(batches))
-    seconds = {exchange: [] for exchange in trainers}
+            step()
+    seconds = {exchange: [] for exchange in runs}
     for block in range(args.rounds):
         # Each round in the other order: neither exchange always follows the other.
-        order = list(trainers) if block % 2 == 0 else list(reversed(trainers))
+        order = list(runs) if block % 2 == 0 else list(reversed(runs))
         for exchange in order:
-            hvd.allreduce(torch.zeros(1), name=f"exchange_ab.{block}.{exchange}")
+            barrier(f"exchange_ab.{block}.{exchange}")
+            step, _ = runs[exchange]
             for _ in range(args.steps):
                 start = time.perf_counter()
-                trainers[exchange].step(*next(batches))
+                step()
                 seconds[exchange].append(time.perf_counter() - start)
     if hvd.rank() == 0:
-        print(f"{args.codec}, {args.model}, N = {hvd.size()}:")
+        port = "TensorFlow" if args.tensorflow else "PyTorch"
+        print(f"{args.codec}, {args.model}, {port}, N = {hvd.size()}:")
         print("| exchange | tensors by exchange | median step (ms) |")
         print("|---|---|---|")
-        for exchange, trainer in trainers.items():
-            routes = collections.Counter(
-                route for _, _, route, _ in trainer.optimizer.compression_stats()["tensors"]
-            )
+        for exchange, (_, stats) in runs.items():
+            routes = collections.Counter(route for _, _, route, _ in stats()["tensors"])
             chosen = ", ".join(f"{route} {count}" for route, count in sorted(routes.items()))
             print(f"| {exchange} | {chosen} | {1000 * statistics.median(seconds[exchange]):.0f} |")
 
