@@ -185,10 +185,15 @@ def server_step(
     return packed, scale, residual
 
 
+def _scale_bytes(scale: np.ndarray) -> np.ndarray:
+    """The bytes of ``scale`` as float32, the head of a message that carries it."""
+    return scale.astype(np.float32, copy=False).reshape(-1).view(np.uint8)
+
+
 def headed(scale: np.ndarray, packed: np.ndarray) -> np.ndarray:
     """One worker's message of an exchange that sends its own scales: the bytes of its
     float32 ``scale``, then its ``packed`` codes."""
-    head = scale.astype(np.float32, copy=False).view(np.uint8)
+    head = _scale_bytes(scale)
     message = np.empty(head.size + packed.size, np.uint8)
     message[: head.size] = head
     message[head.size :] = packed
@@ -201,7 +206,7 @@ def sharded_messages(
     """A worker's rows of a sharded exchange that sends its own scales: row k is the bytes
     of its float32 ``scale``, then shard k of its ``packed`` codes, ``shard_bytes`` bytes
     of them, zero bytes past the codes (+1 codes, which every receiver cuts off)."""
-    head = scale.astype(np.float32, copy=False).reshape(-1).view(np.uint8)
+    head = _scale_bytes(scale)
     rows = empty((count, head.size + shard_bytes), np.uint8)
     rows[:, : head.size] = head
     whole = count * shard_bytes
@@ -220,7 +225,7 @@ def server_message(
     ``scale_bytes``, then its ``packed`` signs and zeros to ``shard_bytes`` (all servers'
     rows are as long as the first shard's)."""
     row = np.zeros((1, scale_bytes + shard_bytes), np.uint8)
-    head = scale.astype(np.float32, copy=False).reshape(-1).view(np.uint8)
+    head = _scale_bytes(scale)
     row[0, : head.size] = head
     row[0, scale_bytes : scale_bytes + packed.size] = packed
     return row
