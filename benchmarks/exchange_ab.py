@@ -14,7 +14,8 @@ Run it on the benchmark's shaped network (``launch/netns.sh``) or on localhost u
 import argparse
 import collections
 import statistics
-import time
+
+from .protocol import timed_steps
 
 # Untimed steps of each exchange before the first block: allocations, the kernels'
 # compilation, TensorFlow's trace.
@@ -22,7 +23,7 @@ WARMUP_STEPS = 3
 
 
 def _torch_job(args):
-    """(hvd, {exchange: (step, stats)}, barrier) of the PyTorch port."""
+    """(hvd, batches, {exchange: (trainer, stats)}, barrier) of the PyTorch port."""
     import horovod.torch as hvd
     import torch
 
@@ -36,15 +37,12 @@ def _torch_job(args):
     runs = {}
     for exchange in args.exchanges.split(","):
         trainer = CodecTrainer(work.build(), hvd.size(), 0.01, args.codec, exchange=exchange)
-        runs[exchange] = (
-            lambda trainer=trainer: trainer.step(*next(batches)),
-            trainer.optimizer.compression_stats,
-        )
-    return hvd, runs, lambda name: hvd.allreduce(torch.zeros(1), name=name)
+        runs[exchange] = (trainer, trainer.optimizer.compression_stats)
+    return hvd, batches, runs, lambda name: hvd.allreduce(torch.zeros(1), name=name)
 
 
 def _tensorflow_job(args):
-    """(hvd, {exchange: (step, stats)}, barrier) of the TensorFlow port."""
+    """(hvd, batches, {exchange: (trainer, stats)}, barrier) of the TensorFlow port."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -62,11 +60,12 @@ def _tensorflow_job(args):
             return htf.DistributedGradientTape(tape, compression=args.codec, exchange=exchange)
 
         trainer = Trainer(work, wrap, hvd.size())
+        # The tape is the one of the step's trace: read once the step has run.
         runs[exchange] = (
-            lambda trainer=trainer: trainer.step(*next(batches)),
+            trainer,
             lambda trainer=trainer: trainer.tape.pipeline.compression_stats(),
         )
-    return hvd, runs, lambda name: hvd.allreduce(tf.zeros(1), name=name)
+    return hvd, batches, runs, lambda name: hvd.allreduce(tf.zeros(1), name=name)
 
 
 def main(argv=None):
@@ -79,21 +78,16 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4, help="timed steps per block")
     args = parser.parse_args(argv)
     # One framework per process: each port refuses a process that imported both Horovods.
-    hvd, runs, barrier = (_tensorflow_job if args.tensorflow else _torch_job)(args)
-    for step, _ in runs.values():
-        for _ in range(WARMUP_STEPS):
-            step()
+    hvd, batches, runs, barrier = (_tensorflow_job if args.tensorflow else _torch_job)(args)
+    for trainer, _ in runs.values():
+        timed_steps(trainer, batches, WARMUP_STEPS)
     seconds = {exchange: [] for exchange in runs}
     for block in range(args.rounds):
         # Each round in the other order: neither exchange always follows the other.
         order = list(runs) if block % 2 == 0 else list(reversed(runs))
         for exchange in order:
             barrier(f"exchange_ab.{block}.{exchange}")
-            step, _ = runs[exchange]
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                step()
-                seconds[exchange].append(time.perf_counter() - start)
+            seconds[exchange] += timed_steps(runs[exchange][0], batches, args.steps)
     if hvd.rank() == 0:
         port = "TensorFlow" if args.tensorflow else "PyTorch"
         print(f"{args.codec}, {args.model}, {port}, N = {hvd.size()}:")
