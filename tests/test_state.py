@@ -135,6 +135,27 @@ def test_resumed_runs_continue_bitwise_identically(tmp_path, device):
                 )
 
 
+def _ef_sign_trained(exchange, steps=3):
+    """ef-sign (one block per tensor, every tensor compressed) after ``steps`` steps under
+    ``exchange``: (model, optimizer, schedule)."""
+    import horovod.torch as hvd
+
+    model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, exchange)
+    hvd.broadcast_parameters(model.state_dict(), 0)
+    for step in range(steps):
+        _step(model, optimizer, schedule, step, hvd.rank())
+    return model, optimizer, schedule
+
+
+def _ef_sign_resumed(checkpoint, exchange):
+    """ef-sign under ``exchange`` with ``checkpoint``'s model and optimizer state loaded:
+    (model, optimizer, schedule)."""
+    model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, exchange)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    return model, optimizer, schedule
+
+
 def _exchange_changes():
     """ef-sign trains 3 steps under one exchange, saves, and resumes under the other, its
     state naming the exchanges that kept its server residuals or not (a state from before
@@ -150,10 +171,7 @@ def _exchange_changes():
     results = []
     for saved_with, resumed_with in (("allgather", "sharded"), ("sharded", "allgather")):
         for named in (True, False):
-            model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, saved_with)
-            hvd.broadcast_parameters(model.state_dict(), 0)
-            for step in range(3):
-                _step(model, optimizer, schedule, step, hvd.rank())
+            model, optimizer, _ = _ef_sign_trained(saved_with)
             before = _mass(optimizer._hvdc_pipeline)
             saved = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
@@ -161,9 +179,7 @@ def _exchange_changes():
             checkpoint = torch.load(saved, weights_only=True)
             if not named:
                 del checkpoint["optimizer"]["hvd_compress"]["server_exchanges"]
-            model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, resumed_with)
-            model.load_state_dict(checkpoint["model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
+            model, optimizer, schedule = _ef_sign_resumed(checkpoint, resumed_with)
             pipeline = optimizer._hvdc_pipeline
             pipeline._follow_restored_servers()  # what the next step starts with
             after = _mass(pipeline)
@@ -199,10 +215,7 @@ def _save_sharded(directory):
     from .elastic_train import _mass
 
     hvd.init()
-    model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, "sharded")
-    hvd.broadcast_parameters(model.state_dict(), 0)
-    for step in range(3):
-        _step(model, optimizer, schedule, step, hvd.rank())
+    model, optimizer, _ = _ef_sign_trained("sharded")
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save(state, f"{directory}/rank{hvd.rank()}.pt")
     return _mass(optimizer._hvdc_pipeline)
@@ -216,10 +229,8 @@ def _resume_on_two(directory):
     from .elastic_train import _mass
 
     hvd.init()
-    model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, "allgather")
     checkpoint = torch.load(f"{directory}/rank{hvd.rank()}.pt", weights_only=True)
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    model, optimizer, schedule = _ef_sign_resumed(checkpoint, "allgather")
     pipeline = optimizer._hvdc_pipeline
     pipeline._follow_world()  # what the next step starts with
     after = _mass(pipeline)
