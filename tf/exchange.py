@@ -353,6 +353,8 @@ class ShardedServer(_Exchange):
 
     def start_packed(self, packed, scale, name):
         """``start`` for codes already packed (``fused``)."""
+        # The framing stays in graph ops, unlike the PyTorch port's kernel calls: a
+        # tf.numpy_function per tensor costs more than the ops it would replace.
         shards = self._shards(packed, self.world_size)
         heads = tf.tile(_bytes(scale)[None], [self.world_size, 1])
         return self.fusion.send(name, self.meter.hand(tf.concat([heads, shards], axis=1))), name
