@@ -46,20 +46,14 @@ def _tensorflow_job(args):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    import hvd_compress.tf as htf
-
-    from .tf_worker import Trainer, Workload
+    from .tf_worker import Workload, codec_trainer
 
     hvd.init()
     work = Workload(args.model, hvd.rank(), hvd.size(), seed=0)
     batches = work.batches(1)
     runs = {}
     for exchange in args.exchanges.split(","):
-
-        def wrap(tape, exchange=exchange):
-            return htf.DistributedGradientTape(tape, compression=args.codec, exchange=exchange)
-
-        trainer = Trainer(work, wrap, hvd.size())
+        trainer = codec_trainer(work, args.codec, hvd.size(), exchange)
         # The tape is the one of the step's trace: read once the step has run.
         runs[exchange] = (
             trainer,

@@ -183,6 +183,15 @@ class Trainer:
         return sum(int(np.prod(v.shape)) for v in self.variables) * itemsize
 
 
+def codec_trainer(work, codec, world_size, exchange="auto"):
+    """The ``Trainer`` of ``hvd_compress.tf``'s tape with ``codec`` and ``exchange``."""
+
+    def codec_tape(tape):
+        return htf.DistributedGradientTape(tape, compression=codec, exchange=exchange)
+
+    return Trainer(work, codec_tape, world_size)
+
+
 def trainer(method, work, world_size):
     """The ``Trainer`` of ``method`` (None: the local step, with no exchange) and its
     (handed, sent) bytes per worker of the last step."""
@@ -201,10 +210,7 @@ def trainer(method, work, world_size):
             return handed, cost.allreduce_traffic(handed, world_size).sent
 
         return run, horovod_bytes
-    codec = method[len(TF_PREFIX) :]
-    run = Trainer(
-        work, lambda tape: htf.DistributedGradientTape(tape, compression=codec), world_size
-    )
+    run = codec_trainer(work, method[len(TF_PREFIX) :], world_size)
 
     def codec_bytes():
         pipeline = run.tape.pipeline
