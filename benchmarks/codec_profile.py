@@ -119,10 +119,14 @@ def _eager_quantizer(codec, grad):
 
 
 def _fused_quantizer(codec, grad):
-    """The same through the kernels."""
-    scale = codec.local_scale(grad)
+    """The same through the kernels, as the pipeline's allgather calls them: the QSGD
+    family's own scales taken in the encoding's pass."""
     exchange = make_exchange("allgather", codec, grad.numel(), 1, Meter(), 1)
-    packed, _ = fused.encode(codec, exchange, grad, scale, KEY, feedback=False)
+    if fused.scales_in_encode(codec, grad.numel()):
+        packed, _, scale = fused.scaled_encode(codec, exchange, grad, KEY, feedback=False)
+    else:
+        scale = codec.local_scale(grad)
+        packed, _ = fused.encode(codec, exchange, grad, scale, KEY, feedback=False)
     return fused.decoded_sums(codec, packed.reshape(1, -1), scale, 1, grad.numel())
 
 

@@ -103,9 +103,18 @@ def compensated_scale(
     Without either, p is ``vector`` itself. ``BlockSign``'s scales are summed in that
     pass; the quantizers' (a standard deviation, norms) take passes over p of their own
     (``local_scale``), and leave the pass's one sum unused."""
+    p, sums = compensated(codec, vector, residual, ratio, momentum)
+    if isinstance(codec, BlockSign):
+        return p, BlockSign.scale_from_sums(codec, sums, vector.size)
+    return p, local_scale(codec, p)
+
+
+def compensated(codec, vector: np.ndarray, residual, ratio: float, momentum=None) -> tuple:
+    """p of ``compensated_scale``, and ``BlockSign``'s float64 sums of |p| over its blocks
+    (for another codec one sum, unused, or None where p is ``vector`` itself)."""
     blocks = isinstance(codec, BlockSign)
     if not blocks and residual is None and momentum is None:
-        return vector, local_scale(codec, vector)
+        return vector, None
     sums = np.empty(codec.buckets(vector.size) if blocks else 1, dtype=np.float64)
     p = vector if residual is None and momentum is None else empty(vector.shape)
     kernels().compensated_block_l1(
@@ -117,9 +126,7 @@ def compensated_scale(
         p,
         sums,
     )
-    if blocks:
-        return p, BlockSign.scale_from_sums(codec, sums, vector.size)
-    return p, local_scale(codec, p)
+    return p, sums
 
 
 def compensated_encode(
@@ -135,11 +142,14 @@ def compensated_encode(
     """``compensated_scale`` then ``encode`` (``BlockSign``: ``signs_with_feedback``), for
     a scale that no collective shares between them: (payload, scale, residual, None without
     ``feedback``). ``payload`` is an empty array in the exchange's format."""
+    kept = empty(vector.shape) if feedback and not isinstance(codec, BlockSign) else None
+    if scales_in_encode(codec, vector.size):
+        p = compensated(codec, vector, residual, ratio, momentum)[0]
+        return (*scaled_encode(codec, p, key, payload, kept), kept)
     p, scale = compensated_scale(codec, vector, residual, ratio, momentum)
     if isinstance(codec, BlockSign):
         packed, kept = signs_with_feedback(codec, p, scale)
         return packed, scale, kept if feedback else None
-    kept = empty(p.shape) if feedback else None
     return encode(codec, p, scale, key, payload, kept), scale, kept
 
 
@@ -271,7 +281,7 @@ def local_scale(codec, g: np.ndarray) -> np.ndarray:
             scale = min(np.float32(codec.clip) * np.float32(sigma), scale)
         return np.array([scale], dtype=np.float32)
     d = codec.bucket_length(g.size)
-    if getattr(codec, "norm", "l2") == "l2":
+    if _norm(codec) == kernels().L2_NORMS:
         sums = np.empty(codec.buckets(g.size), dtype=np.float64)
         kernels().bucket_squares(g, d, sums)
         scale = np.sqrt(sums).astype(np.float32)
@@ -323,6 +333,39 @@ def encode(
     padding), else as the codes' values in the allreduce's carrier (``payload``'s dtype).
     With a ``residual`` array, p - decode(values(codes), scale, 1) goes there, in the same
     pass. Returns the payload."""
+    return _quantized(codec, p, kernels().GIVEN_SCALES, scale, key, payload, residual)[0]
+
+
+def scaled_encode(
+    codec, p: np.ndarray, key: int, payload: np.ndarray, residual: np.ndarray | None
+) -> tuple:
+    """``local_scale`` and ``encode`` of a QSGD-family codec (``scales_in_encode``) in one
+    pass over p, each bucket's norm taken while its elements are in the cache: (payload,
+    scale)."""
+    scale = np.empty(codec.buckets(p.size), dtype=np.float32)
+    payload, finite = _quantized(codec, p, _norm(codec), scale, key, payload, residual)
+    if not finite:  # rare: encoded again under the scales of a non-finite gradient
+        scale[:] = np.inf
+        payload = encode(codec, p, scale, key, payload, residual)
+    return payload, scale
+
+
+def scales_in_encode(codec, numel: int) -> bool:
+    """Whether ``scaled_encode`` can take ``codec``'s scales of a tensor of ``numel``
+    elements: the QSGD family's bucket norms, for a tensor that has elements."""
+    return _norm(codec) is not None and numel > 0
+
+
+def _norm(codec) -> int | None:
+    """The kernels' name (``kernels.L2_NORMS``, ``MAX_NORMS``) of the QSGD family's norm
+    of a bucket, None for another codec."""
+    if codec.name == "terngrad" or codec.name not in QUANTIZERS:
+        return None
+    return kernels().L2_NORMS if getattr(codec, "norm", "l2") == "l2" else kernels().MAX_NORMS
+
+
+def _quantized(codec, p, norm, scale, key, payload, residual) -> tuple:
+    """``kernels.quantized``: (payload, whether every scale it took is finite)."""
     space = codec.code_space
     packed = payload.dtype == np.uint8
     if packed:
@@ -332,8 +375,10 @@ def encode(
         0 if packed else p.size, np.int32 if payload.dtype == np.float16 else payload.dtype
     )
     levels, exponent = _levels(codec)
-    kernels().quantized(
+    finite = kernels().quantized(
         p,
+        p.view(np.int32),
+        norm,
         scale.reshape(-1),
         codec.bucket_length(p.size),
         levels,
@@ -345,9 +390,9 @@ def encode(
         payload if packed else NONE.view(np.uint8),
         NONE if residual is None else residual,
     )
-    if packed:
-        return payload
-    return values if values.dtype == payload.dtype else values.astype(payload.dtype)
+    if not packed:
+        payload = values if values.dtype == payload.dtype else values.astype(payload.dtype)
+    return payload, finite
 
 
 def decoded_totals(codec, total: np.ndarray, scale: np.ndarray, count: int) -> np.ndarray:

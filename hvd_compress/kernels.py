@@ -429,30 +429,55 @@ def _top(bits):
     return top
 
 
+@_jit(inline="always")
+def _bucket_squares(g, b, bucket):
+    """The float64 sum of g^2 over bucket b, a piece at a time."""
+    total = 0.0
+    bucket_stop = min(g.size, (b + 1) * bucket)
+    for start in range(b * bucket, bucket_stop, _SUM_PIECE):
+        stop = min(bucket_stop, start + _SUM_PIECE)
+        _prefetch_ahead(g, start, stop, _SUM_PIECE)
+        total += _squares(g[start:stop])
+    return total
+
+
+@_jit(inline="always")
+def _bucket_top(bits, b, bucket):
+    """The bits of max|g| over bucket b (``bits``: g's float32 bits), a piece at a time."""
+    top = np.int32(0)
+    bucket_stop = min(bits.size, (b + 1) * bucket)
+    for start in range(b * bucket, bucket_stop, _SUM_PIECE):
+        stop = min(bucket_stop, start + _SUM_PIECE)
+        _prefetch_ahead(bits, start, stop, _SUM_PIECE)
+        top = max(top, _top(bits[start:stop]))
+    return top
+
+
 @_jit
 def bucket_squares(g, bucket, sums):
     """QSGD's and NUQSGD's L2 norms, squared: sums[b] = float64 sum of g^2 over bucket b."""
     for b in range(sums.size):
-        total = 0.0
-        bucket_stop = min(g.size, (b + 1) * bucket)
-        for start in range(b * bucket, bucket_stop, _SUM_PIECE):
-            stop = min(bucket_stop, start + _SUM_PIECE)
-            _prefetch_ahead(g, start, stop, _SUM_PIECE)
-            total += _squares(g[start:stop])
-        sums[b] = total
+        sums[b] = _bucket_squares(g, b, bucket)
 
 
 @_jit
 def bucket_tops(bits, bucket, tops):
     """QSGD-inf's max norms: tops[b] = the bits of max|g| over bucket b."""
     for b in range(tops.size):
-        top = np.int32(0)
-        bucket_stop = min(bits.size, (b + 1) * bucket)
-        for start in range(b * bucket, bucket_stop, _SUM_PIECE):
-            stop = min(bucket_stop, start + _SUM_PIECE)
-            _prefetch_ahead(bits, start, stop, _SUM_PIECE)
-            top = max(top, _top(bits[start:stop]))
-        tops[b] = top
+        tops[b] = _bucket_top(bits, b, bucket)
+
+
+# The norms a ``quantized`` call computes itself, for scales that no collective shares.
+GIVEN_SCALES, MAX_NORMS, L2_NORMS = 0, 1, 2
+
+
+@_jit(inline="always")
+def _bucket_norm(p, bits, b, bucket, norm):
+    """Bucket b's scale by ``norm``, as ``fused.local_scale`` gives it before its test of
+    finiteness: max|p| (``bucket_tops``), or the L2 norm rounded from float64."""
+    if norm == L2_NORMS:
+        return np.float32(np.sqrt(_bucket_squares(p, b, bucket)))
+    return np.int32(_bucket_top(bits, b, bucket)).view(np.float32)
 
 
 # numba computes with uint32 words in int64: every result is cut back to 32 bits, which
@@ -707,19 +732,35 @@ def _pack_chunk(fields, count, bound, width, packed):
 
 
 @_jit(error_model="numpy")
-def quantized(p, scale, bucket, levels, exponent, stream, bound, width, values, packed, residual):
+def quantized(
+    p, bits, norm, scale, bucket, levels, exponent, stream, bound, width, values, packed, residual
+):
     """One worker's codes of ``p`` under its bucket scales, drawn from ``stream``
     (``seeding.key_words``; draw k for element k of ``seeding.uniforms``):
     ``UniformQuantizer`` with s = ``levels``, or with ``levels`` 0 ``NUQSGD`` with
     2^-``exponent`` its smallest level. Written as the exchange sends them: into ``packed``
     at ``width`` bits per code (``codes.IntCodes(bound)``), or else into ``values`` (the
     codes' values, in the allreduce's carrier). With a ``residual``, p - decode(values,
-    scale, 1) goes there (NaN where the scale is not finite, as the eager decode gives)."""
+    scale, 1) goes there (NaN where the scale is not finite, as the eager decode gives).
+
+    ``norm``: ``GIVEN_SCALES``, or the scales' norm (``MAX_NORMS``, read from ``bits``, p's
+    float32 bits; ``L2_NORMS``), each bucket's written into ``scale`` a chunk ahead of its
+    codes, while its elements are in the cache: one pass over p where a pass for the
+    scales and one for the codes read it twice. Returns whether every scale is finite;
+    where one is not, the caller encodes again under the scales ``local_scale`` gives a
+    non-finite gradient."""
     quantizer = (scale, bucket, levels, exponent, stream)
     fields = np.empty(_CHUNK if packed.size else 0, dtype=np.uint8)
     codes = np.empty(0 if packed.size else _CHUNK, dtype=np.int32)
+    finite, scaled = True, 0  # buckets whose scales ``norm`` has written
     for start in range(0, p.size, _CHUNK):
         count = min(p.size - start, _CHUNK)
+        if norm != GIVEN_SCALES:
+            needed = -(-(start + count) // bucket)
+            for b in range(scaled, needed):
+                scale[b] = _bucket_norm(p, bits, b, bucket, norm)
+                finite &= np.isfinite(scale[b])
+            scaled = needed
         _prefetch_ahead(p, start, start + count, _CHUNK)
         if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
             _quantize(p, start, quantizer, np.int32(bound), packed[start : start + count], residual)
@@ -729,6 +770,7 @@ def quantized(p, scale, bucket, levels, exponent, stream, bound, width, values, 
         else:
             _quantize(p, start, quantizer, np.int32(0), codes[:count], residual)
             _values(codes[:count], levels, values[start : start + count])
+    return finite
 
 
 @_jit

@@ -107,6 +107,21 @@ def compensated_scale(codec, vector, residual, ratio, momentum=None):
     (p, scale), p = u + residual * ratio, u ``vector`` or with a ``momentum``
     (``WorkerMomentum.Deferred``) its direction, whose new buffer is written in the same
     pass. Without either, p is ``vector`` itself."""
+    p, scale = core.compensated_scale(codec, *_compensation(vector, residual, ratio, momentum))
+    same = residual is None and momentum is None
+    return vector if same else _tensor(p), _tensor(scale)
+
+
+def compensated(codec, vector, residual, ratio, momentum=None):
+    """p of ``compensated_scale`` alone, for scales that ``scaled_encode`` takes."""
+    if residual is None and momentum is None:
+        return vector
+    return _tensor(core.compensated(codec, *_compensation(vector, residual, ratio, momentum))[0])
+
+
+def _compensation(vector, residual, ratio, momentum):
+    """The arrays of ``compensated_scale``'s arguments, as ``hvd_compress.fused``'s
+    (vector, residual, ratio, momentum) take them."""
     accelerate = None
     if momentum is not None:
         accelerate = (
@@ -115,15 +130,7 @@ def compensated_scale(codec, vector, residual, ratio, momentum=None):
             momentum.nesterov,
             _array(momentum.out),
         )
-    p, scale = core.compensated_scale(
-        codec,
-        _array(vector),
-        None if residual is None else _array(residual),
-        ratio,
-        accelerate,
-    )
-    same = residual is None and momentum is None
-    return vector if same else _tensor(p), _tensor(scale)
+    return _array(vector), None if residual is None else _array(residual), ratio, accelerate
 
 
 def signs_with_feedback(codec, p, scale):
@@ -222,6 +229,26 @@ def encode(
     if payload.dtype != torch.uint8:
         payload = _tensor(values)
     return payload, residual
+
+
+def scaled_encode(codec, exchange, p: torch.Tensor, key: int, feedback: bool) -> tuple:
+    """``local_scale`` and ``encode`` in one pass over p, for a QSGD-family codec whose
+    scales no collective shares (``scales_in_encode``): (payload, residual or None,
+    scale)."""
+    payload = exchange.payload()
+    residual = torch.empty_like(p) if feedback else None
+    values, scale = core.scaled_encode(
+        codec, _array(p), key, _array(payload), None if residual is None else _array(residual)
+    )
+    if payload.dtype != torch.uint8:
+        payload = _tensor(values)
+    return payload, residual, _tensor(scale)
+
+
+def scales_in_encode(codec, numel: int) -> bool:
+    """Whether ``scaled_encode`` takes ``codec``'s scales of a tensor of ``numel`` elements
+    (``hvd_compress.fused.scales_in_encode``)."""
+    return core.scales_in_encode(codec, numel)
 
 
 def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:

@@ -60,6 +60,7 @@ class _InFlight:
     scale: torch.Tensor = None
     exchange: object = None
     fused: bool = False  # worker error feedback by ``fused``'s kernels
+    scale_in_encode: bool = False  # the scale taken in the encoding's pass
     ratio: float = 1.0  # eta_{t-1} / eta_t of the step, for residuals compensated later
 
 
@@ -395,14 +396,22 @@ class CompressionPipeline:
         ranks of ``process_set``."""
         plan = flight.plan
         flight.handle = None
+        # The QSGD family's own scales are taken in the encoding's pass over the gradient.
+        flight.scale_in_encode = (
+            plan.kernels
+            and not self.codec.shares_scale(exchange)
+            and fused.scales_in_encode(self.codec, flight.vector.numel())
+        )
         if flight.fused:
-            flight.vector, flight.scale = fused.compensated_scale(
-                self.codec,
-                flight.vector,
-                self.state.worker.residuals.get(plan.name),
-                flight.ratio,
-                momentum=momentum,
-            )
+            residual = self.state.worker.residuals.get(plan.name)
+            if flight.scale_in_encode:
+                flight.vector = fused.compensated(
+                    self.codec, flight.vector, residual, flight.ratio, momentum=momentum
+                )
+            else:
+                flight.vector, flight.scale = fused.compensated_scale(
+                    self.codec, flight.vector, residual, flight.ratio, momentum=momentum
+                )
         elif self.state.worker is not None:
             flight.vector = self.state.worker.compensate(plan.name, flight.vector, flight.ratio)
         server = None
@@ -420,7 +429,7 @@ class CompressionPipeline:
             process_set=process_set,
         )
         if self.codec.scaled:
-            if not flight.fused:
+            if not flight.fused and not flight.scale_in_encode:
                 flight.scale = self.codec.local_scale(flight.vector)
             if self.codec.shares_scale(exchange):
                 flight.handle = hvd.allreduce_async(
@@ -572,15 +581,16 @@ class CompressionPipeline:
         rank = hvd.rank() if flight.plan.exchange == TWO_LEVEL else self.rank
         key = stream_seed(self.seed, rank, self.state.step, flight.plan.index)
         if flight.plan.kernels:
-            codes, residual = fused.encode(
-                self.codec,
-                flight.exchange,
-                vector,
-                flight.scale,
-                key,
-                feedback=self.state.worker is not None,
-            )
-            if self.state.worker is not None:
+            feedback = self.state.worker is not None
+            if flight.scale_in_encode:
+                codes, residual, flight.scale = fused.scaled_encode(
+                    self.codec, flight.exchange, vector, key, feedback
+                )
+            else:
+                codes, residual = fused.encode(
+                    self.codec, flight.exchange, vector, flight.scale, key, feedback
+                )
+            if feedback:
                 self.state.worker.propose(name, residual)
             start = flight.exchange.start_packed
         else:

@@ -250,6 +250,7 @@ QUANTIZERS = [
     hvd_compress.NUQSGD(bits=3, bucket_size=9),
     hvd_compress.NUQSGD(bucket_size=2048),
     hvd_compress.NUQSGD(bits=5, bucket_size=100),
+    hvd_compress.QSGD(bucket_size=5000),  # buckets longer than the kernels' chunk
 ]
 
 
@@ -357,14 +358,19 @@ def test_quantizer_worker_step_is_the_eager_step(reference, numel, bad):
     sent = codec.decode(codec.values(codes), scale, 1)
     for name, world in (("allreduce", 4), ("allgather", 1), ("sharded", 3), ("sharded", 4)):
         exchange = make_exchange(name, codec, numel, world, Meter(), world)
+        want = _eager_payload(codec, exchange, codes)
         for feedback in (False, True):
-            payload, residual = fused.encode(codec, exchange, p, scale, _key(numel), feedback)
-            want = _eager_payload(codec, exchange, codes)
-            assert payload.dtype == want.dtype and torch.equal(payload, want), name
-            if feedback:
-                np.testing.assert_array_equal(residual.numpy(), (p - sent).numpy())
-            else:
-                assert residual is None
+            calls = [fused.encode(codec, exchange, p, scale, _key(numel), feedback)]
+            if not codec.shares_scale(name) and fused.scales_in_encode(codec, numel):
+                *call, taken = fused.scaled_encode(codec, exchange, p, _key(numel), feedback)
+                assert torch.equal(taken, scale)
+                calls.append(call)
+            for payload, residual in calls:
+                assert payload.dtype == want.dtype and torch.equal(payload, want), name
+                if feedback:
+                    np.testing.assert_array_equal(residual.numpy(), (p - sent).numpy())
+                else:
+                    assert residual is None
     if bad is not None:
         assert torch.isnan(sent).all()
 
@@ -485,7 +491,9 @@ def test_sum_widths_cover_every_packing():
 _QUANTIZER_KERNELS = (
     "local_scale",
     "compensated_scale",
+    "compensated",
     "encode",
+    "scaled_encode",
     "decoded_totals",
     "summed_codes",
     "decoded_sums",
