@@ -67,6 +67,8 @@ class _KernelClock:
         class Timed:
             def __getattr__(self, name):
                 function = getattr(kernels, name)
+                if not callable(function):  # the kernels' constants
+                    return function
 
                 def timed(*args):
                     start = time.thread_time()
