@@ -43,7 +43,8 @@ def eager_worker(codec, grad, buffer, residual):
 def fused_worker(codec, grad, buffer, residual):
     momentum = WorkerMomentum.Deferred(buffer, MU, True, torch.empty_like(grad))
     p, scale = fused.compensated_scale(codec, grad, residual, 1.0, momentum=momentum)
-    return fused.signs_with_feedback(codec, p, scale)
+    # p is the compensation's own buffer, as in the pipeline: the residual goes over it.
+    return fused.signs_with_feedback(codec, p, scale, in_place=True)
 
 
 def eager_server(codec, messages, residual):

@@ -148,17 +148,21 @@ def compensated_encode(
         return (*scaled_encode(codec, p, key, payload, kept), kept)
     p, scale = compensated_scale(codec, vector, residual, ratio, momentum)
     if isinstance(codec, BlockSign):
-        packed, kept = signs_with_feedback(codec, p, scale)
+        packed, kept = signs_with_feedback(codec, p, scale, in_place=p is not vector)
         return packed, scale, kept if feedback else None
     return encode(codec, p, scale, key, payload, kept), scale, kept
 
 
-def signs_with_feedback(codec, p: np.ndarray, scale: np.ndarray) -> tuple:
+def signs_with_feedback(codec, p: np.ndarray, scale: np.ndarray, in_place=False) -> tuple:
     """``BlockSign.encode``, packing, and the residual p - decode(codes) that
-    ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
+    ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual). ``in_place``:
+    the residual is written over p, a temporary of the caller's: one gradient-sized
+    buffer less, and writes to lines the pass has just read."""
     packed = empty(-(-p.size // 8), np.uint8)
-    residual = empty(p.shape)
-    kernels().signs_with_feedback(p, scale, codec.bucket_length(p.size), packed, residual)
+    residual = p if in_place else empty(p.shape)
+    kernels().signs_with_feedback(
+        p, scale, codec.bucket_length(p.size), packed, NONE if in_place else residual
+    )
     return packed, residual
 
 
@@ -191,7 +195,7 @@ def server_step(
         sums,
     )
     scale = BlockSign.scale_from_sums(codec, sums, numel)
-    packed, residual = signs_with_feedback(codec, p, scale)
+    packed, residual = signs_with_feedback(codec, p, scale, in_place=True)
     return packed, scale, residual
 
 

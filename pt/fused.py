@@ -133,11 +133,12 @@ def _compensation(vector, residual, ratio, momentum):
     return _array(vector), None if residual is None else _array(residual), ratio, accelerate
 
 
-def signs_with_feedback(codec, p, scale):
+def signs_with_feedback(codec, p, scale, in_place=False):
     """``BlockSign.encode``, packing, and the residual p - decode(codes) that
-    ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
-    packed, residual = core.signs_with_feedback(codec, _array(p), _array(scale))
-    return _tensor(packed), _tensor(residual)
+    ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual); ``in_place``,
+    the residual over p (``hvd_compress.fused.signs_with_feedback``)."""
+    packed, residual = core.signs_with_feedback(codec, _array(p), _array(scale), in_place)
+    return _tensor(packed), p if in_place else _tensor(residual)
 
 
 def server_step(server, codec, messages, head, block, count, numel):
@@ -207,15 +208,22 @@ def local_scale(codec, grad: torch.Tensor) -> torch.Tensor:
 
 
 def encode(
-    codec, exchange, p: torch.Tensor, scale: torch.Tensor, key: int, feedback: bool
+    codec,
+    exchange,
+    p: torch.Tensor,
+    scale: torch.Tensor,
+    key: int,
+    feedback: bool,
+    overwrite: bool = False,
 ) -> tuple:
     """``codec.encode`` of p under ``scale`` with the draws of stream ``key``
     (``seeding.uniforms``), written as ``exchange`` sends it (its ``payload``: packed
     codes, or values in the allreduce's carrier), and with ``feedback`` the residual
     p - decode(values(codes), scale, 1) of ``ErrorFeedback.update``, in one pass:
-    (payload, residual or None). ef-sign's are ``signs_with_feedback``."""
+    (payload, residual or None). ef-sign's are ``signs_with_feedback``: with
+    ``overwrite`` (p a temporary of the caller's) its residual is written over p."""
     if isinstance(codec, BlockSign):
-        return signs_with_feedback(codec, p, scale)
+        return signs_with_feedback(codec, p, scale, in_place=overwrite)
     payload = exchange.payload()
     residual = torch.empty_like(p) if feedback else None
     values = core.encode(

@@ -61,6 +61,7 @@ class _InFlight:
     exchange: object = None
     fused: bool = False  # worker error feedback by ``fused``'s kernels
     scale_in_encode: bool = False  # the scale taken in the encoding's pass
+    compensated: bool = False  # ``vector`` a buffer of the compensation's, free to overwrite
     ratio: float = 1.0  # eta_{t-1} / eta_t of the step, for residuals compensated later
 
 
@@ -412,6 +413,7 @@ class CompressionPipeline:
                 flight.vector, flight.scale = fused.compensated_scale(
                     self.codec, flight.vector, residual, flight.ratio, momentum=momentum
                 )
+            flight.compensated = residual is not None or momentum is not None
         elif self.state.worker is not None:
             flight.vector = self.state.worker.compensate(plan.name, flight.vector, flight.ratio)
         server = None
@@ -588,7 +590,13 @@ class CompressionPipeline:
                 )
             else:
                 codes, residual = fused.encode(
-                    self.codec, flight.exchange, vector, flight.scale, key, feedback
+                    self.codec,
+                    flight.exchange,
+                    vector,
+                    flight.scale,
+                    key,
+                    feedback,
+                    overwrite=flight.compensated,
                 )
             if feedback:
                 self.state.worker.propose(name, residual)

@@ -55,12 +55,18 @@ def test_worker_step_is_the_eager_step(block, numel, bad):
         p, scale = fused.compensated_scale(codec, vector, residual, ratio)
         np.testing.assert_array_equal(p.numpy(), want.numpy())
         np.testing.assert_array_equal(scale.numpy(), reference.local_scale(want.numpy()))
-        packed, kept = fused.signs_with_feedback(codec, p, scale)
         want_packed, want_kept = _eager_message(codec, p, scale)
-        np.testing.assert_array_equal(packed.numpy(), want_packed.numpy())
-        np.testing.assert_array_equal(kept.numpy(), want_kept.numpy())  # NaN where eager has
-        if bad is not None:
-            assert np.isinf(scale.numpy()).all() and np.isnan(kept.numpy()).all()
+        # Into a new residual, and over a copy of p (the pipeline's own compensated p).
+        over = p.clone()
+        for packed, kept in (
+            fused.signs_with_feedback(codec, p, scale),
+            fused.signs_with_feedback(codec, over, scale, in_place=True),
+        ):
+            np.testing.assert_array_equal(packed.numpy(), want_packed.numpy())
+            np.testing.assert_array_equal(kept.numpy(), want_kept.numpy())  # NaN where eager
+            if bad is not None:
+                assert np.isinf(scale.numpy()).all() and np.isnan(kept.numpy()).all()
+        assert kept.data_ptr() == over.data_ptr()
 
 
 def _server_inputs(rows, numel, seed):
