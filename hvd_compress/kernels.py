@@ -777,9 +777,9 @@ def quantized(
     ``norm``: ``GIVEN_SCALES``, or the scales' norm (``MAX_NORMS``, read from ``bits``, p's
     float32 bits; ``L2_NORMS``), each bucket's written into ``scale`` a chunk ahead of its
     codes, while its elements are in the cache: one pass over p where a pass for the
-    scales and one for the codes read it twice. Returns whether every scale is finite;
-    where one is not, the caller encodes again under the scales ``local_scale`` gives a
-    non-finite gradient."""
+    scales and one for the codes read it twice. Returns whether every scale it computed is
+    finite (True for ``GIVEN_SCALES``); where one is not, the caller encodes again under
+    the scales ``local_scale`` gives a non-finite gradient."""
     quantizer = (scale, bucket, levels, exponent, stream)
     fields = np.empty(_CHUNK if packed.size else 0, dtype=np.uint8)
     codes = np.empty(0 if packed.size else _CHUNK, dtype=np.int32)

@@ -224,8 +224,7 @@ def encode(
     ``overwrite`` (p a temporary of the caller's) its residual is written over p."""
     if isinstance(codec, BlockSign):
         return signs_with_feedback(codec, p, scale, in_place=overwrite)
-    payload = exchange.payload()
-    residual = torch.empty_like(p) if feedback else None
+    payload, residual = _outputs(exchange, p, feedback)
     values = core.encode(
         codec,
         _array(p),
@@ -234,23 +233,30 @@ def encode(
         _array(payload),
         None if residual is None else _array(residual),
     )
-    if payload.dtype != torch.uint8:
-        payload = _tensor(values)
-    return payload, residual
+    return _sent(payload, values), residual
 
 
 def scaled_encode(codec, exchange, p: torch.Tensor, key: int, feedback: bool) -> tuple:
     """``local_scale`` and ``encode`` in one pass over p, for a QSGD-family codec whose
     scales no collective shares (``scales_in_encode``): (payload, residual or None,
     scale)."""
-    payload = exchange.payload()
-    residual = torch.empty_like(p) if feedback else None
+    payload, residual = _outputs(exchange, p, feedback)
     values, scale = core.scaled_encode(
         codec, _array(p), key, _array(payload), None if residual is None else _array(residual)
     )
-    if payload.dtype != torch.uint8:
-        payload = _tensor(values)
-    return payload, residual, _tensor(scale)
+    return _sent(payload, values), residual, _tensor(scale)
+
+
+def _outputs(exchange, p, feedback):
+    """What an encoding kernel writes: ``exchange``'s payload and, with ``feedback``, a
+    residual like p."""
+    return exchange.payload(), torch.empty_like(p) if feedback else None
+
+
+def _sent(payload, values):
+    """The payload as the exchange sends it: the packed codes the kernel wrote into it, or
+    the values it returned in the allreduce's carrier."""
+    return payload if payload.dtype == torch.uint8 else _tensor(values)
 
 
 def scales_in_encode(codec, numel: int) -> bool:
