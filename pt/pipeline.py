@@ -405,6 +405,7 @@ class CompressionPipeline:
         )
         if flight.fused:
             residual = self.state.worker.residuals.get(plan.name)
+            grad = flight.vector
             if flight.scale_in_encode:
                 flight.vector = fused.compensated(
                     self.codec, flight.vector, residual, flight.ratio, momentum=momentum
@@ -413,7 +414,8 @@ class CompressionPipeline:
                 flight.vector, flight.scale = fused.compensated_scale(
                     self.codec, flight.vector, residual, flight.ratio, momentum=momentum
                 )
-            flight.compensated = residual is not None or momentum is not None
+            # The compensation returns the gradient itself where it has nothing to add.
+            flight.compensated = flight.vector is not grad
         elif self.state.worker is not None:
             flight.vector = self.state.worker.compensate(plan.name, flight.vector, flight.ratio)
         server = None
