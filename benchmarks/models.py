@@ -90,6 +90,17 @@ class Workload:
             yield self.inputs[index], self.targets[index]
 
 
+def flush_subnormals():
+    """Flushes subnormal floats to zero in this thread's arithmetic, as TensorFlow's CPU
+    kernels do (a GPU computes with them at full speed). Without it, the synthetic
+    ResNet-50's backward pass meets subnormals once its weights have moved for a few steps,
+    and on x86 every product that meets one takes microcode's slow path: how much depends
+    on the weights each method's trajectory reached, not on its exchange, so two methods
+    sending the same bytes would time differently. Torch's backward runs on the calling
+    thread with ``OMP_NUM_THREADS=1``, so the main thread is the one to set."""
+    torch.set_flush_denormal(True)
+
+
 def _seeded(factory, seed):
     def build():
         torch.manual_seed(seed)

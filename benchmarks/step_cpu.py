@@ -36,7 +36,7 @@ from hvd_compress import fused
 
 from .collectives import HorovodProbe
 from .methods import Trainer, sgd
-from .models import workload
+from .models import flush_subnormals, workload
 
 # Untimed steps first: the heap grows for three steps (``methods.Trainer.warmup_steps``),
 # and the kernels compile.
@@ -145,6 +145,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
     args = parser.parse_args(argv)
     hvd.init()
+    flush_subnormals()
     rows = []
     for codec in args.codecs.split(","):
         measured = hvd.allgather_object(measure(args.model, codec, args.steps))

@@ -33,7 +33,7 @@ from .methods import (
     needs_process_sets,
     sgd,
 )
-from .models import workload
+from .models import flush_subnormals, workload
 from .protocol import (
     COMPUTE_STEPS,
     TIMING_LR,
@@ -164,6 +164,7 @@ def main(spec_path):
         spec = json.load(f)
     every = spec["methods"] + spec["accuracy"]["methods"]
     hvd.init(process_sets="dynamic" if needs_process_sets(every) else None)
+    flush_subnormals()
     if needs_ddp(spec["methods"]) or needs_ddp(spec["accuracy"]["methods"]):
         init_ddp()
     driver = Driver(hvd.rank(), hvd.size(), _largest)
