@@ -40,19 +40,19 @@ The step's exchange time is when the last tensor is decoded, past the end of the
 Every rank takes the same decisions: the measurements are Max-allreduced before the model
 runs, and the model is a deterministic function of them.
 
-A decision that changes paths is then tried: it stands only if its next ``TRIAL_STEPS``
-steps take no longer (median, the slowest rank's) than the last ``TRIAL_STEPS`` under the
-paths it replaced; otherwise those paths come back until the next decision. The model can
-be wrong where its probes are: a probe runs alone on a quiet link, while the step's
-collectives share the CPU with the backward pass of every rank on the host, which with more
-ranks than cores makes an uncompressed allreduce far slower than its probe predicts. The
-trial makes "never slower than the paths in force" a measurement rather than a forecast.
-A decision that keeps the paths in force, or whose trial fell, is challenged: the fastest
-single path that differs from the paths in force and from the decision's (every tensor by
-the codec, fp16 or fp32), if predicted within ``CHALLENGE_MARGIN`` of the decision, is tried
-the same way. So a model wrong in either direction costs at most two trials per decision,
-and where the model's choice and the paths in force both lose to a third path, that path
-is found.
+A decision that changes paths is then tried: it stands only if the median of its next
+``TRIAL_STEPS`` steps (the slowest rank's) is at least ``TRIAL_MARGIN`` shorter than that of
+the last ``TRIAL_STEPS`` under the paths it replaced; otherwise those paths come back until
+the next decision. The model can be wrong where its probes are: a probe runs alone on a
+quiet link, while the step's collectives share the CPU with the backward pass of every rank
+on the host, which with more ranks than cores makes an uncompressed allreduce far slower
+than its probe predicts. The trial makes "never slower than the paths in force" a
+measurement rather than a forecast. A decision that keeps the paths in force, or whose trial
+fell, is challenged: the fastest single path that differs from the paths in force and from
+the decision's (every tensor by the codec, fp16 or fp32), if predicted within
+``CHALLENGE_MARGIN`` of the decision, is tried the same way. So a model wrong in either
+direction costs at most two trials per decision, and where the model's choice and the paths
+in force both lose to a third path, that path is found.
 """
 
 from __future__ import annotations
@@ -73,6 +73,11 @@ _PREFERENCE = {"fp32": 0, "fp16": 1, "codec": 2}
 # so that the median is a measured step and one outlier (a first step's allocations) is
 # outvoted.
 TRIAL_STEPS = 3
+# The fraction of the replaced paths' median step by which the paths on trial must be
+# faster to stand. Medians of TRIAL_STEPS steps of ranks that share cores move by several
+# percent between windows, so a smaller gain is as likely a loss; against it, keeping the
+# paths in force costs at most this fraction of a step.
+TRIAL_MARGIN = 0.05
 # A decision that keeps the paths in force, or whose trial fell, is challenged by the fastest
 # single path predicted at most this many times its exchange: with more ranks than cores the
 # model errs by about that factor (docs/adaptive.md), and the bound keeps a challenge's cost
@@ -598,12 +603,12 @@ class Planner:
         return [self._replaced[1], statistics.median(self._steps)]
 
     def judge(self, step: int, agreed: Sequence[float]) -> bool:
-        """Keeps the paths on trial (the decision's, or its challenger's) if their steps
-        took no longer than the replaced paths' (``agreed`` ``trial_seconds``), else brings
-        those paths back and, after the decision's own trial, tries its rival against
-        them; returns whether the paths on trial stood."""
+        """Keeps the paths on trial (the decision's, or its challenger's) if their median
+        step was at least ``TRIAL_MARGIN`` shorter than the replaced paths' (``agreed``
+        ``trial_seconds``), else brings those paths back and, after the decision's own
+        trial, tries its rival against them; returns whether the paths on trial stood."""
         (replaced, _), (before, after) = self._replaced, agreed
-        kept = after <= before
+        kept = after <= (1 - TRIAL_MARGIN) * before
         outcome = {"replaced_seconds": before, "seconds": after, "kept": kept}
         if self.decision.challenger is None:
             self.decision.trial = outcome
