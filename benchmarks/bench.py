@@ -32,7 +32,7 @@ from tqdm import tqdm
 from . import network, plots, report
 from .job import HorovodJob, LocalHosts, NamespacedHosts
 from .methods import CODEC_METHODS, METHODS, PEER_METHODS, TWO_LEVEL_METHODS
-from .protocol import EVENT, LONG_SECONDS, TF_METHODS
+from .protocol import EVENT, LONG_SECONDS, STEP_BUDGET_SECONDS, TF_METHODS
 from .shapes import MODELS
 
 DEFAULT_WORKERS = (2, 4)
@@ -49,12 +49,13 @@ OUT = os.path.join(REPO, "benchmarks", "results")
 
 
 def timed_steps(model):
-    """Timed steps per configuration (one where a step takes ``LONG_SECONDS`` or more:
-    the 25M-parameter model's uncompressed step takes ~14 s at 100 Mbit/s and 4 workers).
-    The medians of the first 3 (CNN: 10) of 5 (20) steps are 5% (6%) from the
-    full medians on average, 54% (32%) at most, in CPU-bound configurations whose step
-    times spread as widely between runs."""
-    return 10 if model == "cnn" else 3
+    """(least, most) timed steps per configuration: as many as take
+    ``STEP_BUDGET_SECONDS`` within these, one where a step takes ``LONG_SECONDS`` or more
+    (the 25M-parameter model's uncompressed step takes ~14 s at 100 Mbit/s and 4 workers).
+    The medians of the first 3 (CNN: 10) of 5 (20) steps are 5% (6%) from the full
+    medians on average, 54% (32%) at most, in CPU-bound configurations whose step times
+    spread as widely between runs."""
+    return (10, 30) if model == "cnn" else (3, 7)
 
 
 def _list(kind, choices=None, convert=str):
@@ -138,8 +139,9 @@ def add_arguments(parser):
         "--steps",
         type=int,
         default=None,
-        help="timed steps per configuration (default: 10 for cnn, 3 for resnet50); one "
-        f"where the first takes {LONG_SECONDS:g} s or more",
+        help="timed steps per configuration (default: 10-30 for cnn, 3-7 for resnet50, as "
+        f"many as take {STEP_BUDGET_SECONDS:g} s); one where the first takes "
+        f"{LONG_SECONDS:g} s or more",
     )
     parser.add_argument(
         "--bare-repeats",
@@ -202,7 +204,7 @@ def _spec(args, rates):
         "per_node": args.per_node,
         "seed": args.seed,
         # Timed steps per model, at every rate alike.
-        "steps": {m: args.steps or timed_steps(m) for m in args.models},
+        "steps": {m: [args.steps] * 2 if args.steps else timed_steps(m) for m in args.models},
         "bare_repeats": args.bare_repeats,
         "accuracy": accuracy,
     }

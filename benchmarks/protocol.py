@@ -26,6 +26,11 @@ COMPUTE_STEPS = 10
 # 100 Mbit/s take that long (4.4-14 s a step; every codec's step under 3.5 s), transfers
 # bound by the link that repeat to within 5%, and repeating them took minutes of the matrix.
 LONG_SECONDS = 4.0
+# Seconds of timed steps a configuration is given beyond its least number of steps
+# (``Driver.repeated``): short steps are repeated more, up to the model's most, since the
+# adaptive mode's rows compare medians of several methods' steps and the least of several
+# noisy medians sits below each one's own.
+STEP_BUDGET_SECONDS = 2.0
 # The TensorFlow port's methods (``benchmarks.tf_worker``), as rows of the same tables.
 TF_METHODS = ("tf-hvd-none", "tf-hvd-fp16", "tf-terngrad", "tf-qsgd-inf", "tf-ef-sign")
 TF_PREFIX = "tf-"
@@ -64,13 +69,21 @@ class Driver:
     def barrier(self):
         self._largest("barrier", 0.0)
 
-    def repeated(self, measure, count):
+    def repeated(self, measure, count, most=None, budget=0.0):
         """The seconds of ``count`` calls of ``measure`` (which returns the seconds it
-        took), or of the first alone if it took ``LONG_SECONDS`` or more on some rank:
-        the ranks decide together, since each call runs collectives."""
+        took), or of more, up to ``most``, as many as take ``budget`` seconds at the pace
+        of the first call; of the first alone if it took ``LONG_SECONDS`` or more on some
+        rank. The ranks decide together, from the slowest rank's first call, since each
+        call runs collectives."""
         seconds = [measure()]
-        if count > 1 and self._largest("long", seconds[0]) < LONG_SECONDS:
-            seconds += [measure() for _ in range(count - 1)]
+        most = count if most is None else most
+        if most == 1:
+            return seconds
+        first = self._largest("long", seconds[0])
+        if first >= LONG_SECONDS:
+            return seconds
+        calls = min(most, max(count, int(budget / first))) if first > 0 else count
+        seconds += [measure() for _ in range(calls - 1)]
         return seconds
 
     def _largest(self, kind, value):
@@ -108,9 +121,11 @@ def timed_steps(trainer, batches, steps):
 
 
 def timed_steps_of(driver, trainer, batches, steps):
-    """``timed_steps`` as a configuration's measurement: one step if it is a long one
-    (``Driver.repeated``)."""
-    return driver.repeated(lambda: timed_steps(trainer, batches, 1)[0], steps)
+    """``timed_steps`` as a configuration's measurement: ``steps`` = (least, most) of them,
+    more where they are short, one if it is a long one (``Driver.repeated``)."""
+    least, most = steps
+    measure = lambda: timed_steps(trainer, batches, 1)[0]  # noqa: E731
+    return driver.repeated(measure, least, most, STEP_BUDGET_SECONDS)
 
 
 def sent_bytes(codec, stats, world_size, nodes=None, node_allreduce=False):

@@ -31,3 +31,17 @@ def test_a_configuration_is_measured_count_times_unless_its_first_run_is_long():
     # A single measurement asks nobody.
     driver, names = _driver(0.0)
     assert driver.repeated(lambda: 0.1, 1) == [0.1] and names == []
+
+
+def test_short_steps_are_repeated_as_many_times_as_fit_the_budget():
+    driver, _ = _driver(0.0)
+    assert len(driver.repeated(lambda: 0.25, 3, 7, 1.0)) == 4
+    # Never fewer than the least, never more than the most.
+    driver, _ = _driver(0.0)
+    assert len(driver.repeated(lambda: 0.5, 3, 7, 1.0)) == 3
+    driver, _ = _driver(0.0)
+    assert len(driver.repeated(lambda: 0.01, 3, 7, 1.0)) == 7
+    # The slowest rank's first step sets the pace of all.
+    driver, names = _driver(0.5)
+    assert len(driver.repeated(lambda: 0.01, 3, 7, 1.0)) == 3
+    assert len(names) == 1
