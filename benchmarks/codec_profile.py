@@ -21,16 +21,25 @@ decode of the servers' signs, and separately the server of one shard of every te
 4), as ``benchmarks.kernel_profile`` times them. The copy is ``torch.empty_like`` and
 ``copy_`` of all compressed gradients in one tensor, timed in the same run: the least that
 a pass writing a new tensor costs.
+
+ef-sign's worker is also timed against its memory streams alone: loops that read and write
+exactly the arrays its kernels do (the gradient, momentum buffer and residual in; the new
+buffer and p out; p read and written over; the decoded signs out), with no arithmetic
+beyond an add: the least its passes can cost on the host, whatever the kernels compute;
+and without the rewrite of p (the residual's pass), what keeping the residual as p and its
+scales would leave.
 """
 
 import argparse
 import contextlib
 import time
 
+import numba
 import numpy as np
 import torch
 
 import hvd_compress.pt as hc
+from hvd_compress import fused as fused_core
 from hvd_compress.pt import fused, seeding
 from hvd_compress.pt.exchange import Meter, make_exchange
 from hvd_compress.pt.optimizer import _classifier_names
@@ -181,18 +190,11 @@ def encode_decode(codec, grads, repeats=3):
     from .kernel_profile import eager_server, eager_worker, fused_server, fused_worker
 
     workers, shards, servers = _sign_inputs(grads)
-
-    def worker(step, decode):
-        return lambda: (
-            [step(codec, *w) for w in workers],
-            [decode(bits, scales, bits.shape[1] * 8) for bits, scales in shards],
-        )
-
     rows = [
         (
             "ef-sign worker",
-            worker(eager_worker, unpack_scaled_signs),
-            worker(fused_worker, fused.scaled_signs),
+            _worker(codec, eager_worker, unpack_scaled_signs, workers, shards),
+            _worker(codec, fused_worker, fused.scaled_signs, workers, shards),
         ),
         (
             "ef-sign server (N = 4)",
@@ -204,6 +206,72 @@ def encode_decode(codec, grads, repeats=3):
         (label, *interleaved_best_seconds([eager, kernels, copy], repeats))
         for label, eager, kernels in rows
     ]
+
+
+@numba.njit(nogil=True)
+def _compensation_streams(grad, buffer, residual, new_buffer, p):
+    for i in range(grad.size):
+        new_buffer[i] = grad[i] + buffer[i]
+        p[i] = grad[i] + residual[i]
+
+
+@numba.njit(nogil=True)
+def _rewrite_streams(p):
+    for i in range(p.size):
+        p[i] = p[i] + np.float32(1.0)
+
+
+@numba.njit(nogil=True)
+def _decode_streams(bits, out):
+    for i in range(out.size):
+        out[i] = np.float32(bits[i >> 3])
+
+
+def _worker(codec, step, decode, workers, shards):
+    """ef-sign's worker over ``_sign_inputs``' ``workers`` and ``shards``: ``step`` of each
+    tensor (``kernel_profile``'s eager or fused worker) and ``decode`` of its servers'
+    signs."""
+    return lambda: (
+        [step(codec, *w) for w in workers],
+        [decode(bits, scales, bits.shape[1] * 8) for bits, scales in shards],
+    )
+
+
+def _worker_streams(workers, shards, rewrite=True):
+    """ef-sign's worker streams (the module's docstring) over ``_sign_inputs``' arrays, as
+    its kernels move them: new arrays for the new buffer, p and the decoded signs, p
+    rewritten in place unless not ``rewrite`` (a residual kept as p and its scales, to be
+    subtracted in the next compensation, would not rewrite it)."""
+    arrays = [tuple(t.numpy() for t in w) for w in workers]
+    rows = [bits.numpy().reshape(-1) for bits, _ in shards]
+
+    def run():
+        for (grad, buffer, residual), bits in zip(arrays, rows):
+            p = fused_core.empty(grad.size)
+            _compensation_streams(grad, buffer, residual, fused_core.empty(grad.size), p)
+            if rewrite:
+                _rewrite_streams(p)
+            _decode_streams(bits, fused_core.empty(bits.size * 8))
+
+    return run
+
+
+def worker_streams(codec, grads, repeats=3):
+    """(kernel seconds, streams seconds, streams seconds without the rewrite of p, copy
+    seconds) of ef-sign's worker with its kernels, of its memory streams alone and of a
+    copy of ``grads``, timed in turn."""
+    from .kernel_profile import fused_worker  # imported here: it imports this module
+
+    workers, shards, _ = _sign_inputs(grads)
+    return interleaved_best_seconds(
+        [
+            _worker(codec, fused_worker, fused.scaled_signs, workers, shards),
+            _worker_streams(workers, shards),
+            _worker_streams(workers, shards, rewrite=False),
+            _copy(grads),
+        ],
+        repeats,
+    )
 
 
 def _copy(grads):
@@ -400,6 +468,7 @@ def main(argv=None):
         "|---|---|---|---|---|",
     ]
     copies = []
+    floor = None
     for name in args.codecs.split(","):
         codec = resolve(name, hc.CODECS)
         generator = torch.Generator().manual_seed(0)
@@ -420,6 +489,15 @@ def main(argv=None):
                 f"| {label} | {1000 * eager:.0f} | {1000 * kernels:.0f} | "
                 f"{eager / copy:.1f} | {kernels / copy:.1f} |"
             )
+        if name == "ef-sign":
+            kernels, streams, unrewritten, copy = worker_streams(codec, grads)
+            floor = (
+                f"ef-sign worker: kernels {1000 * kernels:.0f} ms, its memory streams alone "
+                f"{1000 * streams:.0f} ms, a copy {1000 * copy:.0f} ms: the kernels take "
+                f"{kernels / streams:.2f} of the streams' time, the streams "
+                f"{streams / copy:.2f} copies, {unrewritten / copy:.2f} without the rewrite "
+                "of p"
+            )
         if not args.no_tensorflow:
             for label, torch_kernels, tf_kernels, tf_ops in tensorflow_encode_decode(name, grads):
                 ports.append(
@@ -429,6 +507,8 @@ def main(argv=None):
     print("CPU milliseconds per step, one thread, eager ops:\n" + "\n".join(stages))
     print("\nOne copy of the compressed gradients (empty_like + copy_): " + "; ".join(copies))
     print("\nEncode + decode of one worker's codes, CPU milliseconds:\n" + "\n".join(fusion))
+    if floor:
+        print("\n" + floor)
     if len(ports) > 2:
         print(
             "\nThe same in both ports, wall milliseconds (TensorFlow as tf.function graphs, "
