@@ -26,10 +26,10 @@ COMPUTE_STEPS = 10
 # 100 Mbit/s take that long (4.4-14 s a step; every codec's step under 3.5 s), transfers
 # bound by the link that repeat to within 5%, and repeating them took minutes of the matrix.
 LONG_SECONDS = 4.0
-# Seconds of timed steps a configuration is given beyond its least number of steps
-# (``Driver.repeated``): short steps are repeated more, up to the model's most, since the
-# adaptive mode's rows compare medians of several methods' steps and the least of several
-# noisy medians sits below each one's own.
+# Seconds of timed steps a configuration is given (``Driver.repeated``), within the model's
+# least and most steps: short steps are timed more often, since the adaptive mode's rows
+# compare medians of several methods' steps and the least of several noisy medians sits
+# below each one's own.
 STEP_BUDGET_SECONDS = 2.0
 # The TensorFlow port's methods (``benchmarks.tf_worker``), as rows of the same tables.
 TF_METHODS = ("tf-hvd-none", "tf-hvd-fp16", "tf-terngrad", "tf-qsgd-inf", "tf-ef-sign")
