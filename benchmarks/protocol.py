@@ -124,8 +124,9 @@ def timed_steps_of(driver, trainer, batches, steps):
     """``timed_steps`` as a configuration's measurement: ``steps`` = (least, most) of them,
     more where they are short, one if it is a long one (``Driver.repeated``)."""
     least, most = steps
-    measure = lambda: timed_steps(trainer, batches, 1)[0]  # noqa: E731
-    return driver.repeated(measure, least, most, STEP_BUDGET_SECONDS)
+    return driver.repeated(
+        lambda: timed_steps(trainer, batches, 1)[0], least, most, STEP_BUDGET_SECONDS
+    )
 
 
 def sent_bytes(codec, stats, world_size, nodes=None, node_allreduce=False):
