@@ -9,6 +9,7 @@ standard input, and every rank waits for it at a barrier.
 """
 
 import json
+import statistics
 import sys
 import time
 
@@ -72,18 +73,21 @@ class Driver:
     def repeated(self, measure, count, most=None, budget=0.0):
         """The seconds of ``count`` calls of ``measure`` (which returns the seconds it
         took), or of more, up to ``most``, as many as take ``budget`` seconds at the pace
-        of the first call; of the first alone if it took ``LONG_SECONDS`` or more on some
-        rank. The ranks decide together, from the slowest rank's first call, since each
-        call runs collectives."""
+        of the first ``count`` calls' median; of the first alone if it took
+        ``LONG_SECONDS`` or more on some rank. The ranks decide together, from the slowest
+        rank's times, since each call runs collectives. A median paces where the first call
+        would not: one slow call (a late rank, a page fault) would cut the count short."""
         seconds = [measure()]
         most = count if most is None else most
         if most == 1:
             return seconds
-        first = self._largest("long", seconds[0])
-        if first >= LONG_SECONDS:
+        if self._largest("long", seconds[0]) >= LONG_SECONDS:
             return seconds
-        calls = min(most, max(count, int(budget / first))) if first > 0 else count
-        seconds += [measure() for _ in range(calls - 1)]
+        seconds += [measure() for _ in range(count - 1)]
+        if most > count:
+            pace = self._largest("pace", statistics.median(seconds))
+            calls = min(most, max(count, int(budget / pace))) if pace > 0 else count
+            seconds += [measure() for _ in range(calls - count)]
         return seconds
 
     def _largest(self, kind, value):

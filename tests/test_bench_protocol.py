@@ -41,7 +41,15 @@ def test_short_steps_are_repeated_as_many_times_as_fit_the_budget():
     assert len(driver.repeated(lambda: 0.5, 3, 7, 1.0)) == 3
     driver, _ = _driver(0.0)
     assert len(driver.repeated(lambda: 0.01, 3, 7, 1.0)) == 7
-    # The slowest rank's first step sets the pace of all.
+    # The slowest rank's median sets the pace of all.
     driver, names = _driver(0.5)
     assert len(driver.repeated(lambda: 0.01, 3, 7, 1.0)) == 3
-    assert len(names) == 1
+    assert len(set(names)) == len(names) == 2
+
+
+def test_the_pace_is_the_median_of_the_least_steps_not_the_first():
+    # A slow first step (0.9 s) would allow one more step in a budget of 1 s; the median of
+    # the three (0.1 s) allows ten, of which the most are seven.
+    runs = iter([0.9] + [0.1] * 10)
+    driver, _ = _driver(0.0)
+    assert driver.repeated(lambda: next(runs), 3, 7, 1.0) == [0.9] + [0.1] * 6
