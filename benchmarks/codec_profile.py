@@ -170,9 +170,10 @@ def _sign_inputs(grads):
     return workers, shards, servers
 
 
-def encode_decode(codec, grads, repeats=3):
+def encode_decode(codec, grads, signs=None, repeats=3):
     """[(label, eager seconds, kernel seconds, copy seconds)] of encoding and decoding
-    ``grads``, in turn with a copy of them (``copy``)."""
+    ``grads``, in turn with a copy of them (``copy``); ef-sign's over ``signs``, the
+    ``_sign_inputs`` of ``grads``."""
     copy = _copy(grads)
     if codec.name != "ef-sign":
 
@@ -189,7 +190,7 @@ def encode_decode(codec, grads, repeats=3):
     # Imported here: kernel_profile imports this module.
     from .kernel_profile import eager_server, eager_worker, fused_server, fused_worker
 
-    workers, shards, servers = _sign_inputs(grads)
+    workers, shards, servers = signs
     rows = [
         (
             "ef-sign worker",
@@ -256,13 +257,13 @@ def _worker_streams(workers, shards, rewrite=True):
     return run
 
 
-def worker_streams(codec, grads, repeats=3):
+def worker_streams(codec, grads, signs, repeats=3):
     """(kernel seconds, streams seconds, streams seconds without the rewrite of p, copy
     seconds) of ef-sign's worker with its kernels, of its memory streams alone and of a
-    copy of ``grads``, timed in turn."""
+    copy of ``grads``, timed in turn over ``signs``, the ``_sign_inputs`` of ``grads``."""
     from .kernel_profile import fused_worker  # imported here: it imports this module
 
-    workers, shards, _ = _sign_inputs(grads)
+    workers, shards, _ = signs
     return interleaved_best_seconds(
         [
             _worker(codec, fused_worker, fused.scaled_signs, workers, shards),
@@ -376,14 +377,14 @@ def _graph(step, args):
     return tf.function(lambda: [step(*a) for a in args])
 
 
-def tensorflow_encode_decode(name, grads, repeats=7):
+def tensorflow_encode_decode(name, grads, signs=None, repeats=7):
     """[(label, PyTorch kernels, TensorFlow kernels, TensorFlow ops)]: wall seconds of
-    encoding and decoding ``grads`` as ``encode_decode``'s rows, TensorFlow's as one
-    ``tf.function`` over all tensors, as its pipeline runs a step. TensorFlow runs its
-    graphs on threads of its own, whose time ``time.thread_time`` would not see: all
-    three are wall times of the same run, so that their ratios hold, each the best of
-    ``repeats``: TensorFlow frees the arrays its graph adopted late, so a run's time
-    depends on the heap's state, and the best of 3 swung by a factor of 1.5."""
+    encoding and decoding ``grads`` (ef-sign's over ``signs``) as ``encode_decode``'s rows,
+    TensorFlow's as one ``tf.function`` over all tensors, as its pipeline runs a step.
+    TensorFlow runs its graphs on threads of its own, whose time ``time.thread_time``
+    would not see: all three are wall times of the same run, so that their ratios hold,
+    each the best of ``repeats``: TensorFlow frees the arrays its graph adopted late, so a
+    run's time depends on the heap's state, and the best of 3 swung by a factor of 1.5."""
     import tensorflow as tf
 
     import hvd_compress.tf as htf
@@ -398,12 +399,9 @@ def tensorflow_encode_decode(name, grads, repeats=7):
     if name == "ef-sign":
         from .kernel_profile import fused_server, fused_worker
 
-        workers, shards, servers = _sign_inputs(grads)
+        workers, shards, servers = signs
         torch_rows = [
-            lambda: (
-                [fused_worker(torch_codec, *w) for w in workers],
-                [fused.scaled_signs(b, s, b.shape[1] * 8) for b, s in shards],
-            ),
+            _worker(torch_codec, fused_worker, fused.scaled_signs, workers, shards),
             lambda: [fused_server(torch_codec, *s) for s in servers],
         ]
         inputs = [
@@ -477,20 +475,21 @@ def main(argv=None):
             for shape in compressed_shapes(codec, named)
         ]
         numel = sum(grad.numel() for grad in grads)
+        signs = _sign_inputs(grads) if name == "ef-sign" else None
         seconds = profile(codec, grads)
         stages.append(
             f"| {name} | {numel:,} | "
             + " | ".join(f"{1000 * seconds[s]:.0f}" for s in STAGES)
             + f" | {1000 * sum(seconds.values()):.0f} |"
         )
-        for label, eager, kernels, copy in encode_decode(codec, grads):
+        for label, eager, kernels, copy in encode_decode(codec, grads, signs):
             copies.append(f"{label}: {numel:,} elements, {1000 * copy:.0f} ms")
             fusion.append(
                 f"| {label} | {1000 * eager:.0f} | {1000 * kernels:.0f} | "
                 f"{eager / copy:.1f} | {kernels / copy:.1f} |"
             )
         if name == "ef-sign":
-            kernels, streams, unrewritten, copy = worker_streams(codec, grads)
+            kernels, streams, unrewritten, copy = worker_streams(codec, grads, signs)
             floor = (
                 f"ef-sign worker: kernels {1000 * kernels:.0f} ms, its memory streams alone "
                 f"{1000 * streams:.0f} ms, a copy {1000 * copy:.0f} ms: the kernels take "
@@ -499,7 +498,8 @@ def main(argv=None):
                 "of p"
             )
         if not args.no_tensorflow:
-            for label, torch_kernels, tf_kernels, tf_ops in tensorflow_encode_decode(name, grads):
+            rows = tensorflow_encode_decode(name, grads, signs)
+            for label, torch_kernels, tf_kernels, tf_ops in rows:
                 ports.append(
                     f"| {label} | {1000 * torch_kernels:.0f} | {1000 * tf_kernels:.0f} | "
                     f"{1000 * tf_ops:.0f} | {tf_kernels / torch_kernels:.2f} |"
