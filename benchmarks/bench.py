@@ -32,7 +32,7 @@ from tqdm import tqdm
 from . import network, plots, report
 from .job import HorovodJob, LocalHosts, NamespacedHosts
 from .methods import CODEC_METHODS, METHODS, PEER_METHODS, TWO_LEVEL_METHODS
-from .protocol import AUTO_SUFFIX, EVENT, LONG_SECONDS, STEP_BUDGET_SECONDS, TF_METHODS
+from .protocol import EVENT, LONG_SECONDS, STEP_BUDGET_SECONDS, TF_METHODS
 from .shapes import MODELS
 
 DEFAULT_WORKERS = (2, 4)
@@ -390,7 +390,9 @@ def bench(args):
                     hosts = _local_hosts(workers, args.per_node)
                     run_jobs(hosts, spec, args.timeout, lambda rate: None, progress, events)
                 write(result, args.out)
-        codecs = [m for m in args.methods if m in CODEC_METHODS and not m.endswith(AUTO_SUFFIX)]
+        codecs = [
+            m for m in args.methods if m in CODEC_METHODS and not m.endswith(report.AUTO_SUFFIX)
+        ]
         if codecs and not args.no_op_counts:
             result["op_counts"] = {
                 model: op_counts(model, codecs, args.timeout) for model in args.models

@@ -37,8 +37,6 @@ TF_METHODS = ("tf-hvd-none", "tf-hvd-fp16", "tf-terngrad", "tf-qsgd-inf", "tf-ef
 TF_PREFIX = "tf-"
 # The PyTorch methods of a codec's two-level exchange (``<codec>-2l``).
 TWO_LEVEL_SUFFIX = "-2l"
-# The PyTorch methods of a codec's adaptive mode (``<codec>-auto``).
-AUTO_SUFFIX = "-auto"
 
 
 class Driver:
@@ -126,39 +124,13 @@ def timed_steps(trainer, batches, steps):
     return seconds
 
 
-def timed_rounds_of(driver, trainers, batches, steps):
-    """``timed_steps`` of ``trainers`` as a configuration's measurement, each trainer's
-    seconds: rounds of one step of each in turn, ``steps`` = (least, most) rounds, more
-    where they are short, one if a step is a long one (``Driver.repeated``), a round paced
-    by its slowest step, so that each trainer takes as many steps as the slowest alone
-    would."""
+def timed_steps_of(driver, trainer, batches, steps):
+    """``timed_steps`` as a configuration's measurement: ``steps`` = (least, most) of them,
+    more where they are short, one if it is a long one (``Driver.repeated``)."""
     least, most = steps
-    seconds = [[] for _ in trainers]
-
-    def round_():
-        for times, trainer in zip(seconds, trainers):
-            times += timed_steps(trainer, batches, 1)
-        return max(times[-1] for times in seconds)
-
-    driver.repeated(round_, least, most, STEP_BUDGET_SECONDS)
-    return seconds
-
-
-def measured_together(methods):
-    """``methods`` in the groups whose steps a worker times in turn (``timed_rounds_of``),
-    in the order of each group's first: a codec with its adaptive mode (``<codec>-auto``)
-    where both are asked for, every other method alone. The report compares the two, and
-    the same paths timed minutes apart on shared cores differ by up to 1.5x: in turn, the
-    machine's drift falls on both alike."""
-    groups, grouped = [], set()
-    for method in methods:
-        if method in grouped:
-            continue
-        codec = method.removesuffix(AUTO_SUFFIX)
-        group = [m for m in (codec, codec + AUTO_SUFFIX) if m in methods]
-        groups.append(group)
-        grouped.update(group)
-    return groups
+    return driver.repeated(
+        lambda: timed_steps(trainer, batches, 1)[0], least, most, STEP_BUDGET_SECONDS
+    )
 
 
 def sent_bytes(codec, stats, world_size, nodes=None, node_allreduce=False):

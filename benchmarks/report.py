@@ -45,7 +45,7 @@ import collections
 import statistics
 
 from .network import parse_rate
-from .protocol import AUTO_SUFFIX, TF_PREFIX, TWO_LEVEL_SUFFIX
+from .protocol import TF_PREFIX, TWO_LEVEL_SUFFIX
 
 BASELINE, FP16_BASELINE = "hvd-none", "hvd-fp16"
 # Horovod's own exchanges are exactly these bare collectives.
@@ -53,6 +53,7 @@ HOROVOD_BARE = {BASELINE: "fp32 allreduce", FP16_BASELINE: "fp16 allreduce"}
 # What a codec's adaptive mode must keep up with: the uncompressed exchanges of Horovod and
 # DDP, and the same codec forced on every tensor.
 AUTO_RIVALS = ("hvd-none", "hvd-fp16", "ddp", "ddp-fp16")
+AUTO_SUFFIX = "-auto"
 AUTO_BOUND = 1.05
 
 

@@ -46,8 +46,8 @@ from .protocol import (  # noqa: E402
     difference,
     interface_bytes,
     sent_bytes,
-    timed_rounds_of,
     timed_steps,
+    timed_steps_of,
 )
 from .shapes import (  # noqa: E402
     CLASSES,
@@ -241,7 +241,7 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
             timed_steps(run, batches, WARMUP_STEPS)
             driver.barrier()
         before = interface_bytes(interface)
-        (seconds,) = timed_rounds_of(driver, [run], batches, steps)
+        seconds = timed_steps_of(driver, run, batches, steps)
         driver.barrier()  # as benchmarks.worker: the last step's bytes are counted
         tx, rx = difference(interface_bytes(interface), before, len(seconds))
         handed, sent = sizes()

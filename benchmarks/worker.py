@@ -4,8 +4,7 @@
 step counts. For each model the ranks replay Horovod's bare collectives at every rate, then
 for every method measure the local compute (forward, backward and SGD step with no
 exchange) and run the method at every rate: warm-up steps at the first (fastest) rate, then
-timed steps after the driver reshaped the links; a codec and its adaptive mode take their
-timed steps in turn (``protocol.measured_together``). Rank 0 reports each measurement to the
+timed steps after the driver reshaped the links. Rank 0 reports each measurement to the
 driver as one line ``@@bench {json}`` on its standard output; to change the link rate it
 prints a ``shape`` event and waits for the driver's reply on its standard input, and every
 rank waits for it at a barrier. Optionally, the MNIST-1D CNN is then trained with each
@@ -41,9 +40,8 @@ from .protocol import (
     Driver,
     difference,
     interface_bytes,
-    measured_together,
-    timed_rounds_of,
     timed_steps,
+    timed_steps_of,
 )
 
 # Seconds of idle traffic counted to measure Horovod's control messages.
@@ -88,90 +86,49 @@ def measure_bare(driver, work, rates, repeats):
         driver.emit("bare", model=work.name, rate=rate, exchanges=measured)
 
 
-class _Probed:
-    """A trainer whose steps a ``HorovodProbe`` watches (the time they wait for their
-    collectives), apart from those of the trainer timed in turn with it."""
-
-    def __init__(self, trainer):
-        self.trainer, self.probe = trainer, HorovodProbe()
-
-    def step(self, inputs, targets):
-        with self.probe:
-            self.trainer.step(inputs, targets)
-
-
-def warmed_up(work, batches, method):
-    """A new trainer of ``method`` after its untimed steps (and its adaptive mode's
-    trials), and the collectives of its last step, for the bare replay."""
-    trainer = METHODS[method](work.build(), hvd.size(), TIMING_LR)
-    timed_steps(trainer, batches, trainer.warmup_steps - 1)
-    while trainer.on_trial():  # the same on every rank: the decisions are agreed
-        timed_steps(trainer, batches, TRIAL_STEPS)
-    with HorovodProbe() as probe:
-        timed_steps(trainer, batches, 1)
-    return trainer, probe.collectives
-
-
-def counted(driver, interface, run):
-    """The seconds of the steps ``run`` takes (a list of them per trainer) and the bytes
-    per step (transmitted, received) the interface counted. A rank's last step can return
-    while its final send still waits in its link's tbf queue; the barrier's bytes queue
-    behind it, so once every rank has passed the barrier the steps' bytes have been
-    counted."""
-    before = interface_bytes(interface)
-    seconds = run()
-    driver.barrier()
-    return seconds, difference(interface_bytes(interface), before, sum(map(len, seconds)))
-
-
-def measure_methods(driver, work, batches, methods, rates, steps, repeats, interface):
-    """Warm-up at the first rate, then timed steps (and the bare replay of each method's
-    own collectives, for hvd_compress codecs) at every rate. Methods measured together
-    (``protocol.measured_together``) take their timed steps in turn; as the interface
-    counts their bytes together, each then takes one more step alone, whose bytes it
-    counts."""
-    trainers, recorded = {}, {}
+def measure_method(driver, work, batches, method, rates, steps, repeats, interface):
+    """Warm-up at the first rate, then timed steps (and the bare replay of the method's own
+    collectives, for hvd_compress codecs) at every rate."""
+    trainer = None
     for rate in rates:
         driver.shape(rate)
-        for method in methods:
-            if method not in trainers or trainers[method].per_rate:
-                trainers[method], recorded[method] = warmed_up(work, batches, method)
+        if trainer is None or trainer.per_rate:
+            trainer = METHODS[method](work.build(), hvd.size(), TIMING_LR)
+            timed_steps(trainer, batches, trainer.warmup_steps - 1)
+            while trainer.on_trial():  # the same on every rank: the decisions are agreed
+                timed_steps(trainer, batches, TRIAL_STEPS)
+            with HorovodProbe() as probe:
+                timed_steps(trainer, batches, 1)
+            recorded = probe.collectives if method in CODEC_METHODS else None
+            driver.barrier()
+        before = interface_bytes(interface)
+        with HorovodProbe() as probe:
+            seconds = timed_steps_of(driver, trainer, batches, steps)
+        # A rank's last step can return while its final send still waits in its link's tbf
+        # queue; the barrier's bytes queue behind it, so once every rank has passed the barrier
+        # the step's bytes have been counted.
         driver.barrier()
-        probed = [_Probed(trainers[method]) for method in methods]
-        timed, wire = counted(
-            driver, interface, lambda: timed_rounds_of(driver, probed, batches, steps)
+        tx, rx = difference(interface_bytes(interface), before, len(seconds))
+        result = dict(
+            model=work.name,
+            method=method,
+            rate=rate,
+            step_seconds=seconds,
+            seconds=statistics.median(seconds),
+            handed=trainer.handed(),
+            sent=trainer.sent(),
+            wire_tx=tx,
+            wire_rx=rx,
         )
-        wires = [wire]
-        if len(methods) > 1:
-            wires = [
-                counted(driver, interface, lambda t=trainers[m]: [timed_steps(t, batches, 1)])[1]
-                for m in methods
-            ]
-        for method, seconds, run, (tx, rx) in zip(methods, timed, probed, wires):
-            trainer = trainers[method]
-            result = dict(
-                model=work.name,
-                method=method,
-                rate=rate,
-                step_seconds=seconds,
-                seconds=statistics.median(seconds),
-                handed=trainer.handed(),
-                sent=trainer.sent(),
-                wire_tx=tx,
-                wire_rx=rx,
+        if method in CODEC_METHODS:
+            result["wait_seconds"] = probe.wait_seconds / len(seconds)
+            result["bare_seconds"] = statistics.median(
+                driver.repeated(lambda: replay(recorded, method), repeats)
             )
-            if method in CODEC_METHODS:
-                collectives = recorded[method]
-                result["wait_seconds"] = run.probe.wait_seconds / len(seconds)
-                result["bare_seconds"] = statistics.median(
-                    driver.repeated(lambda: replay(collectives, method), repeats)
-                )
-                result["bare_sent"] = sum(c.sent(hvd.size()) for c in collectives)
-                result["adaptive"] = trainer.optimizer.compression_stats().get("adaptive")
-            driver.emit("step", **result)
-    # Freed before the next group's models are built.
-    trainers.clear()
-    probed.clear()
+            result["bare_sent"] = sum(c.sent(hvd.size()) for c in recorded)
+            result["adaptive"] = trainer.optimizer.compression_stats().get("adaptive")
+        driver.emit("step", **result)
+    del trainer
     gc.collect()
 
 
@@ -222,14 +179,13 @@ def main(spec_path):
         work = workload(model, hvd.rank(), hvd.size(), spec["seed"])
         batches = work.batches(spec["seed"] * 1000 + hvd.rank())
         measure_bare(driver, work, spec["rates"], spec["bare_repeats"])
-        for methods in measured_together(spec["methods"]):
-            for method in methods:
-                measure_compute(driver, work, batches, method)
-            measure_methods(
+        for method in spec["methods"]:
+            measure_compute(driver, work, batches, method)
+            measure_method(
                 driver,
                 work,
                 batches,
-                methods,
+                method,
                 spec["rates"],
                 spec["steps"][model],
                 spec["bare_repeats"],

@@ -3,7 +3,7 @@ configuration is measured, decided alike on every rank."""
 
 import itertools
 
-from benchmarks.protocol import LONG_SECONDS, Driver, measured_together, timed_rounds_of
+from benchmarks.protocol import LONG_SECONDS, Driver
 
 
 def _driver(other_ranks_seconds):
@@ -53,41 +53,3 @@ def test_the_pace_is_the_median_of_the_least_steps_not_the_first():
     runs = iter([0.9] + [0.1] * 10)
     driver, _ = _driver(0.0)
     assert driver.repeated(lambda: next(runs), 3, 7, 1.0) == [0.9] + [0.1] * 6
-
-
-def test_a_codec_and_its_adaptive_mode_are_timed_together():
-    methods = ["hvd-none", "terngrad", "ef-sign-auto", "ddp", "terngrad-auto", "ef-sign-2l"]
-    assert measured_together(methods) == [
-        ["hvd-none"],
-        ["terngrad", "terngrad-auto"],
-        ["ef-sign-auto"],  # without its codec forced
-        ["ddp"],
-        ["ef-sign-2l"],
-    ]
-
-
-class _Trainer:
-    """A trainer whose steps take the next of ``seconds`` (``timed_steps`` times them)."""
-
-    def __init__(self, clock, seconds):
-        self.clock, self.seconds = clock, iter(seconds)
-        self.steps = 0
-
-    def step(self, inputs, targets):
-        self.clock[0] += next(self.seconds)
-        self.steps += 1
-
-
-def test_rounds_step_each_trainer_in_turn_paced_by_the_slowest(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr("benchmarks.protocol.time.perf_counter", lambda: clock[0])
-    fast, slow = _Trainer(clock, [0.125] * 10), _Trainer(clock, [0.25] * 10)
-    batches = itertools.repeat((None, None))
-    driver, _ = _driver(0.0)
-    seconds = timed_rounds_of(driver, [fast, slow], batches, (3, 7))
-    # At the slow trainer's pace a budget of 2 s takes 8 rounds, at most 7.
-    assert seconds == [[0.125] * 7, [0.25] * 7] and fast.steps == slow.steps == 7
-    # One trainer alone: its own pace.
-    driver, _ = _driver(0.0)
-    slow = _Trainer(clock, [0.5] * 10)
-    assert timed_rounds_of(driver, [slow], batches, (3, 7)) == [[0.5] * 4]
