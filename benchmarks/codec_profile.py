@@ -170,7 +170,7 @@ def _sign_inputs(grads):
     return workers, shards, servers
 
 
-def encode_decode(codec, grads, signs=None, repeats=3):
+def encode_decode(codec, grads, signs, repeats=3):
     """[(label, eager seconds, kernel seconds, copy seconds)] of encoding and decoding
     ``grads``, in turn with a copy of them (``copy``); ef-sign's over ``signs``, the
     ``_sign_inputs`` of ``grads``."""
@@ -377,7 +377,7 @@ def _graph(step, args):
     return tf.function(lambda: [step(*a) for a in args])
 
 
-def tensorflow_encode_decode(name, grads, signs=None, repeats=7):
+def tensorflow_encode_decode(name, grads, signs, repeats=7):
     """[(label, PyTorch kernels, TensorFlow kernels, TensorFlow ops)]: wall seconds of
     encoding and decoding ``grads`` (ef-sign's over ``signs``) as ``encode_decode``'s rows,
     TensorFlow's as one ``tf.function`` over all tensors, as its pipeline runs a step.
