@@ -32,7 +32,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hvd_compress.pt as hc
 from hvd_compress import cost
-from hvd_compress.adaptive import TRIAL_STEPS
 from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.pt.topology import current_nodes
 from hvd_compress.registry import resolve
@@ -126,10 +125,8 @@ class CodecTrainer(Trainer):
         # Timed once the codec compresses: after PowerSGD's uncompressed start.
         self.warmup_steps = max(self.warmup_steps, self.codec.uncompressed_steps + 1)
         if adaptive:
-            # The decision follows the adaptive warm-up, and its trial the decision; one
-            # more step runs the paths that stood (a challenger's trial adds steps while
-            # ``on_trial``).
-            self.warmup_steps = hc.Adaptive().warmup_steps + TRIAL_STEPS + 2
+            # The decision follows the adaptive warm-up; its trials run while ``on_trial``.
+            self.warmup_steps = hc.Adaptive().warmup_steps + 1
             self.per_rate = True
 
     def on_trial(self):

@@ -40,19 +40,24 @@ The step's exchange time is when the last tensor is decoded, past the end of the
 Every rank takes the same decisions: the measurements are Max-allreduced before the model
 runs, and the model is a deterministic function of them.
 
-A decision that changes paths is then tried: it stands only if the median of its next
-``TRIAL_STEPS`` steps (the slowest rank's) is at least ``TRIAL_MARGIN`` shorter than that of
-the last ``TRIAL_STEPS`` under the paths it replaced; otherwise those paths come back until
-the next decision. The model can be wrong where its probes are: a probe runs alone on a
-quiet link, while the step's collectives share the CPU with the backward pass of every rank
-on the host, which with more ranks than cores makes an uncompressed allreduce far slower
-than its probe predicts. The trial makes "never slower than the paths in force" a
-measurement rather than a forecast. A decision that keeps the paths in force, or whose trial
-fell, is challenged: the fastest single path that differs from the paths in force and from
-the decision's (every tensor by the codec, fp16 or fp32), if predicted within
-``CHALLENGE_MARGIN`` of the decision, is tried the same way. So a model wrong in either
-direction costs at most two trials per decision, and where the model's choice and the paths
-in force both lose to a third path, that path is found.
+A decision that changes paths is then tried against the paths it would replace: for
+``TRIAL_STEPS`` steps the two take turns of ``TURN_STEPS`` steps, and the decision stands only
+if the median of its timed steps (the slowest rank's) is at least ``TRIAL_MARGIN`` shorter
+than the replaced paths'. Only the last step of a turn is timed: the first pays for the
+switch (a tensor that leaves its codec sends its residuals with its allreduce; one that comes
+back starts with none, which skips its compensation pass). Taking turns times both under the
+same conditions: two windows of consecutive steps, one before the decision and one after,
+differ by whatever changed on the machine and the network between them, which on shared cores
+moved their medians by more than the margin. The model can be wrong where its probes are: a
+probe runs alone on a quiet link, while the step's collectives share the CPU with the
+backward pass of every rank on the host, which with more ranks than cores makes an
+uncompressed allreduce far slower than its probe predicts. The trial makes "never slower than
+the paths in force" a measurement rather than a forecast. A decision that keeps the paths in
+force, or whose trial fell, is challenged: the fastest single path that differs from the
+paths in force and from the decision's (every tensor by the codec, fp16 or fp32), if
+predicted within ``CHALLENGE_MARGIN`` of the decision, is tried the same way. So a model
+wrong in either direction costs at most two trials per decision, and where the model's choice
+and the paths in force both lose to a third path, that path is found.
 """
 
 from __future__ import annotations
@@ -69,19 +74,22 @@ PATHS = ("codec", "fp16", "fp32")
 
 # On equal predicted times the simpler path wins: fewer passes over memory, no rounding.
 _PREFERENCE = {"fp32": 0, "fp16": 1, "codec": 2}
-# Steps whose median time judges a decision against the paths it replaced: an odd number,
-# so that the median is a measured step and one outlier (a first step's allocations) is
-# outvoted.
-TRIAL_STEPS = 3
+# A trial: the paths on trial and the paths they would replace take TRIAL_TURNS turns each,
+# alternately, of TURN_STEPS steps, of which the last is timed (the first pays for the
+# switch). An odd number of turns, so that the median is a measured step and one outlier (a
+# step that waited on a late rank) is outvoted.
+TRIAL_TURNS = 3
+TURN_STEPS = 2
+TRIAL_STEPS = 2 * TRIAL_TURNS * TURN_STEPS
 # The fraction of the replaced paths' median step by which the paths on trial must be
-# faster to stand. Medians of TRIAL_STEPS steps of ranks that share cores move by several
-# percent between windows, so a smaller gain is as likely a loss; against it, keeping the
-# paths in force costs at most this fraction of a step.
+# faster to stand. Medians of TRIAL_TURNS steps of ranks that share cores move by several
+# percent, so a smaller gain is as likely a loss; against it, keeping the paths in force
+# costs at most this fraction of a step.
 TRIAL_MARGIN = 0.05
 # A decision that keeps the paths in force, or whose trial fell, is challenged by the fastest
 # single path predicted at most this many times its exchange: with more ranks than cores the
 # model errs by about that factor (docs/adaptive.md), and the bound keeps a challenge's cost
-# below one more exchange per step for ``TRIAL_STEPS`` steps.
+# below one more exchange per step for half of ``TRIAL_STEPS`` steps.
 CHALLENGE_MARGIN = 2.0
 
 
@@ -335,14 +343,35 @@ def _seconds(trial: Mapping[str, float | bool]) -> str:
     )
 
 
+class _Trial:
+    """Paths on trial (``tried``) and the paths they would replace, taking turns of
+    ``TURN_STEPS`` steps (``tried`` first), and the timed last step of each turn."""
+
+    def __init__(self, tried: dict[str, str], replaced: dict[str, str]):
+        self.tried, self.replaced = tried, replaced
+        self.timed: dict[str, list[float]] = {"tried": [], "replaced": []}
+        self._steps = 0  # steps of the trial so far
+
+    def step(self, seconds: float) -> dict[str, str]:
+        """Times a step of the trial that took ``seconds`` if it ended a turn; returns the
+        paths of the next step."""
+        turn, within = divmod(self._steps, TURN_STEPS)
+        side = "replaced" if turn % 2 else "tried"
+        if within == TURN_STEPS - 1:
+            self.timed[side].append(seconds)
+        self._steps += 1
+        return self.replaced if (self._steps // TURN_STEPS) % 2 else self.tried
+
+
 class Planner:
     """The adaptive mode's state across steps: when to measure and decide, the latest
     measurements of every tensor, and the paths in force.
 
     The pipeline of a framework port reports what it measures (``ready``, ``spent``,
-    ``end_step``) and, when ``due``: while ``judging``, agrees on the ``trial_seconds`` with
-    the other ranks and calls ``judge``; otherwise probes the link, agrees on the
-    ``measurements`` and calls ``decide``.
+    ``end_step``), follows ``paths`` after every ``end_step`` (they change from step to
+    step while ``judging``) and, when ``due``: while ``judging``, agrees on the
+    ``trial_seconds`` with the other ranks and calls ``judge``; otherwise probes the link,
+    agrees on the ``measurements`` and calls ``decide``.
 
     Args:
         options: the ``Adaptive`` options.
@@ -374,10 +403,7 @@ class Planner:
         self._step_cpu: collections.Counter = collections.Counter()
         self._before = self._before_wall = 0.0
         self._contentions: list[float] = []  # of each step that did work before its collectives
-        # Seconds of the latest steps under the paths in force (the trial's window).
-        self._steps: collections.deque = collections.deque(maxlen=TRIAL_STEPS)
-        # While a decision is on trial: the paths it replaced and their median step.
-        self._replaced: tuple[dict[str, str], float] | None = None
+        self._trial: _Trial | None = None  # while paths are on trial
         # The single path (its name and paths) to try if the decision's trial falls.
         self._rival: tuple[str, dict[str, str]] | None = None
 
@@ -393,14 +419,15 @@ class Planner:
     def start_step(self, step: int) -> bool:
         """Starts step ``step`` (counted from 0); returns whether it is measured: whether the
         pipeline reports its tensors' readiness and CPU work (``ready_at``, ``spent``). The
-        warm-up's steps are, and the ``warmup_steps`` before each later decision; between
-        them ``end_step`` keeps only the step's seconds, for a trial to compare: the timing
-        costs microseconds per tensor and phase that a step need not pay for a decision
-        a thousand steps away."""
+        warm-up's steps are, and the ``warmup_steps`` before each later decision, but not
+        a trial's: the timing costs microseconds per tensor and phase that a step need not
+        pay for a decision a thousand steps away, and that a trial's steps would pay
+        unevenly."""
         self._step_cpu = collections.Counter()
         self._before = self._before_wall = 0.0
         self._measured = (
-            self.next_decision is not None
+            self._trial is None
+            and self.next_decision is not None
             and step >= self.next_decision - self.options.warmup_steps
         )
         return self._measured
@@ -424,19 +451,20 @@ class Planner:
         return statistics.median(self._contentions) if self._contentions else 1.0
 
     def end_step(self, seconds: float) -> None:
-        """Keeps the step's ``seconds`` from the first gradient's readiness until the
-        exchange was done (what the paths change; the forward pass and the update do not
-        depend on them), and of a measured step the least CPU time seen of every tensor's
-        path and phase and the step's contention."""
-        self._steps.append(seconds)
-        if not self._measured:
-            return
-        for (name, phase), cpu in self._step_cpu.items():
-            key = (name, self.path(name), phase)
-            self.cpu[key] = min(cpu, self.cpu.get(key, cpu))
-        # Below a millisecond of CPU the clocks' resolution would decide the ratio.
-        if self._before > 1e-3:
-            self._contentions.append(max(1.0, self._before_wall / self._before))
+        """Keeps of a measured step the least CPU time seen of every tensor's path and
+        phase and the step's contention; during a trial, times the step (``seconds`` from
+        the first gradient's readiness until the exchange was done: what the paths change;
+        the forward pass and the update do not depend on them) and puts in force the paths
+        of the next."""
+        if self._measured:
+            for (name, phase), cpu in self._step_cpu.items():
+                key = (name, self.path(name), phase)
+                self.cpu[key] = min(cpu, self.cpu.get(key, cpu))
+            # Below a millisecond of CPU the clocks' resolution would decide the ratio.
+            if self._before > 1e-3:
+                self._contentions.append(max(1.0, self._before_wall / self._before))
+        if self._trial is not None:
+            self.paths = dict(self._trial.step(seconds))
 
     def record(self, name: str, path: str, phase: str, seconds: float) -> None:
         """CPU ``seconds`` of tensor ``name`` on ``path`` in ``phase``, measured now."""
@@ -550,13 +578,11 @@ class Planner:
             )
         self.paths.update(paths)
         self.decision = Decision(step, dict(links), contention, dict(self.paths), predicted)
-        # Without steps under the paths in force (a new warm-up) there is nothing to
-        # compare with: the decision stands untried.
-        self._rival = self._rival_of(timings, replaced) if self._steps else None
-        if self.paths == replaced and self._rival is not None:
-            self._challenge()
-        if self.paths != replaced and self._steps:
-            self._try(step, replaced, statistics.median(self._steps))
+        self._rival = self._rival_of(timings, replaced)
+        if self.paths != replaced:
+            self._try(step, replaced, self.paths)
+        elif self._rival is not None:
+            self._challenge(step, replaced)
         else:
             self._schedule(step)
         return self.decision
@@ -579,48 +605,45 @@ class Planner:
         path = min(rivals)[2]
         return path, uniform(timings, path, self.options.pin)
 
-    def _challenge(self) -> None:
-        """Puts the rival's paths in force (``_rival_of``)."""
+    def _challenge(self, step: int, replaced: dict[str, str]) -> None:
+        """Puts the rival's paths (``_rival_of``) on trial against ``replaced``."""
         self.decision.challenger, paths = self._rival
-        self.paths = dict(paths)
         self._rival = None
+        self._try(step, replaced, paths)
 
-    def _try(self, step: int, replaced: dict[str, str], seconds: float) -> None:
-        """Puts the paths in force on trial against ``replaced``, whose median step took
-        ``seconds``, for the next ``TRIAL_STEPS`` steps."""
-        self._replaced = (replaced, seconds)
-        self._steps.clear()
+    def _try(self, step: int, replaced: dict[str, str], paths: dict[str, str]) -> None:
+        """Puts ``paths`` on trial against ``replaced`` for the next ``TRIAL_STEPS`` steps,
+        ``paths`` first."""
+        self._trial = _Trial(dict(paths), dict(replaced))
+        self.paths = dict(paths)
         self.next_decision = step + TRIAL_STEPS
 
     @property
     def judging(self) -> bool:
-        """Whether the decision in force is on trial: the next ``due`` step judges it."""
-        return self._replaced is not None
+        """Whether paths are on trial: the next ``due`` step judges them."""
+        return self._trial is not None
 
     def trial_seconds(self) -> list[float]:
-        """This rank's median step seconds under the replaced paths and under the
-        decision's, to be Max-allreduced with the other ranks'."""
-        return [self._replaced[1], statistics.median(self._steps)]
+        """This rank's median timed step seconds under the replaced paths and under those
+        on trial, to be Max-allreduced with the other ranks'."""
+        return [statistics.median(self._trial.timed[side]) for side in ("replaced", "tried")]
 
     def judge(self, step: int, agreed: Sequence[float]) -> bool:
         """Keeps the paths on trial (the decision's, or its challenger's) if their median
         step was at least ``TRIAL_MARGIN`` shorter than the replaced paths' (``agreed``
         ``trial_seconds``), else brings those paths back and, after the decision's own
         trial, tries its rival against them; returns whether the paths on trial stood."""
-        (replaced, _), (before, after) = self._replaced, agreed
+        trial, (before, after) = self._trial, agreed
         kept = after <= (1 - TRIAL_MARGIN) * before
         outcome = {"replaced_seconds": before, "seconds": after, "kept": kept}
         if self.decision.challenger is None:
             self.decision.trial = outcome
         else:
             self.decision.challenge = outcome
-        self._replaced = None
-        if not kept:
-            self.paths = replaced
-            self._steps.clear()
+        self._trial = None
+        self.paths = dict(trial.tried if kept else trial.replaced)
         if not kept and self._rival is not None:
-            self._challenge()
-            self._try(step, replaced, before)
+            self._challenge(step, trial.replaced)
         else:
             # A rival challenges only the trial it follows; the next decision finds its own.
             self._rival = None

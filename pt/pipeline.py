@@ -670,13 +670,16 @@ class CompressionPipeline:
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
         self.state.step += 1
-        if self.state.planner is not None:
-            self.state.planner.end_step(time.perf_counter() - self._step_started)
-            if self.state.planner.due(self.state.step):
-                if self.state.planner.judging:
+        planner = self.state.planner
+        if planner is not None:
+            planner.end_step(time.perf_counter() - self._step_started)
+            if planner.due(self.state.step):
+                if planner.judging:
                     self._judge()
                 else:
                     self._decide()
+            elif planner.judging:  # the paths on trial and those they would replace alternate
+                self._follow_planner()
 
     def all_finite(self, skip=()):
         """Whether every exchanged gradient of this step, but those of ``skip``, is finite;

@@ -13,6 +13,8 @@ from hvd_compress.adaptive import (
     CHALLENGE_MARGIN,
     TRIAL_MARGIN,
     TRIAL_STEPS,
+    TRIAL_TURNS,
+    TURN_STEPS,
     Adaptive,
     Link,
     PathCost,
@@ -217,7 +219,9 @@ def test_planner_warms_up_decides_and_redecides():
     decision = planner.decide(2, timings, _links(1e-3, 1 / 12.5e6), 1.0)
     assert decision.paths == {"a": "codec", "b": "fp32"}
     assert decision.predicted["chosen"] <= decision.predicted["fp32"]
-    assert planner.due(5) and not planner.due(2)
+    # fp32 everywhere, predicted within CHALLENGE_MARGIN of the codec, challenges it.
+    assert decision.challenger == "fp32" and planner.judging
+    assert planner.due(2 + TRIAL_STEPS) and not planner.due(1 + TRIAL_STEPS)
     planner.restart(7)
     assert planner.paths == {"a": "codec", "b": "fp32"} and planner.due(9)
 
@@ -255,6 +259,23 @@ NEAR = (1e-4, 8 / 40e9)
 THIRD = (1e-4, 8 / 100e9)
 
 
+def _trial(planner, seconds):
+    """Runs the ``TRIAL_STEPS`` steps of the trial under way, each taking ``seconds`` of
+    the path that tensor "a" takes, but the first of every turn, which pays for the switch
+    and takes a second; returns a's path at each step. No step of a trial is measured."""
+    taken = []
+    for step in range(TRIAL_STEPS):
+        assert not planner.start_step(planner.next_decision - 1)
+        taken.append(planner.paths["a"])
+        planner.end_step(1.0 if step % TURN_STEPS == 0 else seconds[taken[-1]])
+    return taken
+
+
+def _turns(tried, replaced):
+    """The paths of a trial's steps: ``tried`` and ``replaced`` taking turns."""
+    return ([tried] * TURN_STEPS + [replaced] * TURN_STEPS) * TRIAL_TURNS
+
+
 @pytest.mark.parametrize(
     "trial_seconds, kept",
     [(0.09, True), (0.096, False), (0.1, False), (0.11, False)],
@@ -264,13 +285,12 @@ def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_faster_by_th
 ):
     assert TRIAL_MARGIN == 0.05  # the cases sit on both sides of 0.1 * (1 - TRIAL_MARGIN)
     planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
-    for seconds in (0.5, 0.1, 0.1):  # the first step's allocations are outvoted
-        planner.end_step(seconds)
     decision = _decide_on(planner, 3, FAST)
     assert planner.paths == {"a": "fp32", "b": "fp32"} and planner.judging
     assert planner.due(3 + TRIAL_STEPS) and not planner.due(2 + TRIAL_STEPS)
-    for _ in range(TRIAL_STEPS):
-        planner.end_step(trial_seconds)
+    taken = _trial(planner, {"fp32": trial_seconds, "codec": 0.1})
+    assert taken == _turns("fp32", "codec")
+    # The last step of each turn, TRIAL_TURNS a side, in the order (replaced, tried).
     assert planner.trial_seconds() == [pytest.approx(0.1), pytest.approx(trial_seconds)]
     assert planner.judge(3 + TRIAL_STEPS, planner.trial_seconds()) is kept
     assert not planner.judging and decision.trial["kept"] is kept
@@ -285,21 +305,29 @@ def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_faster_by_th
     assert not planner.judging and planner.next_decision == judged + 20
 
 
+def test_a_trial_times_both_sides_under_the_same_drift():
+    # Every step 10 ms slower than the one before: two windows, one after the other, would
+    # make the later paths look 30 ms slower; turns put the sides within one turn's drift.
+    planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
+    _decide_on(planner, 3, FAST)
+    for step in range(TRIAL_STEPS):
+        planner.end_step(0.1 + 0.01 * step)
+    replaced, tried = planner.trial_seconds()
+    assert replaced - tried == pytest.approx(0.01 * TURN_STEPS)
+
+
 @pytest.mark.parametrize("trial_seconds, kept", [(0.09, True), (0.1, False)])
 def test_a_decision_that_keeps_the_paths_is_challenged_by_the_nearest_single_path(
     trial_seconds, kept
 ):
     planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
-    for seconds in (0.5, 0.1, 0.1):
-        planner.end_step(seconds)
     decision = _decide_on(planner, 3, NEAR)
     assert decision.paths == dict.fromkeys("ab", "codec")  # the warm-up's paths, kept
     assert decision.predicted["fp16"] <= CHALLENGE_MARGIN * decision.predicted["chosen"]
     assert decision.predicted["fp32"] > CHALLENGE_MARGIN * decision.predicted["chosen"]
     assert decision.challenger == "fp16" and planner.judging
     assert planner.paths == dict.fromkeys("ab", "fp16")
-    for _ in range(TRIAL_STEPS):
-        planner.end_step(trial_seconds)
+    assert _trial(planner, {"fp16": trial_seconds, "codec": 0.1}) == _turns("fp16", "codec")
     assert planner.judge(3 + TRIAL_STEPS, planner.trial_seconds()) is kept
     assert planner.paths == dict.fromkeys("ab", "fp16" if kept else "codec")
     assert not planner.judging and decision.trial is None
@@ -309,7 +337,6 @@ def test_a_decision_that_keeps_the_paths_is_challenged_by_the_nearest_single_pat
     )
     # Every single path predicted beyond the margin: nothing is tried.
     beyond = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
-    beyond.end_step(0.1)
     decision = _decide_on(beyond, 3, SLOW)
     assert decision.challenger is None and not beyond.judging
     assert beyond.paths == dict.fromkeys("ab", "codec")
@@ -318,12 +345,9 @@ def test_a_decision_that_keeps_the_paths_is_challenged_by_the_nearest_single_pat
 @pytest.mark.parametrize("challenge_seconds, stood", [(0.09, True), (0.1, False)])
 def test_a_decision_whose_trial_falls_is_challenged_by_a_third_path(challenge_seconds, stood):
     planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
-    for seconds in (0.5, 0.1, 0.1):
-        planner.end_step(seconds)
     decision = _decide_on(planner, 3, THIRD)
     assert planner.paths == dict.fromkeys("ab", "fp16") and decision.challenger is None
-    for _ in range(TRIAL_STEPS):
-        planner.end_step(0.2)
+    _trial(planner, {"fp16": 0.2, "codec": 0.1})
     judged = 3 + TRIAL_STEPS
     assert planner.judge(judged, planner.trial_seconds()) is False
     # Neither the paths in force (the codec) nor the decision's (fp16) again: fp32.
@@ -334,9 +358,9 @@ def test_a_decision_whose_trial_falls_is_challenged_by_a_third_path(challenge_se
         "every tensor by fp32 on trial against them"
     )
     assert planner.due(judged + TRIAL_STEPS) and not planner.due(judged + TRIAL_STEPS - 1)
-    for _ in range(TRIAL_STEPS):
-        planner.end_step(challenge_seconds)
-    # Against the steps under the paths in force before the decision.
+    # Against the paths in force before the decision, timed again beside it.
+    taken = _trial(planner, {"fp32": challenge_seconds, "codec": 0.1})
+    assert taken == _turns("fp32", "codec")
     assert planner.trial_seconds() == [pytest.approx(0.1), pytest.approx(challenge_seconds)]
     assert planner.judge(judged + TRIAL_STEPS, planner.trial_seconds()) is stood
     assert not planner.judging and planner.next_decision == judged + TRIAL_STEPS + 10
@@ -350,7 +374,8 @@ def test_a_decision_whose_trial_falls_is_challenged_by_a_third_path(challenge_se
 
 def test_every_zero_decides_once():
     planner = Planner(Adaptive(warmup_steps=1, every=0), ["a"])
-    planner.decide(1, [], {}, 1.0)
+    planner.decide(1, [_tensor("a", 0.0, 1, (0.002, 0.0))], _links(*SLOW), 1.0)
+    assert not planner.judging
     assert not any(planner.due(step) for step in range(100))
 
 
