@@ -167,9 +167,12 @@ class CompressionPipeline:
         self.meter = Meter()
         self.last_step_bytes = 0
         self._in_flight = {}
-        # This step's flights whose codes wait for a collective (stage "shard" or "scale"):
-        # each hook looks at these, not at every tensor launched so far.
-        self._waiting = []
+        # This step's flights whose codes wait for a collective, in the order they were
+        # launched: two-level shards for their node's average (stage "shard"), and codes for
+        # their shared scale (stage "scale"). Each hook looks at the heads of these, not at
+        # every tensor launched so far (``_start_ready_codes``).
+        self._waiting_shards = collections.deque()
+        self._waiting_scales = collections.deque()
         self._fusions = {}  # name of a sharded tensor -> its AlltoallFusion of this step
         uncompressed = set(uncompressed)
         self.plans = {}
@@ -327,8 +330,10 @@ class CompressionPipeline:
         with self.meter.charging(plan.name), self._cpu(plan.name, "before"):
             self._launch(plan, param, grad, ratio, momentum)
         flight = self._in_flight[param]
-        if flight.stage in ("shard", "scale"):
-            self._waiting.append(flight)
+        if flight.stage == "shard":
+            self._waiting_shards.append(flight)
+        elif flight.stage == "scale":
+            self._waiting_scales.append(flight)
         self._start_ready_codes()
 
     def _follow_warm_up(self):
@@ -560,23 +565,31 @@ class CompressionPipeline:
     def _start_ready_codes(self, block=False):
         """Starts the nodes' exchange of every two-level shard that its node has summed,
         then encodes and hands over the codes of every tensor whose shared scale has
-        arrived."""
-        for flight in self._waiting:
-            if flight.stage == "shard" and (block or hvd.poll(flight.handle)):
-                name = flight.plan.name
-                with self.meter.charging(name), self._cpu(name, "before"):
-                    flight.vector = self._own_shard(wait(flight.handle))
-                    self._start_shard(flight)
-        for flight in self._waiting:
-            if flight.stage != "scale":
-                continue
+        arrived; with ``block``, waits for them all.
+
+        Each queue is taken from its head and stops at the first flight still waiting:
+        every rank submits the collectives in the same (backward) order and Horovod
+        negotiates them in it, so a flight behind it is rarely ready first, and one that is
+        starts at a later hook. Polling every waiting flight at every hook cost a number of
+        polls per step quadratic in the number of tensors."""
+        shards, scales = self._waiting_shards, self._waiting_scales
+        while shards and (block or hvd.poll(shards[0].handle)):
+            flight = shards.popleft()
+            name = flight.plan.name
+            with self.meter.charging(name), self._cpu(name, "before"):
+                flight.vector = self._own_shard(wait(flight.handle))
+                self._start_shard(flight)
+            if flight.stage == "scale":
+                scales.append(flight)
+        while scales:
+            flight = scales[0]
             if flight.handle is not None:
                 if not block and not hvd.poll(flight.handle):
-                    continue
+                    break
                 flight.scale = wait(flight.handle)
+            scales.popleft()
             with self._cpu(flight.plan.name, "before"):
                 self._start_codes(flight)
-        self._waiting = [flight for flight in self._waiting if flight.stage in ("shard", "scale")]
 
     def _start_codes(self, flight):
         vector, name = flight.vector, flight.plan.name
