@@ -352,15 +352,18 @@ class _Trial:
         self.timed: dict[str, list[float]] = {"tried": [], "replaced": []}
         self._steps = 0  # steps of the trial so far
 
+    @staticmethod
+    def _side(step: int) -> str:
+        """Whose turn step ``step`` of the trial (counted from 0) is."""
+        return "replaced" if (step // TURN_STEPS) % 2 else "tried"
+
     def step(self, seconds: float) -> dict[str, str]:
         """Times a step of the trial that took ``seconds`` if it ended a turn; returns the
         paths of the next step."""
-        turn, within = divmod(self._steps, TURN_STEPS)
-        side = "replaced" if turn % 2 else "tried"
-        if within == TURN_STEPS - 1:
-            self.timed[side].append(seconds)
+        if self._steps % TURN_STEPS == TURN_STEPS - 1:
+            self.timed[self._side(self._steps)].append(seconds)
         self._steps += 1
-        return self.replaced if (self._steps // TURN_STEPS) % 2 else self.tried
+        return self.replaced if self._side(self._steps) == "replaced" else self.tried
 
 
 class Planner:
