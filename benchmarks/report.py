@@ -158,10 +158,12 @@ def rows(events, per_node=1):
 
 def _trials(decision):
     """The trials' outcomes: the decision's (against the paths it replaced), then its
-    challenger's (every tensor on one path, against the paths in force before it)."""
+    challenger's (every tensor on one path, against the paths in force before it), each
+    with its median timed steps and the turns a side that timed them."""
 
     def seconds(trial):
-        return f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])})"
+        turns = decision.get("trial_turns")
+        return f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])}, {turns} turns)"
 
     outcomes = []
     trial, challenge = decision.get("trial"), decision.get("challenge")

@@ -21,8 +21,6 @@ import time
 import horovod.torch as hvd
 import torch
 
-from hvd_compress.adaptive import TRIAL_STEPS
-
 from .collectives import HorovodProbe, allreduce_of, reference_ceilings, replay
 from .methods import (
     CODEC_METHODS,
@@ -96,7 +94,7 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
             trainer = METHODS[method](work.build(), hvd.size(), TIMING_LR)
             timed_steps(trainer, batches, trainer.warmup_steps - 1)
             while trainer.on_trial():  # the same on every rank: the decisions are agreed
-                timed_steps(trainer, batches, TRIAL_STEPS)
+                timed_steps(trainer, batches, 1)
             with HorovodProbe() as probe:
                 timed_steps(trainer, batches, 1)
             recorded = probe.collectives if method in CODEC_METHODS else None

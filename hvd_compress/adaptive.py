@@ -40,10 +40,12 @@ The step's exchange time is when the last tensor is decoded, past the end of the
 Every rank takes the same decisions: the measurements are Max-allreduced before the model
 runs, and the model is a deterministic function of them.
 
-A decision that changes paths is then tried against the paths it would replace: for
-``TRIAL_STEPS`` steps the two take turns of ``TURN_STEPS`` steps, and the decision stands only
-if the median of its timed steps (the slowest rank's) is at least ``TRIAL_MARGIN`` shorter
-than the replaced paths'. Only the last step of a turn is timed: the first pays for the
+A decision that changes paths is then tried against the paths it would replace: the two
+take turns of ``TURN_STEPS`` steps, at least ``TRIAL_TURNS`` a side and more where steps are
+short (``trial_turns``: as many as ``Adaptive.trial_seconds`` of steps take, up to
+``MAX_TRIAL_TURNS``), and the decision stands only if the median of its timed steps (the
+slowest rank's) is at least ``TRIAL_MARGIN`` shorter than the replaced paths'. Only the
+last step of a turn is timed: the first pays for the
 switch (a tensor that leaves its codec sends its residuals with its allreduce; one that comes
 back starts with none, which skips its compensation pass). Taking turns times both under the
 same conditions: two windows of consecutive steps, one before the decision and one after,
@@ -68,17 +70,21 @@ import statistics
 from typing import Mapping, Sequence
 
 from . import cost
-from .validation import check_int
+from .validation import check_float, check_int
 
 PATHS = ("codec", "fp16", "fp32")
 
 # On equal predicted times the simpler path wins: fewer passes over memory, no rounding.
 _PREFERENCE = {"fp32": 0, "fp16": 1, "codec": 2}
-# A trial: the paths on trial and the paths they would replace take TRIAL_TURNS turns each,
-# alternately, of TURN_STEPS steps, of which the last is timed (the first pays for the
-# switch). An odd number of turns, so that the median is a measured step and one outlier (a
-# step that waited on a late rank) is outvoted.
+# A trial: the paths on trial and the paths they would replace take turns, alternately, of
+# TURN_STEPS steps, of which the last is timed (the first pays for the switch): at least
+# TRIAL_TURNS turns each (TRIAL_STEPS steps), at most MAX_TRIAL_TURNS (``trial_turns``). An
+# odd number of turns, so that the median is a measured step and one outlier (a step that
+# waited on a late rank) is outvoted. Steps of a few milliseconds spread by a third and
+# more from one to the next on shared cores, where the median of 3 is a coin toss against
+# the margin below; 25 a side take a fraction of a second of such steps.
 TRIAL_TURNS = 3
+MAX_TRIAL_TURNS = 25
 TURN_STEPS = 2
 TRIAL_STEPS = 2 * TRIAL_TURNS * TURN_STEPS
 # The fraction of the replaced paths' median step by which the paths on trial must be
@@ -89,7 +95,7 @@ TRIAL_MARGIN = 0.05
 # A decision that keeps the paths in force, or whose trial fell, is challenged by the fastest
 # single path predicted at most this many times its exchange: with more ranks than cores the
 # model errs by about that factor (docs/adaptive.md), and the bound keeps a challenge's cost
-# below one more exchange per step for half of ``TRIAL_STEPS`` steps.
+# below one more exchange per step for half of a trial's steps.
 CHALLENGE_MARGIN = 2.0
 
 
@@ -104,20 +110,27 @@ class Adaptive:
             a worker's heap grows for its first three steps, which pay for fresh pages.
         every: re-probe the link and decide again every this many steps after the first
             decision (the codec times of the warm-up are kept). 0 decides once (and tries
-            it, ``TRIAL_STEPS``) and never switches again. Default 1000: a decision probes
+            it) and never switches again. Default 1000: a decision probes
             three carriers, about a second on a fast link.
         pin: parameter names mapped to the path they always take (``"codec"``, ``"fp16"``
             or ``"fp32"``), whatever the model predicts. ``"codec"`` only for tensors the
             codec compresses.
+        trial_seconds: about how long a trial of a decision lasts: its two sides take as
+            many turns as the exchange windows of the measured steps before the decision
+            fill in this many seconds, at least ``TRIAL_TURNS`` a side and at most
+            ``MAX_TRIAL_TURNS`` (``trial_turns``); 0 for the least. Default 2.0: steps of
+            100 ms and more get the least trial, steps of a few milliseconds the most.
     """
 
     warmup_steps: int = 5
     every: int = 1000
     pin: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    trial_seconds: float = 2.0
 
     def __post_init__(self):
         check_int("Adaptive", "warmup_steps", self.warmup_steps, low=1)
         check_int("Adaptive", "every", self.every, low=0)
+        check_float("Adaptive", "trial_seconds", self.trial_seconds, low=0.0)
         bad = {name: path for name, path in dict(self.pin).items() if path not in PATHS}
         if bad:
             raise ValueError(f"Adaptive: pin maps parameter names to one of {PATHS}; got {bad}")
@@ -305,6 +318,16 @@ def path_traffic(
     }
 
 
+def trial_turns(step_seconds: float, budget: float) -> int:
+    """Turns a side of a trial (``Adaptive.trial_seconds``): as many as fit ``budget``
+    seconds of both sides' steps of ``step_seconds`` each (0 where none was timed), odd,
+    within ``TRIAL_TURNS`` and ``MAX_TRIAL_TURNS``."""
+    if step_seconds <= 0:
+        return TRIAL_TURNS
+    turns = min(max(int(budget / (2 * TURN_STEPS * step_seconds)), TRIAL_TURNS), MAX_TRIAL_TURNS)
+    return turns if turns % 2 else turns - 1
+
+
 def uniform(
     tensors: Sequence[TensorTiming], path: str, pin: Mapping[str, str] | None = None
 ) -> dict[str, str]:
@@ -325,7 +348,9 @@ class Decision:
     contention: float
     paths: dict[str, str]
     predicted: dict[str, float]
-    # The trial (``TRIAL_STEPS``) of the decision's paths, where they differ from those in
+    # Turns a side of its trials (``trial_turns``).
+    trial_turns: int = TRIAL_TURNS
+    # The trial of the decision's paths, where they differ from those in
     # force: the median step seconds under the paths replaced and under the decision's, and
     # whether the decision's stood; None until it is judged, and where nothing changed.
     trial: dict[str, float | bool] | None = None
@@ -344,11 +369,12 @@ def _seconds(trial: Mapping[str, float | bool]) -> str:
 
 
 class _Trial:
-    """Paths on trial (``tried``) and the paths they would replace, taking turns of
-    ``TURN_STEPS`` steps (``tried`` first), and the timed last step of each turn."""
+    """Paths on trial (``tried``) and the paths they would replace, taking ``turns`` turns
+    each of ``TURN_STEPS`` steps (``tried`` first), and the timed last step of each turn."""
 
-    def __init__(self, tried: dict[str, str], replaced: dict[str, str]):
+    def __init__(self, tried: dict[str, str], replaced: dict[str, str], turns: int):
         self.tried, self.replaced = tried, replaced
+        self.steps = 2 * turns * TURN_STEPS  # the trial's length
         self.timed: dict[str, list[float]] = {"tried": [], "replaced": []}
         self._steps = 0  # steps of the trial so far
 
@@ -406,6 +432,7 @@ class Planner:
         self._step_cpu: collections.Counter = collections.Counter()
         self._before = self._before_wall = 0.0
         self._contentions: list[float] = []  # of each step that did work before its collectives
+        self._step_seconds: list[float] = []  # of each measured step (``end_step``)
         self._trial: _Trial | None = None  # while paths are on trial
         # The single path (its name and paths) to try if the decision's trial falls.
         self._rival: tuple[str, dict[str, str]] | None = None
@@ -460,6 +487,7 @@ class Planner:
         the forward pass and the update do not depend on them) and puts in force the paths
         of the next."""
         if self._measured:
+            self._step_seconds.append(seconds)
             for (name, phase), cpu in self._step_cpu.items():
                 key = (name, self.path(name), phase)
                 self.cpu[key] = min(cpu, self.cpu.get(key, cpu))
@@ -499,6 +527,7 @@ class Planner:
                 for carrier, link in decision.links.items()
             },
             "contention": decision.contention,
+            "trial_turns": decision.trial_turns,
             "predicted_seconds": dict(decision.predicted),
             "paths": dict(self.paths),
             "counts": dict(collections.Counter(self.paths.values())),
@@ -530,8 +559,10 @@ class Planner:
 
     def measurements(self) -> list[float]:
         """This rank's measurements, to be Max-allreduced with the other ranks': the
-        contention, then per tensor as ``MEASURED`` says."""
-        row = [self.contention]
+        contention, the median seconds of the measured steps (0 if none), then per tensor
+        as ``MEASURED`` says."""
+        steps = statistics.median(self._step_seconds) if self._step_seconds else 0.0
+        row = [self.contention, steps]
         for name in self.compressible:
             row.append(self.ready.get(name, -1.0))
             row.extend(self.cpu.get((name,) + key, -1.0) for key in self.MEASURED)
@@ -539,13 +570,13 @@ class Planner:
 
     def timings(
         self, agreed: Sequence[float], traffic: Mapping[str, Mapping[str, tuple[float, float, str]]]
-    ) -> tuple[list[TensorTiming], float]:
+    ) -> tuple[list[TensorTiming], float, float]:
         """The tensors' timings from the ranks' ``agreed`` measurements and each path's
         (bytes sent, rounds, carrier) in ``traffic[name]``, in the order their gradients
-        became ready, and the contention. A path whose CPU time nobody measured is not
-        offered (fp32 has none)."""
+        became ready; the contention; the step seconds. A path whose CPU time nobody
+        measured is not offered (fp32 has none)."""
         width = 1 + len(self.MEASURED)
-        contention, agreed = agreed[0], agreed[1:]
+        contention, step_seconds, agreed = agreed[0], agreed[1], agreed[2:]
         result = []
         for index, name in enumerate(self.compressible):
             ready, *cpu = agreed[index * width : (index + 1) * width]
@@ -560,7 +591,7 @@ class Planner:
                     0.0, 0.0, *traffic[name][self.options.pin[name]]
                 )
             result.append(TensorTiming(name, max(ready, 0.0), costs))
-        return sorted(result, key=lambda t: t.ready), contention
+        return sorted(result, key=lambda t: t.ready), contention, step_seconds
 
     def decide(
         self,
@@ -568,10 +599,12 @@ class Planner:
         timings: Sequence[TensorTiming],
         links: Mapping[str, Link],
         contention: float,
+        step_seconds: float = 0.0,
     ) -> Decision:
         """Chooses every compressible tensor's path from agreed measurements; returns the
         decision, whose ``paths`` are in force from the next step, on trial if they differ
-        from those in force now."""
+        from those in force now. ``step_seconds`` (the agreed step of ``timings``) sets the
+        length of its trials (``trial_turns``)."""
         replaced = dict(self.paths)
         paths = choose(timings, links, contention, self.options.pin)
         predicted = {"chosen": simulate(timings, paths, links, contention)}
@@ -580,7 +613,8 @@ class Planner:
                 timings, uniform(timings, path, self.options.pin), links, contention
             )
         self.paths.update(paths)
-        self.decision = Decision(step, dict(links), contention, dict(self.paths), predicted)
+        turns = trial_turns(step_seconds, self.options.trial_seconds)
+        self.decision = Decision(step, dict(links), contention, dict(self.paths), predicted, turns)
         self._rival = self._rival_of(timings, replaced)
         if self.paths != replaced:
             self._try(step, replaced, self.paths)
@@ -615,11 +649,11 @@ class Planner:
         self._try(step, replaced, paths)
 
     def _try(self, step: int, replaced: dict[str, str], paths: dict[str, str]) -> None:
-        """Puts ``paths`` on trial against ``replaced`` for the next ``TRIAL_STEPS`` steps,
+        """Puts ``paths`` on trial against ``replaced`` for the decision's turns,
         ``paths`` first."""
-        self._trial = _Trial(dict(paths), dict(replaced))
+        self._trial = _Trial(dict(paths), dict(replaced), self.decision.trial_turns)
         self.paths = dict(paths)
-        self.next_decision = step + TRIAL_STEPS
+        self.next_decision = step + self._trial.steps
 
     @property
     def judging(self) -> bool:

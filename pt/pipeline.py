@@ -910,8 +910,8 @@ class CompressionPipeline:
             for name, (param, plan) in plans.items()
             if name in planner.paths
         }
-        timings, contention = planner.timings(agreed, traffic)
-        planner.decide(self.state.step, timings, links, contention)
+        timings, contention, step_seconds = planner.timings(agreed, traffic)
+        planner.decide(self.state.step, timings, links, contention, step_seconds)
         self._follow_planner()
         if self.rank == 0:
             log.info("hvd_compress adaptive, step %d: %s", self.state.step, planner.describe())

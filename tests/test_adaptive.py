@@ -11,6 +11,7 @@ from hvd_compress import TernGrad
 from hvd_compress.adaptive import (
     CARRIERS,
     CHALLENGE_MARGIN,
+    MAX_TRIAL_TURNS,
     TRIAL_MARGIN,
     TRIAL_STEPS,
     TRIAL_TURNS,
@@ -25,6 +26,7 @@ from hvd_compress.adaptive import (
     path_traffic,
     probe_sent,
     simulate,
+    trial_turns,
     uniform,
 )
 from hvd_compress.cost import (
@@ -189,10 +191,11 @@ def test_planner_warms_up_decides_and_redecides():
     assert planner.cpu[("a", "codec", "after")] == 0.003
     assert planner.contention == pytest.approx(2.0)
     measured = planner.measurements()
-    # The contention; a: ready, codec before/after measured, fp16 not; b: ready, and fp32
-    # does no codec work.
+    # The contention, the step; a: ready, codec before/after measured, fp16 not; b: ready,
+    # and fp32 does no codec work.
     assert measured == [
         pytest.approx(2.0),
+        0.1,
         pytest.approx(0.01),
         0.002,
         0.003,
@@ -212,16 +215,18 @@ def test_planner_warms_up_decides_and_redecides():
         }
         for name in "ab"
     }
-    timings, contention = planner.timings(measured, traffic)
-    assert contention == pytest.approx(2.0)
+    timings, contention, step_seconds = planner.timings(measured, traffic)
+    assert contention == pytest.approx(2.0) and step_seconds == 0.1
     assert [t.name for t in timings] == ["b", "a"]  # in the order they became ready
     assert set(timings[1].costs) == {"fp32", "codec"} and set(timings[0].costs) == {"fp32"}
-    decision = planner.decide(2, timings, _links(1e-3, 1 / 12.5e6), 1.0)
+    decision = planner.decide(2, timings, _links(1e-3, 1 / 12.5e6), 1.0, step_seconds)
     assert decision.paths == {"a": "codec", "b": "fp32"}
     assert decision.predicted["chosen"] <= decision.predicted["fp32"]
-    # fp32 everywhere, predicted within CHALLENGE_MARGIN of the codec, challenges it.
+    # fp32 everywhere, predicted within CHALLENGE_MARGIN of the codec, challenges it, for
+    # as many turns of 0.1 s steps as fill the default 2 s: 5 a side.
     assert decision.challenger == "fp32" and planner.judging
-    assert planner.due(2 + TRIAL_STEPS) and not planner.due(1 + TRIAL_STEPS)
+    assert decision.trial_turns == planner.report()["trial_turns"] == 5
+    assert planner.due(2 + 5 * 2 * TURN_STEPS) and not planner.due(1 + 5 * 2 * TURN_STEPS)
     planner.restart(7)
     assert planner.paths == {"a": "codec", "b": "fp32"} and planner.due(9)
 
@@ -259,21 +264,21 @@ NEAR = (1e-4, 8 / 40e9)
 THIRD = (1e-4, 8 / 100e9)
 
 
-def _trial(planner, seconds):
-    """Runs the ``TRIAL_STEPS`` steps of the trial under way, each taking ``seconds`` of
+def _trial(planner, seconds, turns=TRIAL_TURNS):
+    """Runs the steps of the trial under way (``turns`` a side), each taking ``seconds`` of
     the path that tensor "a" takes, but the first of every turn, which pays for the switch
     and takes a second; returns a's path at each step. No step of a trial is measured."""
     taken = []
-    for step in range(TRIAL_STEPS):
+    for step in range(2 * turns * TURN_STEPS):
         assert not planner.start_step(planner.next_decision - 1)
         taken.append(planner.paths["a"])
         planner.end_step(1.0 if step % TURN_STEPS == 0 else seconds[taken[-1]])
     return taken
 
 
-def _turns(tried, replaced):
-    """The paths of a trial's steps: ``tried`` and ``replaced`` taking turns."""
-    return ([tried] * TURN_STEPS + [replaced] * TURN_STEPS) * TRIAL_TURNS
+def _turns(tried, replaced, turns=TRIAL_TURNS):
+    """The paths of a trial's steps: ``tried`` and ``replaced`` taking ``turns`` turns."""
+    return ([tried] * TURN_STEPS + [replaced] * TURN_STEPS) * turns
 
 
 @pytest.mark.parametrize(
@@ -303,6 +308,39 @@ def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_faster_by_th
     planner.end_step(0.1)
     _decide_on(planner, judged + 10, FAST if kept else SLOW)
     assert not planner.judging and planner.next_decision == judged + 20
+
+
+def test_trials_take_more_turns_where_steps_are_short():
+    # Turns of two steps a side, the two sides' steps within the budget; odd, so that the
+    # median is a timed step; the least where no step was timed or the budget is 0.
+    assert [trial_turns(s, 2.0) for s in (0.0, 1.0, 0.1, 0.05, 0.02, 0.001)] == [
+        TRIAL_TURNS,
+        TRIAL_TURNS,
+        5,
+        9,
+        25,
+        MAX_TRIAL_TURNS,
+    ]
+    assert trial_turns(0.001, 0.0) == TRIAL_TURNS
+    assert all(trial_turns(s / 1000, 2.0) % 2 for s in range(1, 1000))
+    # Steps of 10 ms: 25 turns a side; a's paths alternate throughout and the medians of
+    # 25 timed steps a side judge, a slow step in every fourth turn of the tried side
+    # notwithstanding.
+    planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
+    tensors = [_tensor(name, 0.0, 100, codec_cpu=(0.004, 0.004)) for name in "ab"]
+    decision = planner.decide(3, tensors, _links(*FAST), 1.0, step_seconds=0.01)
+    assert decision.trial_turns == 25 and planner.due(3 + 100) and not planner.due(102)
+    taken, timed = [], 0
+    for step in range(100):
+        taken.append(planner.paths["a"])
+        last_of_turn = step % TURN_STEPS == TURN_STEPS - 1
+        slow = taken[-1] == "fp32" and last_of_turn and timed % 8 == 0
+        timed += last_of_turn
+        planner.end_step(0.05 if slow else {"fp32": 0.009, "codec": 0.01}[taken[-1]])
+    assert taken == _turns("fp32", "codec", 25)
+    assert planner.trial_seconds() == [0.01, 0.009]
+    assert planner.judge(103, planner.trial_seconds()) is True
+    assert Adaptive(trial_seconds=0).trial_seconds == 0.0
 
 
 def test_a_trial_times_both_sides_under_the_same_drift():
@@ -385,6 +423,7 @@ def test_every_zero_decides_once():
         (dict(warmup_steps=0), "Adaptive: warmup_steps must be >= 1, got 0"),
         (dict(every=-1), "Adaptive: every must be >= 0, got -1"),
         (dict(pin={"a": "int8"}), "pin maps parameter names to one of"),
+        (dict(trial_seconds=-1.0), "Adaptive: trial_seconds must be >= 0"),
     ],
 )
 def test_bad_options_name_the_parameter(options, message):

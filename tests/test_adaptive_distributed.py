@@ -12,8 +12,9 @@ from .test_pt_distributed import Net
 pytestmark = pytest.mark.multiprocess
 
 # Step 2 ends in a decision (warm-up of 2); each trial that follows (the decision's, if it
-# changed paths; a challenger's, if it did not or its trial fell) takes TRIAL_STEPS, and
-# EVERY = 3 steps after the last the next decision comes, by step 11.
+# changed paths; a challenger's, if it did not or its trial fell) takes TRIAL_STEPS (the
+# least trial, trial_seconds=0), and EVERY = 3 steps after the last the next decision
+# comes, by step 29.
 WARMUP, EVERY = 2, 3
 STEPS = WARMUP + 2 * TRIAL_STEPS + EVERY
 LATE_SECONDS = 1.5
@@ -35,7 +36,9 @@ def _adaptive_run():
         torch.optim.SGD(model.parameters(), lr=0.1),
         model.named_parameters(),
         compression=hc.TernGrad(min_size=1000, compress_classifier=False),
-        adaptive=hc.Adaptive(warmup_steps=WARMUP, every=EVERY, pin={"middle.weight": "codec"}),
+        adaptive=hc.Adaptive(
+            warmup_steps=WARMUP, every=EVERY, pin={"middle.weight": "codec"}, trial_seconds=0
+        ),
     )
     data = torch.Generator().manual_seed(100 + hvd.rank())
     reports, routes = [], []
