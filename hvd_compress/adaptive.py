@@ -118,8 +118,8 @@ class Adaptive:
         trial_seconds: about how long a trial of a decision lasts: its two sides take as
             many turns as the exchange windows of the measured steps before the decision
             fill in this many seconds, at least ``TRIAL_TURNS`` a side and at most
-            ``MAX_TRIAL_TURNS`` (``trial_turns``); 0 for the least. Default 2.0: steps of
-            100 ms and more get the least trial, steps of a few milliseconds the most.
+            ``MAX_TRIAL_TURNS`` (``trial_turns``); 0 for the least. Default 2.0: windows
+            over 100 ms get the least trial, windows of a few milliseconds the most.
     """
 
     warmup_steps: int = 5
