@@ -6,13 +6,15 @@ of ``hvd_compress.cluster``, and how that model compares with this harness's mea
 Writes ``projection.md`` (the tables) and ``projection.png`` (speed-up over Horovod's fp32
 allreduce against the number of workers) to ``--out``. The clusters, links and models are
 assumptions, stated in ``ASSUMPTIONS`` and printed with the tables; the validation reads
-the last ``make bench`` (``benchmarks/results/bench.json``).
+the last ``make bench`` (``benchmarks/results/bench.json``) and the last run on nodes of two
+workers (``benchmarks/results/two-tier/bench.json``, docs/benchmarks.md).
 """
 
 import argparse
 import json
 import math
 import os
+import statistics
 
 import matplotlib
 
@@ -22,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from hvd_compress import cluster, cost  # noqa: E402
 from hvd_compress.registry import resolve  # noqa: E402
 
+from .protocol import NODE_AVERAGE, TWO_LEVEL_SUFFIX  # noqa: E402
 from .shapes import CLASSES, FEATURES, resnet50_convolutions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,6 +175,9 @@ def plot(points_by_model, path):
 
 HARNESS_METHODS = ("hvd-none", "hvd-fp16", "terngrad", "qsgd-inf", "ef-sign")
 HARNESS_MODELS = {"resnet50": resnet50_tensors}
+# The run on nodes of several workers (its two-level methods: ``<codec>-2l``).
+NODES_RESULT = os.path.join("two-tier", "bench.json")
+
 # Latencies per message round tried in the fit to the harness's bare collectives, at the
 # rates where the link, not the CPU of 4 ranks on 2 cores, bounds them.
 LATENCY_GRID = [10 ** (e / 8) for e in range(-40, -15)]  # 10 us .. 7.5 ms
@@ -228,36 +234,66 @@ def fit_latency(result):
     return latency, errors(latency)
 
 
-def validate(result, latency):
-    """(N, rate, method, measured step, predicted step) of the run's flat PyTorch rows:
-    compute and codec time as measured, the exchange by the model with the harness's links
-    (``exchange="auto"``'s routes for the codecs)."""
+def validate(result, latency, inside=INSIDE):
+    """(N, rate, method, measured step, predicted step) of the run's PyTorch rows: compute
+    and codec time as measured, the exchange by the model with the harness's links
+    (``exchange="auto"``'s routes for the codecs). On nodes of several workers (the run's
+    ``per_node``) ``inside`` is the tier within a node, and the two-level methods' nodes
+    average by an allreduce, as CPU tensors do."""
     from .network import parse_rate
 
+    per_node = result["spec"].get("per_node", 1)
     lines = []
     for r in result["rows"]:
-        if r["method"] not in HARNESS_METHODS or r["model"] not in HARNESS_MODELS:
+        method = r["method"]
+        two_level = method.endswith(TWO_LEVEL_SUFFIX)
+        flat = method.removesuffix(TWO_LEVEL_SUFFIX)
+        if r["model"] not in HARNESS_MODELS or flat not in HARNESS_METHODS:
             continue
         tensors = HARNESS_MODELS[r["model"]]()
         shape = cluster.Cluster(
-            r["workers"], 1, INSIDE, cluster.Tier(latency, parse_rate(r["rate"]))
+            r["workers"] // per_node,
+            per_node,
+            inside,
+            cluster.Tier(latency, parse_rate(r["rate"])),
         )
-        if r["method"].startswith("hvd-"):
-            path = cluster.FP32 if r["method"] == "hvd-none" else cluster.FP16
+        if method.startswith("hvd-"):
+            path = cluster.FP32 if method == "hvd-none" else cluster.FP16
             exchange = cluster.whole_seconds(shape, sum(n for n, _ in tensors), path)
         else:
-            codec = resolve(r["method"])
+            codec = resolve(flat)
             compressed, whole = split(codec, tensors)
-            exchange = cluster.exchange_seconds(codec, compressed, whole, shape, "auto")
+            route = cost.TWO_LEVEL if two_level else "auto"
+            exchange = cluster.exchange_seconds(
+                codec, compressed, whole, shape, route, node_allreduce=True
+            )
         predicted = r["compute"] + (r["codec"] or 0.0) + exchange
-        lines.append((r["workers"], r["rate"], r["method"], r["seconds"], predicted))
+        lines.append((r["workers"], r["rate"], method, r["seconds"], predicted))
     return lines
+
+
+def fit_inside(result):
+    """The tier inside the run's nodes: the bandwidth at which the model's node average
+    and allgather (``cluster.exchange_seconds``'s, for CPU tensors) take as long as the
+    bare ones measured (``NODE_AVERAGE``: the median over the rates, which shape only the
+    links between nodes), with no latency: 100 MB a step in a few fused buffers, which
+    bandwidth dominates."""
+    measured = [
+        e["exchanges"][NODE_AVERAGE]
+        for e in result["events"]
+        if e["kind"] == "bare" and e["model"] in HARNESS_MODELS and NODE_AVERAGE in e["exchanges"]
+    ]
+    seconds = statistics.median(m["seconds"] for m in measured)
+    return cluster.Tier(0.0, 8 * measured[0]["sent"] / seconds)
 
 
 def validation_markdown():
     result = _harness("bench.json")
     latency, bare = fit_latency(result)
     steps = validate(result, latency)
+    on_nodes = _harness(NODES_RESULT)
+    inside = fit_inside(on_nodes)
+    node_steps = validate(on_nodes, latency, inside)
 
     def rows(lines):
         return [
@@ -265,16 +301,26 @@ def validation_markdown():
             for n, rate, what, m, p in lines
         ]
 
-    within = sum(abs(p / m - 1) <= 0.2 for *_, m, p in steps)
+    def within(lines):
+        return sum(abs(p / m - 1) <= 0.2 for *_, m, p in lines)
+
     header = ["N", "rate", "{}", "measured (ms)", "predicted (ms)", "error"]
+    per_node = on_nodes["spec"]["per_node"]
     return "\n\n".join(
         [
             f"Fitted latency per message round: {latency * 1e3:.2f} ms (least squares of "
             f"the log errors over the bare collectives of `benchmarks/results/bench.json` at "
             f"{' and '.join(FIT_RATES)}).",
             _table([h.format("bare exchange") for h in header], rows(bare)),
-            f"Steps (compute and codec time as measured): {within} of {len(steps)} within 20%.",
+            f"Steps (compute and codec time as measured): {within(steps)} of {len(steps)} "
+            f"within 20%.",
             _table([h.format("method") for h in header], rows(steps)),
+            f"On nodes of {per_node} workers (`benchmarks/results/two-tier/bench.json`; "
+            f'the `-2l` methods are `exchange="two-level"`), with the latency above between '
+            f"the nodes and, inside them, the bandwidth of the run's bare node average and "
+            f"allgather ({inside.bits_per_second / 1e9:.2f} Gbit/s, no latency): "
+            f"{within(node_steps)} of {len(node_steps)} within 20%.",
+            _table([h.format("method") for h in header], rows(node_steps)),
         ]
     )
 

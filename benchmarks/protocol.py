@@ -37,6 +37,9 @@ TF_METHODS = ("tf-hvd-none", "tf-hvd-fp16", "tf-terngrad", "tf-qsgd-inf", "tf-ef
 TF_PREFIX = "tf-"
 # The PyTorch methods of a codec's two-level exchange (``<codec>-2l``).
 TWO_LEVEL_SUFFIX = "-2l"
+# The bare exchange inside the nodes of a two-level step (``benchmarks.worker.node_average``):
+# on the nodes' unshaped loopback, not on their links.
+NODE_AVERAGE = "node fp32 allreduce+allgather"
 
 
 class Driver:

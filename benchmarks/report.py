@@ -45,7 +45,7 @@ import collections
 import statistics
 
 from .network import parse_rate
-from .protocol import TF_PREFIX, TWO_LEVEL_SUFFIX
+from .protocol import NODE_AVERAGE, TF_PREFIX, TWO_LEVEL_SUFFIX
 
 BASELINE, FP16_BASELINE = "hvd-none", "hvd-fp16"
 # Horovod's own exchanges are exactly these bare collectives.
@@ -507,7 +507,7 @@ def markdown(result):
                         _mb(m["sent"]),
                         _ms(m["seconds"]),
                         f"{throughput / 1e6:,.0f}",
-                        f"{100 * throughput / bits:.0f}%" if bits else "-",
+                        f"{100 * throughput / bits:.0f}%" if bits and name != NODE_AVERAGE else "-",
                         _x(fp32 / m["seconds"]),
                     ]
                 )

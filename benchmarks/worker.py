@@ -21,10 +21,14 @@ import time
 import horovod.torch as hvd
 import torch
 
+from hvd_compress.pt import topology
+from hvd_compress.pt.exchange import wait
+
 from .collectives import HorovodProbe, allreduce_of, reference_ceilings, replay
 from .methods import (
     CODEC_METHODS,
     METHODS,
+    TWO_LEVEL_METHODS,
     Trainer,
     init_ddp,
     needs_ddp,
@@ -34,6 +38,7 @@ from .methods import (
 from .models import flush_subnormals, workload
 from .protocol import (
     COMPUTE_STEPS,
+    NODE_AVERAGE,
     TIMING_LR,
     Driver,
     difference,
@@ -62,8 +67,51 @@ def measure_compute(driver, work, batches, method):
     driver.emit("compute", model=work.name, method=method, seconds=statistics.median(seconds))
 
 
-def measure_bare(driver, work, rates, repeats):
-    """Horovod's bare collectives for the whole model at every rate."""
+def node_average(model):
+    """The part of a two-level step inside the nodes, bare: every node at once averages
+    each of ``model``'s gradients, zero-padded to its ranks' shards, by an allreduce among
+    its ranks, and gathers the shards (as CPU tensors take it,
+    ``hvd_compress.topology.averages_by_allreduce``), all handed to Horovod together, as a
+    step hands them (Horovod fuses them). Returns a function that runs it once and returns
+    the seconds it took, and the bytes a worker sends; None where every node holds one
+    rank. Collective (it joins the nodes' process sets)."""
+    nodes = topology.current_nodes()
+    local = nodes.local_size
+    if local == 1:
+        return None
+    node_set, _ = topology.join(nodes)
+    _, shard = nodes.locate(hvd.rank())
+    padded = {
+        name: torch.zeros(local * nodes.shard_length(p.numel()))
+        for name, p in model.named_parameters()
+    }
+
+    def run():
+        start = time.perf_counter()
+        averages = {
+            name: hvd.allreduce_async_(v, name=f"bare.node.{name}", process_set=node_set)
+            for name, v in padded.items()
+        }
+        gathers = [
+            hvd.allgather_async(
+                wait(handle).view(local, -1)[shard],
+                name=f"bare.node.{name}.gather",
+                process_set=node_set,
+            )
+            for name, handle in averages.items()
+        ]
+        for handle in gathers:
+            wait(handle)
+        return time.perf_counter() - start
+
+    nbytes = sum(v.nbytes for v in padded.values())
+    return run, 2 * (local - 1) / local * nbytes + (local - 1) * nbytes / local
+
+
+def measure_bare(driver, work, rates, repeats, in_nodes=False):
+    """Horovod's bare collectives for the whole model at every rate; ``in_nodes`` (a job
+    with process sets on nodes of several ranks), also those inside the nodes of a
+    two-level step (``node_average``)."""
     model = work.build()
     numel = sum(p.numel() for p in model.parameters())
     exchanges = {
@@ -71,6 +119,9 @@ def measure_bare(driver, work, rates, repeats):
         "fp16 allreduce": allreduce_of(model, torch.float16),
         **reference_ceilings(numel, hvd.size()),
     }
+    inside = node_average(model) if in_nodes else None
+    if inside is not None:
+        inside[0]()  # the first run allocates Horovod's buffers and the gathers' pages
     for rate in rates:
         driver.shape(rate)
         measured = {}
@@ -80,6 +131,12 @@ def measure_bare(driver, work, rates, repeats):
             measured[name] = {
                 "seconds": statistics.median(seconds),
                 "sent": sum(c.sent(hvd.size()) for c in collectives),
+            }
+        if inside is not None:
+            run, sent = inside
+            measured[NODE_AVERAGE] = {
+                "seconds": statistics.median(driver.repeated(run, repeats)),
+                "sent": sent,
             }
         driver.emit("bare", model=work.name, rate=rate, exchanges=measured)
 
@@ -118,8 +175,9 @@ def measure_method(driver, work, batches, method, rates, steps, repeats, interfa
             wire_tx=tx,
             wire_rx=rx,
         )
-        if method in CODEC_METHODS:
+        if method in CODEC_METHODS or method in TWO_LEVEL_METHODS:
             result["wait_seconds"] = probe.wait_seconds / len(seconds)
+        if method in CODEC_METHODS:
             result["bare_seconds"] = statistics.median(
                 driver.repeated(lambda: replay(recorded, method), repeats)
             )
@@ -176,7 +234,8 @@ def main(spec_path):
     for model in spec["models"]:
         work = workload(model, hvd.rank(), hvd.size(), spec["seed"])
         batches = work.batches(spec["seed"] * 1000 + hvd.rank())
-        measure_bare(driver, work, spec["rates"], spec["bare_repeats"])
+        in_nodes = spec["per_node"] > 1 and needs_process_sets(every)
+        measure_bare(driver, work, spec["rates"], spec["bare_repeats"], in_nodes)
         for method in spec["methods"]:
             measure_compute(driver, work, batches, method)
             measure_method(

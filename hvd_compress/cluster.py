@@ -165,12 +165,19 @@ def whole_seconds(cluster: Cluster, numel: int, path: str) -> float:
 
 
 def exchange_seconds(
-    codec, compressed: Sequence[int], whole: int, cluster: Cluster, exchange: str
+    codec,
+    compressed: Sequence[int],
+    whole: int,
+    cluster: Cluster,
+    exchange: str,
+    node_allreduce: bool = False,
 ) -> float:
     """Seconds of a step's exchange: the ``compressed`` tensors' sizes through ``codec``
     and ``exchange`` (a flat one; ``"auto"``, each tensor's by ``cost.choose_exchanges``;
     or ``cost.TWO_LEVEL``), and ``whole`` elements the codec leaves to Horovod's fp32
-    allreduce."""
+    allreduce. ``node_allreduce``: a two-level node averages by an allreduce of which each
+    rank keeps its shard, as for CPU tensors (``topology.averages_by_allreduce``), rather
+    than by a reduce-scatter."""
     rest = whole_seconds(cluster, whole, FP32)
     n, m, local = cluster.workers, cluster.nodes, cluster.per_node
     step = _Step()
@@ -193,8 +200,11 @@ def exchange_seconds(
             inner = cost.two_level_inner(codec, length, m)
             _codec_collectives(codec, length, m, inner, step)
     # The node's reduce-scatter and allgather of the padded fp32 gradient: one ring
-    # allreduce's rounds and bytes.
+    # allreduce's rounds and bytes; for an allreduce in place of the reduce-scatter, that
+    # allreduce and the allgather.
     inside = allreduce(cluster.inside, local, 4 * padded)
+    if node_allreduce:
+        inside += allgather(cluster.inside, local, 4 * padded / local)
     return rest + inside + _flat_seconds(step, cluster.between, m, local, 1)
 
 

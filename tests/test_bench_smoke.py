@@ -149,6 +149,14 @@ def test_bench_on_nodes_of_two_workers(tmp_path, capsys):
     rows = {row["method"]: row for row in result["rows"]}
     flat, two_level = rows["terngrad"], rows["terngrad-2l"]
     assert flat["predicted"] is None and two_level["predicted"] is None
+    assert two_level["codec"] is not None and two_level["wait"] > 0
+    # The bare exchange inside the nodes, for the cost model's inside tier: an allreduce and
+    # an allgather among L = 2 ranks send 1.5x the padded gradient, what the flat fp32
+    # allreduce among N = 4 sends of the gradient (2 (N - 1) / N): equal but for padding.
+    bare = next(e for e in result["events"] if e["kind"] == "bare")["exchanges"]
+    inside = bare["node fp32 allreduce+allgather"]
+    assert inside["seconds"] > 0
+    assert inside["sent"] == pytest.approx(bare["fp32 allreduce"]["sent"], abs=1.5 * 4)
     assert "the two-level exchange against the flat one" in (tmp_path / "bench.md").read_text()
     if network.unavailable_reason() is not None:
         return

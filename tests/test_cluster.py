@@ -67,6 +67,12 @@ def test_the_two_level_exchange_on_its_edge_layouts(name):
     assert cluster.exchange_seconds(codec, SIZES, 0, shape, cost.TWO_LEVEL) == pytest.approx(
         cluster.allreduce(NO_LATENCY, 4, 4 * padded)
     )
+    # Averaged by an allreduce (CPU tensors): that allreduce, then the allgather of the
+    # shards, 3 (L - 1) / L of the padded gradient in all.
+    by_allreduce = cluster.exchange_seconds(
+        codec, SIZES, 0, shape, cost.TWO_LEVEL, node_allreduce=True
+    )
+    assert by_allreduce == pytest.approx(_seconds(3 * 3 / 4 * 4 * padded))
 
 
 def test_a_node_link_carries_the_shards_of_all_its_ranks():
