@@ -376,7 +376,7 @@ class _Trial:
         self.tried, self.replaced = tried, replaced
         self.steps = 2 * turns * TURN_STEPS  # the trial's length
         self.timed: dict[str, list[float]] = {"tried": [], "replaced": []}
-        self._steps = 0  # steps of the trial so far
+        self._taken = 0  # steps of the trial taken so far
 
     @staticmethod
     def _side(step: int) -> str:
@@ -386,10 +386,10 @@ class _Trial:
     def step(self, seconds: float) -> dict[str, str]:
         """Times a step of the trial that took ``seconds`` if it ended a turn; returns the
         paths of the next step."""
-        if self._steps % TURN_STEPS == TURN_STEPS - 1:
-            self.timed[self._side(self._steps)].append(seconds)
-        self._steps += 1
-        return self.replaced if self._side(self._steps) == "replaced" else self.tried
+        if self._taken % TURN_STEPS == TURN_STEPS - 1:
+            self.timed[self._side(self._taken)].append(seconds)
+        self._taken += 1
+        return self.replaced if self._side(self._taken) == "replaced" else self.tried
 
 
 class Planner:
