@@ -264,12 +264,13 @@ NEAR = (1e-4, 8 / 40e9)
 THIRD = (1e-4, 8 / 100e9)
 
 
-def _trial(planner, seconds, turns=TRIAL_TURNS):
-    """Runs the steps of the trial under way (``turns`` a side), each taking ``seconds`` of
-    the path that tensor "a" takes, but the first of every turn, which pays for the switch
-    and takes a second; returns a's path at each step. No step of a trial is measured."""
+def _trial(planner, seconds):
+    """Runs the ``TRIAL_STEPS`` steps of the least trial under way, each taking ``seconds``
+    of the path that tensor "a" takes, but the first of every turn, which pays for the
+    switch and takes a second; returns a's path at each step. No step of a trial is
+    measured."""
     taken = []
-    for step in range(2 * turns * TURN_STEPS):
+    for step in range(TRIAL_STEPS):
         assert not planner.start_step(planner.next_decision - 1)
         taken.append(planner.paths["a"])
         planner.end_step(1.0 if step % TURN_STEPS == 0 else seconds[taken[-1]])
