@@ -21,6 +21,7 @@ import time
 import horovod.torch as hvd
 import torch
 
+from hvd_compress import cost
 from hvd_compress.pt import topology
 from hvd_compress.pt.exchange import wait
 
@@ -104,8 +105,12 @@ def node_average(model):
             wait(handle)
         return time.perf_counter() - start
 
-    nbytes = sum(v.nbytes for v in padded.values())
-    return run, 2 * (local - 1) / local * nbytes + (local - 1) * nbytes / local
+    # The cost model's traffic of a two-level exchange on one node: no codec takes part.
+    sent = sum(
+        cost.two_level_traffic(None, p.numel(), local, 1, node_allreduce=True).sent
+        for p in model.parameters()
+    )
+    return run, sent
 
 
 def measure_bare(driver, work, rates, repeats, in_nodes=False):
@@ -121,7 +126,8 @@ def measure_bare(driver, work, rates, repeats, in_nodes=False):
     }
     inside = node_average(model) if in_nodes else None
     if inside is not None:
-        inside[0]()  # the first run allocates Horovod's buffers and the gathers' pages
+        run_inside, sent_inside = inside
+        run_inside()  # the first run allocates Horovod's buffers and the gathers' pages
     for rate in rates:
         driver.shape(rate)
         measured = {}
@@ -133,10 +139,9 @@ def measure_bare(driver, work, rates, repeats, in_nodes=False):
                 "sent": sum(c.sent(hvd.size()) for c in collectives),
             }
         if inside is not None:
-            run, sent = inside
             measured[NODE_AVERAGE] = {
-                "seconds": statistics.median(driver.repeated(run, repeats)),
-                "sent": sent,
+                "seconds": statistics.median(driver.repeated(run_inside, repeats)),
+                "sent": sent_inside,
             }
         driver.emit("bare", model=work.name, rate=rate, exchanges=measured)
 
