@@ -576,16 +576,16 @@ def _nuqsgd_code(g, divisor, s, u):
     """``NUQSGD.encode`` of one element with smallest level 2^-s: the index of the level
     below r (the frexp of the eager op), then drawn up to the level above it."""
     r = min(_ratio(g, divisor), np.float32(1.0))
-    # The level below r >= 2^-s is 2^e, e the binary exponent of r (at most -1: the level
-    # below 1 is 1/2), its index e + s + 1; below 2^-s it is 0, index 0. The gap to the
-    # next level is 2^e (2^-s above 0), so that lo and the gap's inverse are built from
-    # exponent bits, exactly, and the division by the gap is a product.
-    biased = min(np.int32(np.float32(r).view(np.int32) >> 23), np.int32(126))  # e + 127
+    # The level below r >= 2^-s is 2^e, e the binary exponent of r, its index e + s + 1
+    # (r = 1 is level s + 1 itself); below 2^-s it is 0, index 0. The gap to the next
+    # level is 2^e (2^-s above 0), so r's place in it, (r - 2^e) / 2^e, is the fraction
+    # of r's significand, read from its bits exactly; below 2^-s it is r 2^s, also exact.
+    bits = np.float32(r).view(np.int32)
+    biased = bits >> 23  # e + 127
     above = biased >= 127 - s
     index = biased - 126 + s if above else 0
-    lo = np.int32(biased << 23).view(np.float32) if above else np.float32(0.0)
-    inverse_gap = np.int32((254 - biased) << 23).view(np.float32) if above else _power(s)
-    index += u < (r - lo) * inverse_gap
+    fraction = np.int32((bits & 0x7FFFFF) | 0x3F800000).view(np.float32) - np.float32(1.0)
+    index += u < (fraction if above else r * _power(s))
     return -index if g < 0 else index
 
 
@@ -792,7 +792,8 @@ def quantized(
                 scale[b] = _bucket_norm(p, bits, b, bucket, norm)
                 finite &= np.isfinite(scale[b])
             scaled = needed
-        _prefetch_ahead(p, start, start + count, _CHUNK)
+        else:  # with norms, their pass reads ahead and leaves the chunk in the cache
+            _prefetch_ahead(p, start, start + count, _CHUNK)
         if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
             _quantize(p, start, quantizer, np.int32(bound), packed[start : start + count], residual)
         elif packed.size:

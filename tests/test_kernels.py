@@ -315,6 +315,39 @@ def test_one_generator_in_numpy_torch_and_the_kernels(numel):
         )
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_nuqsgd_codes_on_and_beside_every_level(bits):
+    """The kernels' NUQSGD codes, read from r's exponent and significand bits, are the
+    reference's at r on each level 2^-k, one float above and below it, 0, subnormal r, r = 1
+    and beyond, and infinite g: under scales of 1, r = |g|."""
+    from hvd_compress import seeding
+    from hvd_compress.pt.exchange import Meter, make_exchange
+    from hvd_compress.pt.packing import unpack
+
+    reference = hvd_compress.NUQSGD(bits=bits, bucket_size=64)
+    codec = _port(reference)
+    levels = np.ldexp(np.float32(1), -np.arange(reference.exponent + 3)).astype(np.float32)
+    edges = np.concatenate(
+        [
+            levels,
+            np.nextafter(levels, np.float32(0)),
+            np.nextafter(levels, np.float32(2)),
+            np.float32([0, 1e-45, 1e-40, 2**-126, 1.5, 3e38, np.inf]),
+        ]
+    )
+    # Every edge many times, under draws of both sides, and negated.
+    g = np.tile(np.concatenate([edges, -edges]), 300).astype(np.float32)
+    scale = np.ones(codec.buckets(g.size), np.float32)
+    key = _key(g.size)
+    want = reference.encode(g, scale, seeding.uniforms(key, g.size))
+    exchange = make_exchange("allgather", codec, g.size, 1, Meter(), 1)
+    packed, _ = fused.encode(
+        codec, exchange, torch.from_numpy(g), torch.from_numpy(scale), key, feedback=False
+    )
+    got = unpack(packed.reshape(1, -1), codec.code_space, g.size)[0].numpy()
+    np.testing.assert_array_equal(got, want)
+
+
 def test_uniforms_are_uniform_and_streams_independent():
     """Chi-square of 2^20 draws in 256 cells, and the correlation of neighbouring draws and
     of the streams of neighbouring steps and ranks, within 5 standard errors."""
