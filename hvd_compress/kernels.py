@@ -40,10 +40,13 @@ def _jit(function=None, **options):
 # the scales' float64 sums) fall behind the memory when their array is not in the cache: the
 # hardware prefetcher runs only a little ahead of the loads such a loop issues, and left to
 # it each pass waits on memory about as long as it computes. They run a piece at a time and,
-# before each, ask for the cache lines a fixed distance ahead of it. Loops that move more
+# before each, ask for the cache lines a fixed distance ahead of it: a piece's worth at a
+# time, since the core keeps only so many misses in flight, and a loop that asked for a
+# whole chunk's lines at once waited for them as long as for the data. Loops that move more
 # bytes than they compute on (the compensation, the decoding) are bounded by the memory's
 # bandwidth, which asking earlier does not raise: they do not.
 _SUM_PIECE = 1024  # elements of a sum's piece, and how far ahead of it lines are asked for
+_CODE_PIECE = 1024  # elements of an encoding's piece (how far ahead: ``quantized``)
 _LINE = 64  # bytes
 
 
@@ -641,12 +644,14 @@ def _uniform_codes_with_feedback(
 @_jit(inline="always", error_model="numpy")
 def _uniform_buckets(p, start, stop, quantizer, one_level, feedback, offset, out, residual):
     """``_uniform_codes`` (with ``feedback``, ``_uniform_codes_with_feedback``) of elements
-    start .. stop - 1 of ``p`` into ``out`` (from its element 0), bucket by bucket."""
-    scale, bucket, levels, _, stream = quantizer
+    start .. stop - 1 of ``p`` into ``out`` (from its element 0), bucket by bucket and
+    ``_CODE_PIECE`` by ``_CODE_PIECE``, asking for the lines ``ahead`` elements on."""
+    scale, bucket, levels, _, stream, ahead = quantizer
     s = np.float32(levels)
     b, position = start // bucket, start
     while position < stop:
-        end = min(stop, (b + 1) * bucket)
+        end = min(stop, (b + 1) * bucket, (position // _CODE_PIECE + 1) * _CODE_PIECE)
+        _prefetch_ahead(p, position, end, ahead)
         divisor = _divisor(scale[b])
         piece, into = p[position:end], out[position - start : end - start]
         if feedback:
@@ -659,7 +664,8 @@ def _uniform_buckets(p, start, stop, quantizer, one_level, feedback, offset, out
             )
         else:
             _uniform_codes(piece, divisor, s, one_level, position, stream, offset, into)
-        position, b = end, b + 1
+        position = end
+        b = position // bucket
 
 
 @_jit(inline="always")
@@ -680,28 +686,30 @@ def _nuqsgd_codes(p, divisor, s, first, stream, scale, offset, out, residual):
 @_jit(inline="always", error_model="numpy")
 def _nuqsgd_buckets(p, start, stop, quantizer, s, offset, out, residual):
     """``_nuqsgd_codes`` with smallest level 2^-``s`` of elements start .. stop - 1 of ``p``
-    into ``out`` (from its element 0), bucket by bucket."""
-    scale, bucket, _, _, stream = quantizer
+    into ``out`` (from its element 0), as ``_uniform_buckets`` goes."""
+    scale, bucket, _, _, stream, ahead = quantizer
     b, position = start // bucket, start
     while position < stop:
-        end = min(stop, (b + 1) * bucket)
+        end = min(stop, (b + 1) * bucket, (position // _CODE_PIECE + 1) * _CODE_PIECE)
+        _prefetch_ahead(p, position, end, ahead)
         piece, into = p[position:end], out[position - start : end - start]
         kept = residual[position:end] if residual.size else residual
         decoded = _decoded_scale(scale[b])
         _nuqsgd_codes(piece, _divisor(scale[b]), s, position, stream, decoded, offset, into, kept)
-        position, b = end, b + 1
+        position = end
+        b = position // bucket
 
 
 @_jit(error_model="numpy")
 def _quantize(p, start, quantizer, offset, out, residual):
     """code + ``offset`` of elements start .. start + out.size - 1 of ``p`` into ``out``
-    under ``quantizer`` = (scale, bucket, levels, exponent, stream) of ``quantized``, each
+    under ``quantizer`` = (scale, bucket, levels, exponent, stream, ahead) of ``quantized``, each
     under its bucket's scale; their residuals into ``residual``'s elements if it is not
     empty."""
     # One inlined copy of the bucket loop per kind of element loop, its kind a constant
     # there, so that LLVM specializes each (s = 1 drops the general code's floor, min and
     # conversions; NUQSGD's loop over levels unrolls) and no call is made per bucket.
-    _, _, levels, exponent, _ = quantizer
+    _, _, levels, exponent, _, _ = quantizer
     stop, feedback = start + out.size, residual.size > 0
     if levels == 1 and feedback:
         _uniform_buckets(p, start, stop, quantizer, True, True, offset, out, residual)
@@ -780,7 +788,11 @@ def quantized(
     scales and one for the codes read it twice. Returns whether every scale it computed is
     finite (True for ``GIVEN_SCALES``); where one is not, the caller encodes again under
     the scales ``local_scale`` gives a non-finite gradient."""
-    quantizer = (scale, bucket, levels, exponent, stream)
+    # Each piece asks for the lines of what the next chunk reads first: its own elements,
+    # or, where this pass takes the norms, the next bucket's, when it is a few chunks long
+    # (the norms' sums ask for the lines of longer buckets themselves).
+    ahead = bucket if norm != GIVEN_SCALES and _CHUNK < bucket <= 4 * _CHUNK else _CHUNK
+    quantizer = (scale, bucket, levels, exponent, stream, ahead)
     fields = np.empty(_CHUNK if packed.size else 0, dtype=np.uint8)
     codes = np.empty(0 if packed.size else _CHUNK, dtype=np.int32)
     finite, scaled = True, 0  # buckets whose scales ``norm`` has written
@@ -792,8 +804,6 @@ def quantized(
                 scale[b] = _bucket_norm(p, bits, b, bucket, norm)
                 finite &= np.isfinite(scale[b])
             scaled = needed
-        else:  # with norms, their pass reads ahead and leaves the chunk in the cache
-            _prefetch_ahead(p, start, start + count, _CHUNK)
         if packed.size and width == 8:  # a field per byte: the codes go to ``packed`` directly
             _quantize(p, start, quantizer, np.int32(bound), packed[start : start + count], residual)
         elif packed.size:
