@@ -46,7 +46,7 @@ def _jit(function=None, **options):
 # bytes than they compute on (the compensation, the decoding) are bounded by the memory's
 # bandwidth, which asking earlier does not raise: they do not.
 _SUM_PIECE = 1024  # elements of a sum's piece, and how far ahead of it lines are asked for
-_CODE_PIECE = 1024  # elements of an encoding's piece (how far ahead: ``quantized``)
+_CODE_PIECE = 512  # elements of an encoding's piece (how far ahead: ``quantized``)
 _LINE = 64  # bytes
 
 
