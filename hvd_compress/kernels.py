@@ -652,6 +652,15 @@ def _uniform_codes_with_feedback(
         if one_level:
             code = _one_level_code(p[i], divisor, u)
         else:
+@_jit(inline="always")
+def _code_piece(position, stop, bucket):
+    """(b, end): the bucket b of element ``position`` and the end of the encoding's piece
+    that starts there, at the bucket's end, the next multiple of ``_CODE_PIECE`` or
+    ``stop``, whichever comes first."""
+    b = position // bucket
+    return b, min(stop, (b + 1) * bucket, (position // _CODE_PIECE + 1) * _CODE_PIECE)
+
+
             code = _uniform_code(p[i], divisor, levels, u)
         out[i] = code + offset
         residual[i] = p[i] - np.float32(code) * scale / levels
@@ -665,9 +674,9 @@ def _uniform_buckets(p, start, stop, quantizer, one_level, feedback, offset, out
     ``_CODE_PIECE`` by ``_CODE_PIECE``, asking for the lines ``ahead`` elements on."""
     scale, bucket, levels, _, stream, ahead = quantizer
     s = np.float32(levels)
-    b, position = start // bucket, start
+    position = start
     while position < stop:
-        end = min(stop, (b + 1) * bucket, (position // _CODE_PIECE + 1) * _CODE_PIECE)
+        b, end = _code_piece(position, stop, bucket)
         _prefetch_ahead(p, position, end, ahead)
         divisor = _divisor(scale[b])
         piece, into = p[position:end], out[position - start : end - start]
@@ -682,7 +691,6 @@ def _uniform_buckets(p, start, stop, quantizer, one_level, feedback, offset, out
         else:
             _uniform_codes(piece, divisor, s, one_level, position, stream, offset, into)
         position = end
-        b = position // bucket
 
 
 @_jit(inline="always")
@@ -705,16 +713,15 @@ def _nuqsgd_buckets(p, start, stop, quantizer, s, offset, out, residual):
     """``_nuqsgd_codes`` with smallest level 2^-``s`` of elements start .. stop - 1 of ``p``
     into ``out`` (from its element 0), as ``_uniform_buckets`` goes."""
     scale, bucket, _, _, stream, ahead = quantizer
-    b, position = start // bucket, start
+    position = start
     while position < stop:
-        end = min(stop, (b + 1) * bucket, (position // _CODE_PIECE + 1) * _CODE_PIECE)
+        b, end = _code_piece(position, stop, bucket)
         _prefetch_ahead(p, position, end, ahead)
         piece, into = p[position:end], out[position - start : end - start]
         kept = residual[position:end] if residual.size else residual
         decoded = _decoded_scale(scale[b])
         _nuqsgd_codes(piece, _divisor(scale[b]), s, position, stream, decoded, offset, into, kept)
         position = end
-        b = position // bucket
 
 
 @_jit(error_model="numpy")
