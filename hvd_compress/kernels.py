@@ -208,6 +208,16 @@ def _packed_flags(flags, count, packed):
         packed[count // 8] = byte
 
 
+@_jit
+def _pack_signs(p, packed, flags):
+    """The signs of ``p`` packed into ``packed`` (``codes.SignCodes``), a piece at a time
+    through ``flags`` (``_SIGN_PIECE`` bytes of scratch)."""
+    for start in range(0, p.size, _SIGN_PIECE):
+        stop = min(p.size, start + _SIGN_PIECE)
+        _negative_flags(p[start:stop], flags)
+        _packed_flags(flags, stop - start, packed[start // 8 :])
+
+
 @_jit(inline="always")
 def _residual(p, s, residual):
     for i in range(p.size):
@@ -235,8 +245,7 @@ def _block_signs(p, s, packed, residual, flags):
     from memory (``flags``: ``_SIGN_PIECE`` bytes of scratch)."""
     for start in range(0, p.size, _SIGN_PIECE):
         stop = min(p.size, start + _SIGN_PIECE)
-        _negative_flags(p[start:stop], flags)
-        _packed_flags(flags, stop - start, packed[start // 8 :])
+        _pack_signs(p[start:stop], packed[start // 8 :], flags)
         if residual.size:
             _block_residual(p[start:stop], s, residual[start:stop])
         else:
@@ -252,10 +261,10 @@ def signs_with_feedback(p, scale, block, packed, residual):
     p.size are 0 (+1, cut off by every receiver)."""
     # Every block starts on a byte boundary, or some share a byte.
     aligned = block % 8 == 0 or scale.size == 1
-    if not aligned:  # before p becomes the residual
-        _pack_signs(p, packed)
-    in_place = residual.size == 0
     flags = np.empty(_SIGN_PIECE, dtype=np.uint8)
+    if not aligned:  # before p becomes the residual
+        _pack_signs(p, packed, flags)
+    in_place = residual.size == 0
     for b in range(scale.size):
         s = _decoded_scale(scale[b])
         start, stop = b * block, min(p.size, (b + 1) * block)
@@ -266,21 +275,6 @@ def signs_with_feedback(p, scale, block, packed, residual):
             _block_residual_in_place(p[start:stop], s)
         else:
             _block_residual(p[start:stop], s, residual[start:stop])
-
-
-@_jit
-def _pack_signs(p, packed):
-    """Blocks that share a byte: the signs of ``p`` packed in a pass of their own."""
-    for j in range(p.size // 8):
-        byte = 0
-        for k in range(8):
-            byte |= (not p[8 * j + k] >= 0) << k
-        packed[j] = byte
-    if p.size % 8:
-        byte = 0
-        for i in range(p.size - p.size % 8, p.size):
-            byte |= (not p[i] >= 0) << (i % 8)
-        packed[p.size // 8] = byte
 
 
 # Sums of several rows' codes are decoded a chunk of elements at a time: a chunk's codes or
@@ -652,6 +646,12 @@ def _uniform_codes_with_feedback(
         if one_level:
             code = _one_level_code(p[i], divisor, u)
         else:
+            code = _uniform_code(p[i], divisor, levels, u)
+        out[i] = code + offset
+        residual[i] = p[i] - np.float32(code) * scale / levels
+        x = np.uint32(x + stream[1])
+
+
 @_jit(inline="always")
 def _code_piece(position, stop, bucket):
     """(b, end): the bucket b of element ``position`` and the end of the encoding's piece
@@ -659,12 +659,6 @@ def _code_piece(position, stop, bucket):
     ``stop``, whichever comes first."""
     b = position // bucket
     return b, min(stop, (b + 1) * bucket, (position // _CODE_PIECE + 1) * _CODE_PIECE)
-
-
-            code = _uniform_code(p[i], divisor, levels, u)
-        out[i] = code + offset
-        residual[i] = p[i] - np.float32(code) * scale / levels
-        x = np.uint32(x + stream[1])
 
 
 @_jit(inline="always", error_model="numpy")
