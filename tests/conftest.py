@@ -1,5 +1,9 @@
 """Settings of the whole test session."""
 
+import pytest
+
+from . import harness
+
 # The kernels' own tests run first: they compile every numba kernel once, in one process, into
 # the on-disk cache (``hvd_compress.kernels`` compiles with ``cache=True``) that every later
 # Horovod worker loads. In file order the first multi-process tests compiled the kernels in
@@ -8,4 +12,23 @@ _FIRST = ("test_kernels.py", "test_tf_kernels.py")
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in _FIRST)
+    """The kernels' tests first, then every module in order; inside a module, tests
+    parametrised by world size grouped by it, so that a shared Horovod job of each size
+    (``tests.harness``) starts once rather than at every change of size."""
+    modules = {}
+    for item in items:
+        modules.setdefault(item.path, len(modules))
+
+    def order(item):
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        world = params.get("world", params.get("world_size", 0))
+        return item.path.name not in _FIRST, modules[item.path], world
+
+    items.sort(key=order)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _shared_jobs_end_with_their_module():
+    """A module's shared Horovod jobs (``tests.harness``) end with it."""
+    yield
+    harness.close_shared_jobs()

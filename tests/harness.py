@@ -12,9 +12,20 @@ Horovod's own rendezvous server (``tests.nodes``), without ``horovodrun``: its s
 imports TensorFlow and costs seconds per job, over a hundred times a suite.
 ``horovodrun`` itself runs in the tests of the README's commands, the demo and elastic
 training.
+
+Bodies share jobs: the ranks of a Gloo job stay up and run one body after another, so a
+test module pays Horovod's (and TensorFlow's) start-up once per world size and launcher
+instead of once per test. A job serves the bodies of one test module (``close_shared_jobs``
+ends it when the module is done, and before a job of another key starts, so that idle ranks
+never compete for the cores); a body that fails on any rank, or hangs, ends its job and the
+next body gets a new one. A body that changes what a process keeps for good (environment
+variables read at import, process sets registered at ``hvd.init``, an MPI communicator)
+passes ``own_job=True`` and gets processes of its own.
 """
 
+import atexit
 import importlib
+import itertools
 import os
 import pickle
 import re
@@ -23,6 +34,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ``run_parallel``'s launcher of M nodes of L ranks each, on this machine: "2x2".
@@ -30,10 +43,15 @@ _NODES = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
 BIN = os.path.dirname(sys.executable)
 
 
-def run_parallel(body, np, *args, launcher="local", timeout=300, **kwargs):
+def run_parallel(body, np, *args, launcher="local", timeout=300, own_job=False, **kwargs):
     """Runs ``body(*args, **kwargs)`` on ``np`` ranks; returns the results in rank order.
     ``launcher``: "local" (every rank on localhost, over Gloo), "MxL" (M hosts of L ranks,
-    all on this machine) or "mpirun"."""
+    all on this machine) or "mpirun". Gloo bodies run in the test module's shared job of
+    ``np`` ranks on ``launcher`` unless ``own_job``; ``timeout`` bounds this body alone."""
+    if launcher != "mpirun" and not own_job:
+        key = (body.__module__, np, launcher)
+        return _shared_job(key).run(body, args, kwargs, timeout)
+    close_shared_jobs()  # idle ranks would compete with this job's for the cores
     workdir = tempfile.mkdtemp(prefix="hvdc-job-")
     try:
         job = os.path.join(workdir, "job.pkl")
@@ -138,6 +156,172 @@ def mpirun_command(np):
     return command
 
 
+# A shared job's lifetime bound: the longest a test module keeps one (its bodies' own
+# timeouts end a hang long before).
+SHARED_JOB_SECONDS = 3600
+# How often an idle rank looks for its next body, and the test process for results.
+POLL_SECONDS = 0.01
+# After one rank fails, how long the others have to report their own errors before the job
+# is killed (they may be waiting for the failed rank in a collective).
+GRACE_SECONDS = 2.0
+
+_shared = {}
+
+
+class SharedJob:
+    """A Gloo job of ``np`` ranks serving bodies from ``directory``: body k is the file
+    ``k.job``, rank r answers with ``k.rank<r>``."""
+
+    def __init__(self, np, launcher):
+        self.np, self.launcher = np, launcher
+        self.directory = tempfile.mkdtemp(prefix="hvdc-shared-")
+        self.log = open(os.path.join(self.directory, "ranks.log"), "w+")
+        self.count = 0
+        command = [
+            sys.executable,
+            "-m",
+            "tests.nodes",
+            _gloo_hosts(launcher, np),
+            str(SHARED_JOB_SECONDS),
+            sys.executable,
+            "-m",
+            "tests.harness",
+            "--serve",
+            self.directory,
+            str(os.getpid()),
+        ]
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=job_env(),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def run(self, body, args, kwargs, timeout):
+        what = f"{body.__qualname__} on {self.np} ranks (shared job, body {self.count})"
+        job = os.path.join(self.directory, f"{self.count}.job")
+        with open(job + ".tmp", "wb") as f:
+            pickle.dump((body.__module__, body.__qualname__, args, kwargs), f)
+        os.rename(job + ".tmp", job)
+        answers = [os.path.join(self.directory, f"{self.count}.rank{r}") for r in range(self.np)]
+        self.count += 1
+        deadline = time.monotonic() + timeout
+        loaded, ended_at = {}, None
+        while len(loaded) < self.np:
+            for rank, answer in enumerate(answers):
+                if rank not in loaded and os.path.exists(answer):
+                    loaded[rank] = _load(answer)
+            now = time.monotonic()
+            failed = any(status == "error" for status, _ in loaded.values())
+            if ended_at is None and (failed or self.process.poll() is not None):
+                ended_at = now
+            if ended_at is not None and now > ended_at + GRACE_SECONDS:
+                break
+            if now > deadline:
+                tail = self.tail()
+                self.close()
+                raise AssertionError(f"{what} timed out after {timeout}s (a hang?):\n{tail}")
+            time.sleep(POLL_SECONDS)
+        answered = [loaded.get(rank, ("error", "no answer")) for rank in range(self.np)]
+        errors = [(r, text) for r, (status, text) in enumerate(answered) if status == "error"]
+        if errors:
+            tail = self.tail()
+            self.close()
+            raise AssertionError(
+                f"{what} failed:\n"
+                + "\n".join(f"rank {r}: {text}" for r, text in errors)
+                + f"\n...\n{tail}"
+            )
+        return [result for _, result in answered]
+
+    def tail(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def close(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _load(path):
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _shared_job(key):
+    """The running job of ``key`` (module, np, launcher), started if needed; any other job
+    is closed first."""
+    job = _shared.get(key)
+    if job is not None and job.process.poll() is None:
+        return job
+    close_shared_jobs()
+    _shared[key] = SharedJob(*key[1:])
+    return _shared[key]
+
+
+def close_shared_jobs():
+    """Ends every shared job (at the end of each test module, and before another starts)."""
+    while _shared:
+        _shared.popitem()[1].close()
+
+
+atexit.register(close_shared_jobs)
+
+
+def _serve(directory, owner):
+    """A rank of a shared job: runs body after body until the job is killed, its directory
+    removed or its owner (the test process, pid ``owner``) gone. A body that fails ends this
+    rank, since the others may be left waiting in a collective that it will never join."""
+    frameworks = set()
+    for count in itertools.count():
+        job = os.path.join(directory, f"{count}.job")
+        while not os.path.exists(job):
+            if not os.path.isdir(directory) or not _alive(owner):
+                return
+            time.sleep(POLL_SECONDS)
+        answer = os.path.join(directory, f"{count}.rank{_rank()}")
+        try:
+            result = ("ok", _call(job))
+            loaded = {m for m in ("horovod.torch", "horovod.tensorflow") if m in sys.modules}
+            if frameworks and loaded != frameworks:
+                raise RuntimeError(
+                    f"this body loaded {sorted(loaded - frameworks)} into a job of "
+                    f"{sorted(frameworks)} bodies: run it with own_job=True"
+                )
+            frameworks = loaded
+        except BaseException:
+            result = ("error", traceback.format_exc())
+        with open(answer + ".tmp", "wb") as f:
+            pickle.dump(result, f)
+        os.rename(answer + ".tmp", answer)
+        if result[0] == "error":
+            sys.exit(1)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _call(job):
+    """Runs the body that ``job`` (a pickle of module, qualname, args and kwargs) names."""
+    with open(job, "rb") as f:
+        module, qualname, args, kwargs = pickle.load(f)
+    body = importlib.import_module(module)
+    for part in qualname.split("."):
+        body = getattr(body, part)
+    return body(*args, **kwargs)
+
+
 def _rank():
     for variable in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         if variable in os.environ:
@@ -146,15 +330,13 @@ def _rank():
 
 
 def _main(job):
-    with open(job, "rb") as f:
-        module, qualname, args, kwargs = pickle.load(f)
-    body = importlib.import_module(module)
-    for part in qualname.split("."):
-        body = getattr(body, part)
-    result = body(*args, **kwargs)
+    result = _call(job)
     with open(os.path.join(os.path.dirname(job), f"rank{_rank()}.pkl"), "wb") as f:
         pickle.dump(result, f)
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    if sys.argv[1] == "--serve":
+        _serve(sys.argv[2], int(sys.argv[3]))
+    else:
+        _main(sys.argv[1])

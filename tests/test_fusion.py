@@ -181,7 +181,7 @@ def _tf_fused(thresholds, steps=2):
 
 @pytest.mark.multiprocess
 def test_tf_fused_alltoalls_give_the_parameters_of_one_alltoall_per_tensor():
-    per_rank = run_parallel(_tf_fused, 4, [300, 0])
+    per_rank = run_parallel(_tf_fused, 4, [300, 0], own_job=True)
     for fused, alone in per_rank:
         assert 1 < fused["groups"] < fused["tensors"] == alone["groups"]
         assert fused["alltoalls"] == 2 * fused["groups"]

@@ -128,7 +128,7 @@ PORTS = {
 @pytest.mark.parametrize("port", sorted(PORTS))
 def test_sets_average_among_themselves(port):
     job, check_set, check_outside = PORTS[port]
-    results = run_parallel(job, 4, timeout=800)
+    results = run_parallel(job, 4, timeout=800, own_job=True)
     for layout, sets in LAYOUTS.items():
         by_rank = [r[layout] for r in results]
         for ranks in sets:

@@ -124,7 +124,7 @@ def _resume(directory, steps, save_at, device, cases=CASES, exchange="auto", lay
 def test_resumed_runs_continue_bitwise_identically(tmp_path, device):
     steps, save_at = 12, 5  # the learning rate halves at steps 4 and 8
     uninterrupted = run_parallel(_train_and_checkpoint, 2, str(tmp_path), steps, save_at, device)
-    resumed = run_parallel(_resume, 2, str(tmp_path), steps, save_at, device)
+    resumed = run_parallel(_resume, 2, str(tmp_path), steps, save_at, device, own_job=True)
     for rank in range(2):
         for label, *_ in CASES:
             for offset, params in enumerate(resumed[rank][label]):
@@ -243,7 +243,7 @@ def test_a_state_resumed_in_a_smaller_world_under_another_exchange_keeps_its_mas
     each rank's shard joins its worker residual at its positions, as when elastic Horovod
     drops ranks, and the ranks that left take theirs with them."""
     saved = run_parallel(_save_sharded, 4, str(tmp_path))
-    resumed = run_parallel(_resume_on_two, 2, str(tmp_path))
+    resumed = run_parallel(_resume_on_two, 2, str(tmp_path), own_job=True)
     for rank in range(2):
         mass, _ = resumed[rank]
         for name, before in saved[rank].items():

@@ -174,5 +174,5 @@ def _both_horovod_modules():
 def test_both_horovod_modules_in_one_process_are_refused():
     """The exchange would be skipped (the global process set answers that this rank is
     not in it); it refuses instead, saying why."""
-    for message in run_parallel(_both_horovod_modules, 2):
+    for message in run_parallel(_both_horovod_modules, 2, own_job=True):
         assert message is not None and "horovod.torch and horovod.tensorflow" in message

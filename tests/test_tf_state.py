@@ -83,7 +83,7 @@ def _train(directory, start, cases=CASES, exchange="auto", layout=None):
 @pytest.mark.timeout(900)
 def test_checkpoint_and_resume_continue_bitwise(tmp_path):
     uninterrupted = run_parallel(_train, 2, str(tmp_path), 0, timeout=800)
-    resumed = run_parallel(_train, 2, str(tmp_path), SAVE_AT, timeout=800)
+    resumed = run_parallel(_train, 2, str(tmp_path), SAVE_AT, timeout=800, own_job=True)
     for rank in range(2):
         for label, _, _ in CASES:
             straight, again = uninterrupted[rank][label], resumed[rank][label]
@@ -108,7 +108,7 @@ def test_two_level_exchange_resumes_bitwise(tmp_path, monkeypatch):
     options = {"cases": cases, "exchange": "two-level", "layout": process_sets.DYNAMIC}
     args = (_train, 4, str(tmp_path))
     uninterrupted = run_parallel(*args, 0, launcher="2x2", timeout=500, **options)
-    resumed = run_parallel(*args, SAVE_AT, launcher="2x2", timeout=500, **options)
+    resumed = run_parallel(*args, SAVE_AT, launcher="2x2", timeout=500, own_job=True, **options)
     for rank in range(4):
         for label, _, _ in cases:
             assert len(resumed[rank][label]) == STEPS - SAVE_AT

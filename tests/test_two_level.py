@@ -115,7 +115,7 @@ def test_two_level_exchange_resumes_bitwise(tmp_path, monkeypatch, layout):
     options = {"cases": cases, "exchange": "two-level", "layout": process_sets.DYNAMIC}
     args = (str(tmp_path), steps, save_at, "cpu")
     uninterrupted = run_parallel(_train_and_checkpoint, 4, *args, launcher=layout, **options)
-    resumed = run_parallel(_resume, 4, *args, launcher=layout, **options)
+    resumed = run_parallel(_resume, 4, *args, launcher=layout, own_job=True, **options)
     for rank in range(4):
         for label, *_ in cases:
             for offset, params in enumerate(resumed[rank][label]):
@@ -145,5 +145,5 @@ def _without_dynamic_process_sets():
 
 
 def test_two_level_exchange_says_how_to_initialise_horovod():
-    messages = run_parallel(_without_dynamic_process_sets, 4, launcher="2x2")
+    messages = run_parallel(_without_dynamic_process_sets, 4, launcher="2x2", own_job=True)
     assert all("hvd.init(process_sets='dynamic')" in (m or "") for m in messages), messages
