@@ -119,8 +119,7 @@ EXAMPLES = {
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
 # The codecs the peers ship (DDP's PowerSGD, GRACE's and BytePS's top-k as DGC).
 PEER_RUNS = ("2:powersgd", "2:dgc:warmup_steps=300")
-# Every model and codec (--full, ~80 minutes on 2 cores); tests/test_convergence.py runs its
-# MNIST-1D runs but the 4-worker CNN pair and the adaptive run.
+# Every model and codec (--full, ~80 minutes on 2 cores): the accuracy claims of the README.
 FULL_RUNS = (
     [
         "2:none",
@@ -164,7 +163,7 @@ FULL_RUNS = (
 # What a newcomer waits for (~10 minutes): one codec of each kind (ternary, uniform 4-bit,
 # 1-bit with error feedback), each beside its baseline. The steps stay the full schedule's:
 # at half of it TernGrad ended 2.4 points below its baseline on seed 0
-# (tests/test_convergence.py), which would make the table misleading.
+# (docs/benchmarks.md), which would make the table misleading.
 DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:none@nesterov", f"2:{EF_SIGN}"]
 OPTIMIZERS = ("sgd", "nesterov", "adam")
 

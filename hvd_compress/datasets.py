@@ -3,9 +3,10 @@ embedded real dataset of the examples and tests (4,000 training and 1,000 test s
 length 40, ten classes). Nothing is downloaded.
 
 Generation is deterministic in the seed but takes 3 s of a CPU core, and every worker
-of every run generates it: 28 workers of CI's convergence test spent a minute and a half
-of its 2 cores on it. The arrays (1 MB) are therefore kept in ``~/.cache/hvd_compress``
-(``HVD_COMPRESS_CACHE`` overrides it), keyed by the seed and the mnist1d version.
+of every run generates it: the 42 workers of the MNIST-1D runs of ``make demo-full`` would
+spend two minutes of a core on it. The arrays (1 MB) are therefore kept in
+``~/.cache/hvd_compress`` (``HVD_COMPRESS_CACHE`` overrides it), keyed by the seed and the
+mnist1d version.
 """
 
 import importlib.metadata
