@@ -26,11 +26,11 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: setup lint
-	$(PY) -m pytest -ra -q --durations=15 tests
+test:
+	bash launch/test.sh
 
 test-fast: setup
-	$(PY) -m pytest -ra -q --durations=5 -m "not multiprocess and not convergence" tests
+	$(PY) -m pytest -ra -q --durations=5 -n 2 -m "not multiprocess" tests
 
 bench: setup
 	$(PY) -m hvd_compress.cli bench
