@@ -10,12 +10,14 @@ BUDGET_SECONDS=900
 
 declare -a parts=()
 status=0
+total=0
 timed() {
     local name="$1" start=$SECONDS
     shift
     "$@"
     local code=$?
     parts+=("$name $((SECONDS - start)) s")
+    total=$((total + SECONDS - start))
     if [ "$code" -ne 0 ] && [ "$status" -eq 0 ]; then status=$code; fi
     return "$code"
 }
@@ -26,8 +28,6 @@ timed "single-process tests" \
     "$PY" -m pytest -ra -q --durations=10 -n 2 -m "not multiprocess" tests
 timed "multi-process tests" "$PY" -m pytest -ra -q --durations=15 -m multiprocess tests
 
-total=0
-for part in "${parts[@]}"; do total=$((total + $(awk '{print $(NF-1)}' <<<"$part"))); done
 echo
 echo "make test: $(IFS=,; echo "${parts[*]}" | sed 's/,/, /g'); ${total} s in all" \
     "(budget ${BUDGET_SECONDS} s on a quiet machine with Horovod's wheel cached: CONTRIBUTING.md)"

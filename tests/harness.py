@@ -55,8 +55,7 @@ def run_parallel(body, np, *args, launcher="local", timeout=300, own_job=False, 
     workdir = tempfile.mkdtemp(prefix="hvdc-job-")
     try:
         job = os.path.join(workdir, "job.pkl")
-        with open(job, "wb") as f:
-            pickle.dump((body.__module__, body.__qualname__, args, kwargs), f)
+        _write(job, (body.__module__, body.__qualname__, args, kwargs))
         worker = [sys.executable, "-m", "tests.harness", job]
         if launcher == "mpirun":
             command = mpirun_command(np) + worker
@@ -64,11 +63,7 @@ def run_parallel(body, np, *args, launcher="local", timeout=300, own_job=False, 
             hosts = _gloo_hosts(launcher, np)
             command = [sys.executable, "-m", "tests.nodes", hosts, str(timeout)] + worker
         run_job(command, f"{body.__qualname__} on {np} ranks", timeout)
-        results = []
-        for rank in range(np):
-            with open(os.path.join(workdir, f"rank{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        return [_load(os.path.join(workdir, f"rank{rank}.pkl")) for rank in range(np)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -173,7 +168,7 @@ class SharedJob:
     ``k.job``, rank r answers with ``k.rank<r>``."""
 
     def __init__(self, np, launcher):
-        self.np, self.launcher = np, launcher
+        self.np = np
         self.directory = tempfile.mkdtemp(prefix="hvdc-shared-")
         self.log = open(os.path.join(self.directory, "ranks.log"), "w+")
         self.count = 0
@@ -201,10 +196,10 @@ class SharedJob:
 
     def run(self, body, args, kwargs, timeout):
         what = f"{body.__qualname__} on {self.np} ranks (shared job, body {self.count})"
-        job = os.path.join(self.directory, f"{self.count}.job")
-        with open(job + ".tmp", "wb") as f:
-            pickle.dump((body.__module__, body.__qualname__, args, kwargs), f)
-        os.rename(job + ".tmp", job)
+        _write(
+            os.path.join(self.directory, f"{self.count}.job"),
+            (body.__module__, body.__qualname__, args, kwargs),
+        )
         answers = [os.path.join(self.directory, f"{self.count}.rank{r}") for r in range(self.np)]
         self.count += 1
         deadline = time.monotonic() + timeout
@@ -247,6 +242,13 @@ class SharedJob:
         self.process.wait()
         self.log.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _write(path, value):
+    """Pickles ``value`` to ``path`` whole or not at all: the reader polls for the name."""
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(value, f)
+    os.rename(path + ".tmp", path)
 
 
 def _load(path):
@@ -297,9 +299,7 @@ def _serve(directory, owner):
             frameworks = loaded
         except BaseException:
             result = ("error", traceback.format_exc())
-        with open(answer + ".tmp", "wb") as f:
-            pickle.dump(result, f)
-        os.rename(answer + ".tmp", answer)
+        _write(answer, result)
         if result[0] == "error":
             sys.exit(1)
 
@@ -330,9 +330,7 @@ def _rank():
 
 
 def _main(job):
-    result = _call(job)
-    with open(os.path.join(os.path.dirname(job), f"rank{_rank()}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    _write(os.path.join(os.path.dirname(job), f"rank{_rank()}.pkl"), _call(job))
 
 
 if __name__ == "__main__":
