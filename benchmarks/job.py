@@ -134,19 +134,22 @@ class HorovodJob:
         )
         for slot in plan:
             worker_env = dict(env, **create_slot_env_vars(slot))
-            pipes = self.rank0_pipes and slot.rank == 0
-            process = subprocess.Popen(
-                self.hosts.worker_prefix(slot.rank) + self.command,
-                cwd=REPO,
-                env=worker_env,
-                start_new_session=True,
-                text=True,
-                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                stdout=subprocess.PIPE if pipes else self.log,
-                stderr=None if pipes or self.log is None else subprocess.STDOUT,
-            )
-            self.processes.append(process)
+            self.processes.append(self._spawn(slot.rank, worker_env))
         self.rank0 = self.processes[0]
+
+    def _spawn(self, rank, env):
+        """Starts worker ``rank`` with ``env`` in its own session; returns its process."""
+        pipes = self.rank0_pipes and rank == 0
+        return subprocess.Popen(
+            self.hosts.worker_prefix(rank) + self.command,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+            text=True,
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipes else self.log,
+            stderr=None if pipes or self.log is None else subprocess.STDOUT,
+        )
 
     def _base_env(self):
         return dict(

@@ -37,6 +37,8 @@ import tempfile
 import time
 import traceback
 
+from . import zygote
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ``run_parallel``'s launcher of M nodes of L ranks each, on this machine: "2x2".
 _NODES = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
@@ -176,6 +178,8 @@ class SharedJob:
             sys.executable,
             "-m",
             "tests.nodes",
+            "--fork",
+            _zygotes(np),
             _gloo_hosts(launcher, np),
             str(SHARED_JOB_SECONDS),
             sys.executable,
@@ -267,12 +271,40 @@ def _shared_job(key):
     return _shared[key]
 
 
+# The zygotes of the rank slots started so far, their sockets and log in one directory.
+_zygotes_started = {"directory": None, "processes": [], "log": None}
+
+
+def _zygotes(np):
+    """The directory of the zygotes of rank slots 0 to ``np - 1`` (``tests.zygote``), each
+    started at its first use."""
+    started = _zygotes_started
+    if started["directory"] is None:
+        started["directory"] = tempfile.mkdtemp(prefix="hvdc-zygotes-")
+        started["log"] = open(os.path.join(started["directory"], "zygotes.log"), "w+")
+    slots = range(len(started["processes"]), np)
+    started["processes"] += zygote.start(
+        started["directory"], slots, job_env(), REPO, started["log"]
+    )
+    return started["directory"]
+
+
+def _stop_zygotes():
+    for process in _zygotes_started["processes"]:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    if _zygotes_started["directory"] is not None:
+        shutil.rmtree(_zygotes_started["directory"], ignore_errors=True)
+
+
 def close_shared_jobs():
     """Ends every shared job (at the end of each test module, and before another starts)."""
     while _shared:
         _shared.popitem()[1].close()
 
 
+atexit.register(_stop_zygotes)
 atexit.register(close_shared_jobs)
 
 
@@ -284,7 +316,7 @@ def _serve(directory, owner):
     for count in itertools.count():
         job = os.path.join(directory, f"{count}.job")
         while not os.path.exists(job):
-            if not os.path.isdir(directory) or not _alive(owner):
+            if not os.path.isdir(directory) or not zygote.alive(owner):
                 return
             time.sleep(POLL_SECONDS)
         answer = os.path.join(directory, f"{count}.rank{_rank()}")
@@ -302,14 +334,6 @@ def _serve(directory, owner):
         _write(answer, result)
         if result[0] == "error":
             sys.exit(1)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _call(job):
