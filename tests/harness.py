@@ -14,13 +14,17 @@ imports TensorFlow and costs seconds per job, over a hundred times a suite.
 training.
 
 Bodies share jobs: the ranks of a Gloo job stay up and run one body after another, so a
-test module pays Horovod's (and TensorFlow's) start-up once per world size and launcher
-instead of once per test. A job serves the bodies of one test module (``close_shared_jobs``
-ends it when the module is done, and before a job of another key starts, so that idle ranks
-never compete for the cores); a body that fails on any rank, or hangs, ends its job and the
-next body gets a new one. A body that changes what a process keeps for good (environment
-variables read at import, process sets registered at ``hvd.init``, an MPI communicator)
-passes ``own_job=True`` and gets processes of its own.
+test module pays Horovod's start-up once per world size and launcher instead of once per
+test. A job serves the bodies of one test module (``close_shared_jobs`` ends it when the
+module is done, and before a job of another key starts, so that idle ranks never compete
+for the cores); a body that fails on any rank, or hangs, ends its job and the next body gets
+a new one. A body that changes what a process keeps for good (environment variables read
+at ``hvd.init``, process sets registered there, an MPI communicator) passes ``own_job=True``
+and gets processes of its own.
+
+Gloo ranks are forked from zygotes (``tests.zygote``) that imported torch, TensorFlow, Keras
+and numba once for the session, so no job pays those imports; a body that must import a
+module differently (Keras 2 under ``TF_USE_LEGACY_KERAS``) passes ``new_interpreter=True``.
 """
 
 import atexit
@@ -45,12 +49,16 @@ _NODES = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
 BIN = os.path.dirname(sys.executable)
 
 
-def run_parallel(body, np, *args, launcher="local", timeout=300, own_job=False, **kwargs):
+def run_parallel(
+    body, np, *args, launcher="local", timeout=300, own_job=False, new_interpreter=False, **kwargs
+):
     """Runs ``body(*args, **kwargs)`` on ``np`` ranks; returns the results in rank order.
     ``launcher``: "local" (every rank on localhost, over Gloo), "MxL" (M hosts of L ranks,
     all on this machine) or "mpirun". Gloo bodies run in the test module's shared job of
-    ``np`` ranks on ``launcher`` unless ``own_job``; ``timeout`` bounds this body alone."""
-    if launcher != "mpirun" and not own_job:
+    ``np`` ranks on ``launcher`` unless ``own_job``; ``timeout`` bounds this body alone.
+    Gloo ranks are forked from the zygotes (``tests.zygote``) unless ``new_interpreter``
+    (which implies ``own_job``): for a body that must import what the zygotes have not."""
+    if launcher != "mpirun" and not (own_job or new_interpreter):
         key = (body.__module__, np, launcher)
         return _shared_job(key).run(body, args, kwargs, timeout)
     close_shared_jobs()  # idle ranks would compete with this job's for the cores
@@ -62,8 +70,9 @@ def run_parallel(body, np, *args, launcher="local", timeout=300, own_job=False, 
         if launcher == "mpirun":
             command = mpirun_command(np) + worker
         else:
-            hosts = _gloo_hosts(launcher, np)
-            command = [sys.executable, "-m", "tests.nodes", hosts, str(timeout)] + worker
+            fork = [] if new_interpreter else ["--fork", _zygotes(np)]
+            hosts = [_gloo_hosts(launcher, np), str(timeout)]
+            command = [sys.executable, "-m", "tests.nodes"] + fork + hosts + worker
         run_job(command, f"{body.__qualname__} on {np} ranks", timeout)
         return [_load(os.path.join(workdir, f"rank{rank}.pkl")) for rank in range(np)]
     finally:

@@ -197,7 +197,7 @@ def test_keras2_fit_matches_horovods_optimizer_and_ranks_agree():
         hvd_compress.TernGrad(min_size=1000, compress_classifier=False),
         hvd_compress.BlockSign(min_size=0),
     ]
-    per_rank = run_parallel(_fit_keras2, 2, codecs, timeout=800, own_job=True)
+    per_rank = run_parallel(_fit_keras2, 2, codecs, timeout=800, new_interpreter=True)
     horovods = per_rank[0][0]["weights"]
     for got, want in zip(per_rank[0][1]["weights"], horovods):
         np.testing.assert_array_equal(got, want)
