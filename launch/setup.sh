@@ -70,12 +70,18 @@ create_venv() {
         log "installing Python packages (launch/requirements.txt, $([ "$GPU" = 1 ] && echo GPU || echo CPU) build)"
         file="$(mktemp --suffix=.txt)"
         requirements > "$file"
-        "$VENV/bin/pip" install -q --disable-pip-version-check -r "$file"
+        "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile -r "$file"
         rm -f "$file"
         # Keras 2, for the tests of the Keras wrapper under TF_USE_LEGACY_KERAS=1. It
         # requires the "tensorflow" distribution, which tensorflow-cpu provides under
         # another name: installed without its dependencies.
-        "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps "tf_keras==$TF_VERSION"
+        "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile --no-deps \
+            "tf_keras==$TF_VERSION"
+        # pip compiles the bytecode of every file it installs on one core, half the time of
+        # the installation; compileall does the same on every core. Files that are not
+        # Python 3 source (a few ship in the packages) fail to compile here as under pip.
+        "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c \
+            'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
         echo "$want" > "$stamp"
     fi
 }
