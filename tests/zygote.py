@@ -19,6 +19,7 @@ gone.
 """
 
 import array
+import atexit
 import os
 import pickle
 import random
@@ -192,6 +193,9 @@ def _fork_request(connection, inherited):
     except BaseException:
         traceback.print_exc()
     finally:
+        # As an interpreter's exit would: Horovod's shutdown is one of these, without which
+        # the other ranks' background loops lose the connection mid-cycle and abort.
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
