@@ -34,8 +34,10 @@ import traceback
 
 # What every rank would import before its first step, and the zygote imports once.
 PRELOAD = ("numpy", "numba", "torch", "torch._dynamo", "tensorflow", "keras")
-# How often the zygote reaps forked processes and looks at its owner.
+# How often a starting zygote is looked for, and how often a zygote looks at its owner
+# (it wakes at once for a request, a closed connection or a child's exit).
 TICK_SECONDS = 0.05
+OWNER_SECONDS = 1.0
 MAX_MESSAGE = 1 << 20
 _STATUS = struct.Struct("!i")
 
@@ -132,14 +134,20 @@ def _serve(path, owner):
     listener.bind(path + ".tmp")
     listener.listen(64)
     os.rename(path + ".tmp", path)
+    # A child's exit writes to this pipe, so that select wakes for it: an idle zygote sleeps.
+    exited, exit_signal = os.pipe()
+    os.set_blocking(exit_signal, False)
+    signal.set_wakeup_fd(exit_signal)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     children = {}  # pid -> the connection that asked for it
-    owner_checked = time.monotonic()
     while True:
         connections = list(children.values())
-        readable, _, _ = select.select([listener] + connections, [], [], TICK_SECONDS)
+        readable, _, _ = select.select([listener, exited] + connections, [], [], OWNER_SECONDS)
+        if exited in readable:
+            os.read(exited, 4096)
         if listener in readable:
             connection, _ = listener.accept()
-            pid = _fork_request(connection, [listener] + connections)
+            pid = _fork_request(connection, [listener] + connections, [exited, exit_signal])
             if pid is None:
                 connection.close()
             else:
@@ -160,17 +168,15 @@ def _serve(path, owner):
                 except OSError:
                     pass
                 connection.close()
-        if time.monotonic() > owner_checked + 1:
-            owner_checked = time.monotonic()
-            if not alive(owner):
-                for pid in children:
-                    _kill_group(pid)
-                return
+        if not alive(owner):
+            for pid in children:
+                _kill_group(pid)
+            return
 
 
-def _fork_request(connection, inherited):
+def _fork_request(connection, sockets, pipe):
     """Forks the process ``connection`` asks for; returns its pid (None for a bad request).
-    ``inherited``: the zygote's sockets, which the child closes."""
+    ``sockets`` and ``pipe`` (the zygote's own), the child closes."""
     request, fds, _, _ = socket.recv_fds(connection, MAX_MESSAGE, 2)
     if len(fds) != 2:
         for fd in fds:
@@ -186,8 +192,12 @@ def _fork_request(connection, inherited):
         return pid
     code = 1
     try:
-        for sock in inherited + [connection]:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sock in sockets + [connection]:
             sock.close()
+        for fd in pipe:
+            os.close(fd)
         _become(command, env, cwd, fds)
         code = _run_module(command)
     except BaseException:
