@@ -53,7 +53,9 @@ class WorkerMomentum:
         exchange sent (DGC's momentum factor masking)."""
         buffer, _ = self.proposed[name]
         if buffer is not None:
-            buffer.view(-1)[indices] = 0
+            # ``indices`` count the elements in the gradient's logical order; m keeps the
+            # gradient's layout (channels_last, say), which a flat view cannot address.
+            buffer[torch.unravel_index(indices, buffer.shape)] = 0
 
     @staticmethod
     def check(optimizer):

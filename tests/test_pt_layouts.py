@@ -25,6 +25,8 @@ CODECS = (
     "adacomp:min_size=0",
     "clt-k:min_size=0",
     "powersgd:start_iter=1",
+    # With the SGD's momentum on the worker, masked where sent (momentum factor masking).
+    "dgc:min_size=0:ratio=0.1",
 )
 
 
