@@ -250,9 +250,7 @@ class SharedJob:
         return self.log.read()[-6000:]
 
     def close(self):
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+        _kill_group(self.process)
         self.log.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -298,11 +296,16 @@ def _zygotes(np):
     return started["directory"]
 
 
+def _kill_group(process):
+    """Kills ``process`` (a session leader) and its group, if it still runs, and reaps it."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def _stop_zygotes():
     for process in _zygotes_started["processes"]:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        _kill_group(process)
     if _zygotes_started["directory"] is not None:
         shutil.rmtree(_zygotes_started["directory"], ignore_errors=True)
 
