@@ -21,6 +21,7 @@ CACHE="${HVD_COMPRESS_CACHE:-$HOME/.cache/hvd_compress}"
 HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
 TF_VERSION=2.21.0
+UV_VERSION=0.13.9
 
 log() { printf '[setup] %s\n' "$*"; }
 
@@ -63,27 +64,48 @@ create_venv() {
         log "creating $VENV"
         python3 -m venv "$VENV"
     fi
-    # A stamp of the requirements skips pip's slow no-op resolution on re-runs.
+    if [ "$("$VENV/bin/uv" --version 2>/dev/null | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+        "$VENV/bin/pip" install -q --disable-pip-version-check "uv==$UV_VERSION"
+    fi
+    # A stamp of the requirements skips the no-op resolution on re-runs.
     local stamp="$VENV/.hvd_compress-requirements" want file
     want="$( (requirements; echo "tf_keras==$TF_VERSION") | sha256sum | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing Python packages (launch/requirements.txt, $([ "$GPU" = 1 ] && echo GPU || echo CPU) build)"
         file="$(mktemp --suffix=.txt)"
         requirements > "$file"
-        "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile -r "$file"
+        install_packages -r "$file"
         rm -f "$file"
         # Keras 2, for the tests of the Keras wrapper under TF_USE_LEGACY_KERAS=1. It
         # requires the "tensorflow" distribution, which tensorflow-cpu provides under
         # another name: installed without its dependencies.
-        "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile --no-deps \
-            "tf_keras==$TF_VERSION"
-        # pip compiles the bytecode of every file it installs on one core, half the time of
-        # the installation; compileall does the same on every core. Files that are not
-        # Python 3 source (a few ship in the packages) fail to compile here as under pip.
-        "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c \
-            'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
+        install_packages --no-deps "tf_keras==$TF_VERSION"
         echo "$want" > "$stamp"
     fi
+}
+
+# The value pip is configured with for option $1 (its environment variable, else its
+# configuration files), empty if none.
+pip_option() {
+    local variable="PIP_$(echo "$1" | tr 'a-z-' 'A-Z_')"
+    if [ -n "${!variable:-}" ]; then
+        echo "${!variable}"
+    else
+        "$VENV/bin/pip" config get "global.$1" 2>/dev/null || true
+    fi
+}
+
+# uv installs into the venv what pip would: from its cache it links the files instead of
+# unpacking every wheel again, and compiles their bytecode on every core (a new venv of the
+# requirements in 20 s, pip took 57). uv does not read pip's configuration, so the index
+# and the local wheel directories this machine gives pip are handed to it (here a CPU-only
+# torch wheel, which PyPI's index for Linux does not have).
+install_packages() {
+    local options=(--python "$VENV/bin/python" --quiet --compile-bytecode) index link
+    index="$(pip_option index-url)"
+    if [ -n "$index" ]; then options+=(--default-index "$index"); fi
+    for link in $(pip_option find-links); do options+=(--find-links "$link"); done
+    "$VENV/bin/uv" pip install "${options[@]}" "$@"
 }
 
 # The NCCL the GPU build links: HOROVOD_NCCL_HOME if set, the system's (libnccl-dev), or
@@ -161,8 +183,8 @@ PY
     else
         log "using cached wheel in $wheel_dir"
     fi
-    "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
-    "$VENV/bin/pip" install -q --disable-pip-version-check cloudpickle psutil pyyaml packaging cffi
+    install_packages --reinstall --no-deps "$wheel_dir"/horovod-*.whl
+    install_packages cloudpickle psutil pyyaml packaging cffi
 }
 
 install_project() {
@@ -174,7 +196,7 @@ install_project() {
         return
     fi
     log "installing hvd_compress (editable)"
-    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$REPO"
+    install_packages --no-deps --no-build-isolation -e "$REPO"
 }
 
 install_system_packages
