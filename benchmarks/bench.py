@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -280,34 +279,19 @@ def run_job(hosts, spec, timeout, shape, progress, events, program):
 
 def op_counts(model, codecs, timeout):
     """``benchmarks.op_count`` of ``codecs`` on ``model``, in a 2-worker job on localhost
-    (the counts do not depend on the link)."""
+    (the counts do not depend on the link). Started as the benchmark's own jobs are:
+    ``horovodrun`` would first import TensorFlow to check how Horovod was built."""
     with tempfile.TemporaryDirectory(prefix="hvdc-ops-") as workdir:
         out = os.path.join(workdir, "ops.json")
-        command = [
-            os.path.join(os.path.dirname(sys.executable), "horovodrun"),
-            "-np",
-            "2",
-            "-H",
-            "localhost:2",
-            "--gloo",
-            sys.executable,
-            "-m",
-            "benchmarks.op_count",
-            "--model",
-            model,
-            "--codecs",
-            ",".join(codecs),
-            "--out",
-            out,
-        ]
-        subprocess.run(
-            command,
-            cwd=REPO,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            check=True,
-            timeout=timeout,
-            stdout=subprocess.DEVNULL,
-        )
+        log_path = os.path.join(workdir, "workers.log")
+        command = [sys.executable, "-m", "benchmarks.op_count", "--model", model]
+        command += ["--codecs", ",".join(codecs), "--out", out]
+        with open(log_path, "w") as log:
+            code = HorovodJob(LocalHosts(2), command, log=log).run(timeout)
+        if code:
+            with open(log_path) as f:
+                tail = f.read()[-4000:]
+            raise RuntimeError(f"the op count job failed (exit code {code}); output:\n{tail}")
         with open(out) as f:
             return json.load(f)
 
