@@ -96,16 +96,20 @@ pip_option() {
 }
 
 # uv installs into the venv what pip would: from its cache it links the files instead of
-# unpacking every wheel again, and compiles their bytecode on every core (a new venv of the
-# requirements in 20 s, pip took 57). uv does not read pip's configuration, so the index
-# and the local wheel directories this machine gives pip are handed to it (here a CPU-only
-# torch wheel, which PyPI's index for Linux does not have).
+# unpacking every wheel again, and compiles their bytecode on every core. uv does not read
+# pip's configuration, so the index and the local wheel directories this machine gives pip
+# are handed to it (here a CPU-only torch wheel, which PyPI's index for Linux does not
+# have); they are looked up once, at the first install.
+UV_OPTIONS=()
 install_packages() {
-    local options=(--python "$VENV/bin/python" --quiet --compile-bytecode) index link
-    index="$(pip_option index-url)"
-    if [ -n "$index" ]; then options+=(--default-index "$index"); fi
-    for link in $(pip_option find-links); do options+=(--find-links "$link"); done
-    "$VENV/bin/uv" pip install "${options[@]}" "$@"
+    local index link
+    if [ "${#UV_OPTIONS[@]}" -eq 0 ]; then
+        UV_OPTIONS=(--python "$VENV/bin/python" --quiet --compile-bytecode)
+        index="$(pip_option index-url)"
+        if [ -n "$index" ]; then UV_OPTIONS+=(--default-index "$index"); fi
+        for link in $(pip_option find-links); do UV_OPTIONS+=(--find-links "$link"); done
+    fi
+    "$VENV/bin/uv" pip install "${UV_OPTIONS[@]}" "$@"
 }
 
 # The NCCL the GPU build links: HOROVOD_NCCL_HOME if set, the system's (libnccl-dev), or
