@@ -268,8 +268,7 @@ def run_job(hosts, spec, timeout, shape, progress, events, program):
                 progress.update(0 if done else 1)
             monitor.join()
         if "error" in outcome or outcome.get("code") or not done:
-            with open(log_path) as f:
-                tail = f.read()[-4000:]
+            tail = _tail(log_path)
             reason = outcome.get("error") or f"exit code {outcome.get('code')}"
             raise RuntimeError(
                 f"benchmark job {program} on {hosts.workers} workers failed ({reason}); "
@@ -289,11 +288,17 @@ def op_counts(model, codecs, timeout):
         with open(log_path, "w") as log:
             code = HorovodJob(LocalHosts(2), command, log=log).run(timeout)
         if code:
-            with open(log_path) as f:
-                tail = f.read()[-4000:]
-            raise RuntimeError(f"the op count job failed (exit code {code}); output:\n{tail}")
+            raise RuntimeError(
+                f"the op count job failed (exit code {code}); output:\n{_tail(log_path)}"
+            )
         with open(out) as f:
             return json.load(f)
+
+
+def _tail(log_path):
+    """The end of a job's log, for its error."""
+    with open(log_path) as f:
+        return f.read()[-4000:]
 
 
 def _wait(job, timeout, outcome):
