@@ -1,11 +1,12 @@
 """An elastic Horovod job for ``tests/test_elastic.py``: dist-EF-blockSGDM trains under
 ``hvd.elastic.run`` with the given exchange (its server sharded among the ranks, or among
-the nodes); at ``change_at`` rank 0 rewrites the host-discovery file to ``hosts_after``
-(hosts separated by commas), so workers leave or join. Each process writes what it saw to
-``<dir>/rank<r>.pt``.
+the nodes) through a sequence of world changes: at each change's step rank 0 rewrites the
+host-discovery file to that change's hosts (separated by commas), so workers leave or join.
+At each reset every worker writes what it saw to ``<dir>/change<k>_rank<r>.pt``; the workers
+that finish write ``<dir>/rank<r>.pt``.
 
     horovodrun -np 3 --min-np 2 --host-discovery-script <dir>/discover.sh \\
-        python -m tests.elastic_train <dir> <steps> <change_at> <exchange> <hosts_after>
+        python -m tests.elastic_train <dir> <steps> <exchange> 4=localhost:2 8=localhost:3
 """
 
 import os
@@ -56,7 +57,8 @@ def _mass(pipeline):
     return mass
 
 
-def main(directory, steps, change_at, exchange, hosts_after):
+def main(directory, steps, exchange, changes):
+    """``changes``: (step, hosts) pairs in step order."""
     hvd.init(process_sets="dynamic")
     torch.manual_seed(0)
     model = Net()
@@ -68,16 +70,22 @@ def main(directory, steps, change_at, exchange, hosts_after):
     )
     pipeline = optimizer._hvdc_pipeline
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0)
-    seen = {"sizes": [], "before": None, "after": None}
+    change_steps = [step for step, _ in changes]
+    sizes = []
     committed = {}
 
     def on_reset():
-        # The world changed: the mass this rank held at the last commit, and after the
-        # pipeline adapted to the new world.
-        seen["before"] = committed["mass"]
+        # The world changed at the step the state was rolled back to: the mass this rank held
+        # at that commit, and after the pipeline adapted to the new world.
         pipeline._follow_world()
-        seen["after"] = _mass(pipeline)
-        seen["after_world"] = pipeline.world_size
+        seen = {
+            "before": committed["mass"],
+            "after": _mass(pipeline),
+            "world": pipeline.world_size,
+            "nodes": pipeline.nodes and pipeline.nodes.node_sets(),
+        }
+        change = change_steps.index(state.step)
+        torch.save(seen, os.path.join(directory, f"change{change}_rank{hvd.rank()}.pt"))
 
     state.register_reset_callbacks([on_reset])
 
@@ -92,13 +100,14 @@ def main(directory, steps, change_at, exchange, hosts_after):
             ).backward()
             optimizer.step()
             state.step += 1
-            seen["sizes"].append(hvd.size())
+            sizes.append(hvd.size())
             committed["mass"] = _mass(pipeline)
             state.commit()
-            if state.step == change_at:
+            if state.step in change_steps:
                 if hvd.rank() == 0:
+                    hosts = changes[change_steps.index(state.step)][1]
                     with open(os.path.join(directory, "hosts"), "w") as f:
-                        f.write(hosts_after.replace(",", "\n") + "\n")
+                        f.write(hosts.replace(",", "\n") + "\n")
                 # Wait for the driver to see the new hosts (it polls the discovery script),
                 # so the change happens at this step however loaded the machine is; every
                 # rank takes part in each check, and all are interrupted together.
@@ -110,7 +119,7 @@ def main(directory, steps, change_at, exchange, hosts_after):
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save(
         {
-            "seen": seen,
+            "sizes": sizes,
             "params": params,
             "size": hvd.size(),
             "nodes": pipeline.nodes and pipeline.nodes.node_sets(),
@@ -121,4 +130,5 @@ def main(directory, steps, change_at, exchange, hosts_after):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    changes = [argument.split("=", 1) for argument in sys.argv[4:]]
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], [(int(s), h) for s, h in changes])
