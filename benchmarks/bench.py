@@ -170,7 +170,8 @@ def add_arguments(parser):
     parser.add_argument(
         "--no-op-counts",
         action="store_true",
-        help="skip the count of torch ops per step per codec (benchmarks/op_count.py)",
+        help="skip the count of torch ops and host reads per step per codec, at each N "
+        "(benchmarks/op_count.py)",
     )
     parser.add_argument(
         "--localhost", action="store_true", help="run on localhost without namespaces or shaping"
@@ -276,17 +277,17 @@ def run_job(hosts, spec, timeout, shape, progress, events, program):
             )
 
 
-def op_counts(model, codecs, timeout):
-    """``benchmarks.op_count`` of ``codecs`` on ``model``, in a 2-worker job on localhost
-    (the counts do not depend on the link). Started as the benchmark's own jobs are:
-    ``horovodrun`` would first import TensorFlow to check how Horovod was built."""
+def op_counts(model, codecs, workers, timeout):
+    """``benchmarks.op_count`` of ``codecs`` on ``model``, in a job of ``workers`` on
+    localhost (the counts do not depend on the link). Started as the benchmark's own jobs
+    are: ``horovodrun`` would first import TensorFlow to check how Horovod was built."""
     with tempfile.TemporaryDirectory(prefix="hvdc-ops-") as workdir:
         out = os.path.join(workdir, "ops.json")
         log_path = os.path.join(workdir, "workers.log")
         command = [sys.executable, "-m", "benchmarks.op_count", "--model", model]
         command += ["--codecs", ",".join(codecs), "--out", out]
         with open(log_path, "w") as log:
-            code = HorovodJob(LocalHosts(2), command, log=log).run(timeout)
+            code = HorovodJob(LocalHosts(workers), command, log=log).run(timeout)
         if code:
             raise RuntimeError(
                 f"the op count job failed (exit code {code}); output:\n{_tail(log_path)}"
@@ -384,7 +385,8 @@ def bench(args):
         ]
         if codecs and not args.no_op_counts:
             result["op_counts"] = {
-                model: op_counts(model, codecs, args.timeout) for model in args.models
+                model: [op_counts(model, codecs, n, args.timeout) for n in args.workers]
+                for model in args.models
             }
     finally:
         # Also after a failed job: a long matrix keeps what it measured.

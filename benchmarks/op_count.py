@@ -6,7 +6,13 @@ This counts, with ``torch.profiler`` on CPU, the ``aten::`` ops of one whole ste
 backward, exchange, optimizer) that no other ``aten::`` op encloses, for one of the
 benchmark's models (the synthetic ResNet-50 by default), and reports each codec's count
 minus that of the same step with ``none``, divided by the model's tensors and by the tensors
-the codec compresses. The counts do not depend on the link, so the job runs on localhost:
+the codec compresses. It also counts the step's reads of tensor values into Python (host
+syncs, which on a GPU stall the host until the device has caught up): the
+``aten::_local_scalar_dense`` events (``item``, ``bool``, ``int`` and ``float`` of a tensor)
+and ``aten::nonzero`` (whose output's size the host must learn). ``.tolist()`` and numpy
+reads of CPU tensors emit no event and are not counted. A codec with an uncompressed start
+(PowerSGD's) is counted at a step after it. The counts do not depend on the link, so the
+job runs on localhost:
 
     horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.op_count [--codecs ...] \
         [--model resnet50]
@@ -28,6 +34,9 @@ from .shapes import MODELS
 
 # Steps before the profiled one: allocations and the compilation of the kernels.
 WARMUP_STEPS = 5
+# The events of a read of a tensor's values into Python: one per read (``item`` and
+# ``is_nonzero`` run ``_local_scalar_dense`` inside them).
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero")
 
 
 def top_level_aten_ops(events):
@@ -43,8 +52,14 @@ def top_level_aten_ops(events):
     return count
 
 
+def host_reads(events):
+    """The reads of tensor values into Python among ``events`` (``HOST_READS``)."""
+    return sum(event.name in HOST_READS for event in events)
+
+
 def count(model_name, codec):
-    """Top-level aten ops of one step, the model's tensors and those compressed."""
+    """Top-level aten ops and host reads of one step past the codec's warm-up, the model's
+    tensors and those compressed."""
     work = workload(model_name, hvd.rank(), hvd.size())
     model = work.build()
     optimizer = hc.DistributedOptimizer(
@@ -59,31 +74,34 @@ def count(model_name, codec):
         torch.nn.functional.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
 
-    for _ in range(WARMUP_STEPS):
+    for _ in range(max(WARMUP_STEPS, optimizer._hvdc_pipeline.codec.uncompressed_steps + 1)):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
     tensors = optimizer.compression_stats()["tensors"]
     compressed = sum(1 for _, _, route, _ in tensors if not route.startswith("allreduce ("))
-    return top_level_aten_ops(profiler.events()), len(tensors), compressed
+    events = profiler.events()
+    return top_level_aten_ops(events), host_reads(events), len(tensors), compressed
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--codecs", default="terngrad,qsgd-inf,nuqsgd,ef-sign")
+    parser.add_argument("--codecs", default="terngrad,qsgd-inf,nuqsgd,ef-sign,powersgd,dgc")
     parser.add_argument("--model", default="resnet50", choices=MODELS)
     parser.add_argument("--out", help="also write the counts as JSON here (rank 0)")
     args = parser.parse_args(argv)
     hvd.init()
-    baseline, _, _ = count(args.model, "none")
+    baseline, baseline_reads, _, _ = count(args.model, "none")
     rows = []
     for name in args.codecs.split(","):
-        ops, tensors, compressed = count(args.model, name)
+        ops, reads, tensors, compressed = count(args.model, name)
         rows.append(
             {
                 "codec": name,
                 "ops": ops,
                 "added": ops - baseline,
+                "host_reads": reads,
+                "added_host_reads": reads - baseline_reads,
                 "tensors": tensors,
                 "compressed_tensors": compressed,
                 "added_per_tensor": (ops - baseline) / tensors,
@@ -94,18 +112,20 @@ def main(argv=None):
         )
     if hvd.rank() == 0:
         print(
-            f"Top-level aten ops of one step, {args.model}, N = {hvd.size()} (none: {baseline}):\n"
+            f"Top-level aten ops and host reads of one step, {args.model}, N = {hvd.size()} "
+            f"(none: {baseline} ops, {baseline_reads} reads):\n"
         )
         print(
             "| codec | ops | added | added per tensor | compressed tensors | "
-            "added per compressed tensor |\n|---|---|---|---|---|---|"
+            "added per compressed tensor | added host reads |\n|---|---|---|---|---|---|---|"
         )
         for r in rows:
             per = r["added_per_compressed_tensor"]
             print(
                 f"| {r['codec']} | {r['ops']:,} | {r['added']:,} | "
                 f"{r['added_per_tensor']:.1f} (of {r['tensors']}) | "
-                f"{r['compressed_tensors']} | {'-' if per is None else f'{per:.1f}'} |"
+                f"{r['compressed_tensors']} | {'-' if per is None else f'{per:.1f}'} | "
+                f"{r['added_host_reads']} |"
             )
         if args.out:
             with open(args.out, "w") as f:
@@ -114,6 +134,7 @@ def main(argv=None):
                         "model": args.model,
                         "world_size": hvd.size(),
                         "none": baseline,
+                        "none_host_reads": baseline_reads,
                         "codecs": rows,
                     },
                     f,

@@ -332,6 +332,39 @@ def _pct(fraction):
     return "-" if fraction is None else f"{100 * fraction:+.1f}%"
 
 
+def _op_count_table(model, counts):
+    """The Markdown lines of one ``benchmarks.op_count`` result."""
+    title = (
+        f"\n### {model}: top-level torch ops and host reads of one step (N = "
+        f"{counts['world_size']}; none: {counts['none']:,} ops, "
+        f"{counts['none_host_reads']} reads)\n"
+    )
+    header = [
+        "codec",
+        "ops",
+        "added by compression",
+        "added per tensor",
+        "compressed tensors",
+        "added per compressed tensor",
+        "added host reads",
+    ]
+    lines = [
+        [
+            c["codec"],
+            f"{c['ops']:,}",
+            f"{c['added']:,}",
+            f"{c['added_per_tensor']:.1f} (of {c['tensors']})",
+            c["compressed_tensors"],
+            "-"
+            if c["added_per_compressed_tensor"] is None
+            else f"{c['added_per_compressed_tensor']:.1f}",
+            c["added_host_reads"],
+        ]
+        for c in counts["codecs"]
+    ]
+    return [title, _table(header, lines)]
+
+
 def _table(header, lines):
     return "\n".join(
         ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -457,36 +490,9 @@ def markdown(result):
         if auto:
             parts.append(f"\n### {model}: the adaptive mode against the fastest fixed choice\n")
             parts.append(auto)
-    for model, counts in sorted(result.get("op_counts", {}).items()):
-        parts.append(
-            f"\n### {model}: top-level torch ops of one step (N = "
-            f"{counts['world_size']}; none: {counts['none']:,})\n"
-        )
-        parts.append(
-            _table(
-                [
-                    "codec",
-                    "ops",
-                    "added by compression",
-                    "added per tensor",
-                    "compressed tensors",
-                    "added per compressed tensor",
-                ],
-                [
-                    [
-                        c["codec"],
-                        f"{c['ops']:,}",
-                        f"{c['added']:,}",
-                        f"{c['added_per_tensor']:.1f} (of {c['tensors']})",
-                        c["compressed_tensors"],
-                        "-"
-                        if c["added_per_compressed_tensor"] is None
-                        else f"{c['added_per_compressed_tensor']:.1f}",
-                    ]
-                    for c in counts["codecs"]
-                ],
-            )
-        )
+    for model, by_world in sorted(result.get("op_counts", {}).items()):
+        for counts in by_world:
+            parts += _op_count_table(model, counts)
     bare = [e for e in result["events"] if e["kind"] == "bare"]
     if bare:
         parts.append("\n### Horovod's bare collectives (whole model, no encode or decode)\n")

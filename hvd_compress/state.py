@@ -32,7 +32,8 @@ class CommittedState:
         return {role: part for role, part in parts.items() if part is not None}
 
     def commit(self, keep) -> None:
-        """Keeps (``keep``: a bool, or in TensorFlow a boolean tensor) or drops every change
-        the step proposed."""
+        """Keeps (``keep``: a bool, or a boolean tensor: in TensorFlow one of the step's
+        graph, in PyTorch a 0-d one on the device, which the parts select by without reading
+        it) or drops every change the step proposed."""
         for part in self.committed().values():
             part.commit(keep)

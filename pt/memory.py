@@ -1,5 +1,16 @@
 """Error-feedback memory: what a compressed message did not carry, kept for the next one."""
 
+import torch
+
+
+def choose(keep, new, old):
+    """``new`` where the boolean 0-d tensor ``keep`` holds, else ``old``, without reading
+    ``keep`` (on a GPU a read waits for the device). None stands for zeros: no residual yet,
+    or one the step sent whole; it stays None only if both are."""
+    if new is None:
+        return None if old is None else torch.where(keep, 0.0, old)
+    return torch.where(keep, new, 0.0 if old is None else old)
+
 
 class ErrorFeedback:
     """Residuals keyed by tensor name (parameter names, and shard names on a server).
@@ -17,7 +28,9 @@ class ErrorFeedback:
     step at once. The pipeline commits when all exchanged gradients of the step are finite and
     drops them otherwise: a NaN or Inf on any rank makes every rank's averaged gradient
     non-finite, a ``GradScaler`` skips that step everywhere, and the residuals from before it
-    stay, identical on every rank.
+    stay, identical on every rank. Where the step's finiteness is a tensor on the device,
+    ``commit`` selects each residual by it instead of reading it (``choose``): a residual the
+    step sent whole then stays as zeros rather than going.
     """
 
     def __init__(self):
@@ -28,8 +41,11 @@ class ErrorFeedback:
         residual = self.residuals.get(name)
         if residual is None:
             return vector
-        # A ratio of 1 (constant learning rate) saves a pass over the residual.
-        return vector + residual if ratio == 1.0 else vector + residual * ratio
+        # A ratio of 1 (constant learning rate) saves a pass over the residual. A tensor ratio
+        # (learning rates kept on the device, ``WorkerMomentum.commit``) is not read.
+        if not isinstance(ratio, torch.Tensor) and ratio == 1.0:
+            return vector + residual
+        return vector + residual * ratio
 
     def update(self, name, compensated, sent, beta=1.0):
         """Proposes ``compensated - sent`` as the new residual; with ``beta`` < 1 a low-pass
@@ -63,7 +79,13 @@ class ErrorFeedback:
         self.proposed[name] = residual
 
     def commit(self, keep):
-        if keep:
+        """Keeps (``keep``: a bool, or a boolean 0-d tensor) or drops the step's proposals."""
+        if isinstance(keep, torch.Tensor):
+            for name, residual in self.proposed.items():
+                chosen = choose(keep, residual, self.residuals.get(name))
+                if chosen is not None:
+                    self.residuals[name] = chosen
+        elif keep:
             for name, residual in self.proposed.items():
                 if residual is None:
                     self.residuals.pop(name, None)

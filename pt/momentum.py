@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from . import fused
+from .memory import choose
 
 
 class WorkerMomentum:
@@ -97,7 +98,20 @@ class WorkerMomentum:
         return self.learning_rate.get(name, lr) / lr, deferred
 
     def commit(self, keep):
-        if keep:
+        """Keeps (``keep``: a bool, or a boolean 0-d tensor, selected by and not read: the
+        learning rates then become 0-d tensors on its device) or drops the step's m and eta."""
+        if isinstance(keep, torch.Tensor):
+            for name, (buffer, lr) in self.proposed.items():
+                if buffer is not None:
+                    self.momentum[name] = choose(keep, buffer, self.momentum.get(name))
+                previous = self.learning_rate.get(name)
+                if previous is None:  # nothing kept yet, so no residual it could rescale
+                    self.learning_rate[name] = lr
+                else:
+                    if not isinstance(previous, torch.Tensor):  # filled, not copied: no wait
+                        previous = torch.full((), previous, dtype=torch.float64, device=keep.device)
+                    self.learning_rate[name] = torch.where(keep, lr, previous)
+        elif keep:
             for name, (buffer, lr) in self.proposed.items():
                 if buffer is not None:
                     self.momentum[name] = buffer
@@ -141,7 +155,7 @@ class WorkerMomentum:
         return {
             "momentum": {k: v.clone() for k, v in self.momentum.items()},
             "decay": {k: v.clone() for k, v in self.decay.items()},
-            "learning_rate": dict(self.learning_rate),
+            "learning_rate": {k: float(v) for k, v in self.learning_rate.items()},
         }
 
     def load_state_dict(self, state, placed):

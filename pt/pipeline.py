@@ -696,7 +696,11 @@ class CompressionPipeline:
 
     def all_finite(self, skip=()):
         """Whether every exchanged gradient of this step, but those of ``skip``, is finite;
-        the same answer on every rank, since they all hold the same averages."""
+        the same answer on every rank, since they all hold the same averages. A bool where
+        the CPU kernels run (the host holds the gradients and reads them without a torch
+        op); elsewhere a boolean 0-d tensor on the gradients' device, never read in the step:
+        the state commits by it with selects (``PipelineState.commit``), so a GPU step does
+        not wait for its device."""
         grads = [
             p.grad.coalesce().values() if p.grad.is_sparse else p.grad
             for p in self._in_flight
@@ -711,7 +715,12 @@ class CompressionPipeline:
         extremes = [torch.stack(torch.aminmax(g)) for g in grads if g.numel() > _SMALL_TENSOR]
         if small:
             extremes.append(torch.stack(torch._foreach_norm(small, float("inf"))))
-        return bool(torch.isfinite(torch.cat(extremes)).all()) if extremes else True
+        if not extremes:
+            return True
+        extremes = torch.cat(extremes)
+        if fused.ENABLED and extremes.device.type == "cpu":
+            return fused.finite(extremes.double())
+        return torch.isfinite(extremes).all()
 
     def _agree(self):
         """Checks that every rank compresses alike (``hvd_compress.agreement``: a rank that

@@ -83,7 +83,8 @@ def _check_results(result, tmp_path):
     assert [e["method"] for e in accuracy] == ["terngrad"]
     assert [p[1] for p in accuracy[0]["points"]] == list(range(1, 5))
     assert (tmp_path / "bench.md").exists() and (tmp_path / "accuracy.png").exists()
-    counts = result["op_counts"]["cnn"]
+    (counts,) = result["op_counts"]["cnn"]  # at each N of --workers
+    assert counts["world_size"] == 2
     assert [c["codec"] for c in counts["codecs"]] == ["terngrad", "ef-sign"]  # not -auto
     # Compression adds ops to the step, for the tensors it compresses.
     assert all(c["added"] > 0 and c["compressed_tensors"] > 0 for c in counts["codecs"])

@@ -597,21 +597,23 @@ def test_optimizer_runs_the_quantizer_kernels_and_trains_as_the_eager_calls():
                     assert torch.equal(grad, eager_exchanged[name]), name
 
 
-def _ops_added_per_compressed_tensor(cases):
-    """Top-level torch ops that each (codec, exchange) of ``cases`` adds to one step of
-    ``Net``, per compressed tensor (``benchmarks.op_count``'s count)."""
+def _added_per_step(cases, kernels=True):
+    """What each (codec, exchange) of ``cases`` adds to one step of ``Net`` past its
+    warm-up, over the step with ``none`` (``benchmarks.op_count``'s counts): top-level torch
+    ops per compressed tensor, and reads of tensor values into Python. Without ``kernels``
+    the step runs the eager path, as CUDA tensors do."""
     import horovod.torch as hvd
     from torch.profiler import ProfilerActivity, profile
 
     import hvd_compress.pt as hc
-    from benchmarks.op_count import top_level_aten_ops
+    from benchmarks.op_count import host_reads, top_level_aten_ops
 
     from .test_pt_distributed import Net
 
     hvd.init()
     inputs, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))
 
-    def ops(codec, exchange):
+    def counts(codec, exchange):
         torch.manual_seed(0)
         model = Net()
         optimizer = hc.DistributedOptimizer(
@@ -626,25 +628,33 @@ def _ops_added_per_compressed_tensor(cases):
             torch.nn.functional.cross_entropy(model(inputs), targets).backward()
             optimizer.step()
 
-        for _ in range(3):
+        for _ in range(max(3, codec.uncompressed_steps + 1)):
             step()
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             step()
         tensors = optimizer.compression_stats()["tensors"]
         compressed = sum(1 for _, _, route, _ in tensors if not route.startswith("allreduce ("))
-        return top_level_aten_ops(profiler.events()), compressed
+        events = profiler.events()
+        return top_level_aten_ops(events), host_reads(events), compressed
 
-    baseline, _ = ops(hc.NoneCodec(), "auto")
     codecs = {
         "terngrad": hc.TernGrad(min_size=100),
         "qsgd-inf": hc.QSGDInf(min_size=100),
+        "nuqsgd": hc.NUQSGD(min_size=100),
         "ef-sign": hc.BlockSign(min_size=0),
+        "fp16": hc.FP16(),
+        "powersgd": hc.PowerSGD(start_iter=1, min_size=100),
     }
-    added = {}
-    for name, exchange in cases:
-        count, compressed = ops(codecs[name], exchange)
-        added[name, exchange] = (count - baseline) / compressed
-    return added
+    enabled, fused.ENABLED = fused.ENABLED, kernels and fused.ENABLED
+    try:
+        baseline, baseline_reads, _ = counts(hc.NoneCodec(), "auto")
+        added = {}
+        for name, exchange in cases:
+            ops, reads, compressed = counts(codecs[name], exchange)
+            added[name, exchange] = ((ops - baseline) / compressed, reads - baseline_reads)
+        return added
+    finally:
+        fused.ENABLED = enabled
 
 
 @pytest.mark.multiprocess
@@ -655,8 +665,29 @@ def test_the_kernels_add_a_few_torch_ops_per_compressed_tensor():
     per compressed tensor: the collectives, the payloads, the result's view. Views through
     ``Tensor.numpy()`` or framing by torch ops add 10 to 40."""
     cases = [(name, "allgather") for name in ("terngrad", "qsgd-inf", "ef-sign")]
-    added = run_parallel(_ops_added_per_compressed_tensor, 2, cases + [("ef-sign", "sharded")])[0]
-    assert all(count <= 8 for count in added.values()), added
+    added = run_parallel(_added_per_step, 2, cases + [("ef-sign", "sharded")])[0]
+    assert all(ops <= 8 for ops, _ in added.values()), added
+
+
+@pytest.mark.multiprocess
+def test_dense_codecs_read_nothing_from_the_device_in_a_step():
+    """A read of a tensor's value into Python (``item``, ``bool``, ``nonzero``) makes the
+    host wait for a GPU. The dense codecs' steps make none on the eager path, which CUDA
+    tensors take (with error feedback, worker momentum and PowerSGD's factors committed by
+    the step's finiteness as a tensor), nor with the CPU kernels."""
+    cases = [
+        ("terngrad", "allgather"),
+        ("qsgd-inf", "allreduce"),
+        ("nuqsgd", "sharded"),
+        ("ef-sign", "auto"),
+        ("ef-sign", "sharded"),
+        ("fp16", "auto"),
+        ("powersgd", "auto"),
+    ]
+    for kernels in (False, True):
+        added = run_parallel(_added_per_step, 2, cases, kernels)[0]
+        reads = {case: reads for case, (_, reads) in added.items()}
+        assert not any(reads.values()), (kernels, reads)
 
 
 @pytest.mark.parametrize(

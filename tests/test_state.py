@@ -252,11 +252,25 @@ def test_a_state_resumed_in_a_smaller_world_under_another_exchange_keeps_its_mas
     assert torch.equal(resumed[0][1], resumed[1][1])
 
 
-def _poisoned_step(name, params, error_feedback, exchange, steps, poison_at):
-    """Rank 1's loss is NaN at ``poison_at``; the usual GradScaler loop around our optimizer."""
+def _poisoned_step(name, params, error_feedback, exchange, steps, poison_at, kernels):
+    """Rank 1's loss is NaN at ``poison_at``; the usual GradScaler loop around our optimizer.
+    Without ``kernels`` the CPU runs the eager path, as CUDA tensors do: the step's
+    finiteness stays a tensor, and the state commits by selects."""
     import horovod.torch as hvd
 
+    from hvd_compress.pt import fused
+
     hvd.init()
+    enabled, fused.ENABLED = fused.ENABLED, kernels and fused.ENABLED
+    try:
+        return _poisoned_run(name, params, error_feedback, exchange, steps, poison_at)
+    finally:
+        fused.ENABLED = enabled
+
+
+def _poisoned_run(name, params, error_feedback, exchange, steps, poison_at):
+    import horovod.torch as hvd
+
     model, optimizer, schedule = _setup(name, params, error_feedback, exchange)
     hvd.broadcast_parameters(model.state_dict(), 0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
@@ -291,18 +305,26 @@ def _flatten(state):
     return {}
 
 
-# ef-sign's servers know their result's finiteness from the server scales
-# (``_Exchange.finite``): the replicated one at N = 2 ("auto"), the sharded one.
+# With the kernels, ef-sign's servers know their result's finiteness from the server scales
+# (``_Exchange.finite``): the replicated one at N = 2 ("auto"), the sharded one. Without
+# them (the path of CUDA tensors), every codec's step commits by a flag it never reads.
 @pytest.mark.parametrize(
-    "label,name,params,error_feedback,exchange",
-    [case + ("auto",) for case in CASES if case[0] in ("terngrad+ef", "ef-sign")]
-    + [("ef-sign", "ef-sign", {"min_size": 0}, None, "sharded")],
+    "label,name,params,error_feedback,exchange,kernels",
+    [
+        case + ("auto", kernels)
+        for case in CASES
+        if case[0] in ("terngrad+ef", "ef-sign", "powersgd")
+        for kernels in (True, False)
+    ]
+    + [("ef-sign", "ef-sign", {"min_size": 0}, None, "sharded", True)],
 )
 def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace(
-    label, name, params, error_feedback, exchange
+    label, name, params, error_feedback, exchange, kernels
 ):
     poison_at = 3
-    results = run_parallel(_poisoned_step, 2, name, params, error_feedback, exchange, 6, poison_at)
+    results = run_parallel(
+        _poisoned_step, 2, name, params, error_feedback, exchange, 6, poison_at, kernels
+    )
     for records in results:
         before, skipped = records[poison_at - 1], records[poison_at]
         assert torch.equal(skipped["params"], before["params"])
