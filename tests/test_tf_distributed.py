@@ -1,4 +1,4 @@
-"""The TensorFlow port in a real Horovod job of 4 processes over Gloo: a custom
+"""The TensorFlow port in real Horovod jobs of 2 and 4 processes over Gloo: a custom
 ``DistributedGradientTape`` loop keeps every rank's weights identical after every step, and
 the exchanged gradients equal the numpy reference (``hvd_compress.simulate``) computed from
 every rank's local gradients and replayed random draws.
@@ -137,13 +137,15 @@ def _check(codec, exchange, results):
                 assert r["records"][step]["bytes"] == r["expected_bytes"]
 
 
-# Twelve configurations, each traced once per rank (TensorFlow tracing is slow on 2 cores).
-# One job of 4 ranks: one of 2 would trace them all again and take no path that 4 ranks do
-# not (shards of unequal length included); the PyTorch port runs at both.
+# Each configuration is traced once per rank (TensorFlow tracing is slow on 2 cores), so each
+# runs in one world: the sharded exchanges at N = 4, where shards differ in length, the
+# others at N = 2. The PyTorch port runs every exchange at both.
 @pytest.mark.timeout(1200)
-def test_tape_loop_ranks_agree_and_match_reference():
-    per_rank = run_parallel(_tape_loop, 4, CONFIGS, timeout=1100)
-    for (codec, exchange, _), results in zip(CONFIGS, zip(*per_rank)):
+@pytest.mark.parametrize("world", [2, 4])
+def test_tape_loop_ranks_agree_and_match_reference(world):
+    configs = [config for config in CONFIGS if (config[1] == "sharded") == (world == 4)]
+    per_rank = run_parallel(_tape_loop, world, configs, timeout=1100)
+    for (codec, exchange, _), results in zip(configs, zip(*per_rank)):
         reasons = [reason for _, _, _, reason in results[0]["tensors"]]
         if codec.code_space is not None:
             assert reasons[0] == "compressed", (codec, results[0]["tensors"])  # hidden/kernel
