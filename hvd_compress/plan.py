@@ -23,7 +23,9 @@ class TensorPlan:
     # PyTorch port's adaptive mode sends one by another path than its codec.
     path: str = "codec"
     # Whether the port's ``fused`` kernels do its codec's and its memories' work (a CPU
-    # float32 tensor of a codec they cover): decided here once, read by every stage.
+    # float32 tensor of a codec they cover), where it is decided once: in TensorFlow, whose
+    # variables keep their device and dtype. PyTorch asks each gradient as it comes
+    # (``CompressionPipeline.on_kernels``): a model may be moved or cast after wrapping.
     kernels: bool = False
 
     @property
@@ -42,7 +44,7 @@ def plan_tensor(
     floating: bool,
     exchange: str,
     whole: bool,
-    kernels: bool,
+    kernels: bool = False,
 ) -> TensorPlan:
     """The plan of the gradient of tensor ``name`` (``index`` in the pipeline's order, of
     ``shape``): sent whole if the user names it (``whole``), if it is not ``floating`` or if

@@ -670,7 +670,8 @@ class LowRankAllreduce(_Exchange):
     def start(self, grad, ratio, name):
         compensated = self.memory.compensate(self.key, grad.to(torch.float32), ratio)
         matrix = compensated.view(self.matrix_shape)
-        q = self.codec.orthogonalize(self.factors.residuals[self.key])
+        # Q is made at wrapping, on the parameter's device then: it follows the gradient's.
+        q = self.codec.orthogonalize(self.factors.residuals[self.key].to(matrix.device))
         return self._allreduce(matrix @ q, f"{name}.p"), matrix, name
 
     def advance(self, pending):

@@ -86,7 +86,7 @@ class WorkerMomentum:
             if buffer is not None and defer:
                 deferred = self.Deferred(buffer, mu, group["nesterov"], torch.empty_like(grad))
                 buffer = deferred.out
-            elif buffer is not None and grad.is_contiguous() and self.pipeline.plans[param].kernels:
+            elif buffer is not None and grad.is_contiguous() and self.pipeline.on_kernels(grad):
                 buffer = fused.momentum(grad, buffer, mu, group["nesterov"])
             else:
                 buffer = grad.clone() if buffer is None else torch.add(grad, buffer, alpha=mu)

@@ -185,7 +185,6 @@ class CompressionPipeline:
                 p.is_floating_point(),
                 exchange,
                 name in uncompressed,
-                fused.applies(codec, p),
             )
         self._choose_exchanges()
         if exchange == TWO_LEVEL and self.included:
@@ -291,14 +290,21 @@ class CompressionPipeline:
         return (
             plan.route not in (UNCOMPRESSED, HALF, TWO_LEVEL)
             and param.grad is not None
-            and self._compensates_in_kernels(plan, param.grad)
+            and self._compensates_in_kernels(param.grad)
         )
 
-    def _compensates_in_kernels(self, plan, vector):
-        """Whether the worker error feedback of ``vector``, ``plan``'s gradient or shard,
-        runs in ``fused``'s kernels."""
+    def on_kernels(self, tensor):
+        """Whether ``fused``'s CPU kernels take ``tensor``, a gradient or its shard
+        (``fused.applies``): asked of each as it comes, so that a model moved or cast after
+        its optimizer was wrapped sends its gradients where they can go, and the kernels
+        never receive another device's memory."""
+        return fused.applies(self.codec, tensor)
+
+    def _compensates_in_kernels(self, vector):
+        """Whether the worker error feedback of ``vector``, a gradient or its shard, runs in
+        ``fused``'s kernels."""
         return (
-            plan.kernels
+            self.on_kernels(vector)
             and self.state.worker is not None
             and not vector.is_sparse
             and vector.is_contiguous()
@@ -404,7 +410,7 @@ class CompressionPipeline:
         flight.handle = None
         # The QSGD family's own scales are taken in the encoding's pass over the gradient.
         flight.scale_in_encode = (
-            plan.kernels
+            self.on_kernels(flight.vector)
             and not self.codec.shares_scale(exchange)
             and fused.scales_in_encode(self.codec, flight.vector.numel())
         )
@@ -497,7 +503,7 @@ class CompressionPipeline:
             self._gather_shard(flight, shard)
             return
         exchange = self.between_nodes[flight.plan.name]
-        flight.fused = self._compensates_in_kernels(flight.plan, flight.vector)
+        flight.fused = self._compensates_in_kernels(flight.vector)
         self._start_scale(flight, None, exchange, self.nodes.cross_size, self.shard_set)
 
     def _gather_shard(self, flight, shard):
@@ -597,7 +603,7 @@ class CompressionPipeline:
         # keeps every rank's draws its own.
         rank = hvd.rank() if flight.plan.exchange == TWO_LEVEL else self.rank
         key = stream_seed(self.seed, rank, self.state.step, flight.plan.index)
-        if flight.plan.kernels:
+        if self.on_kernels(vector):
             feedback = self.state.worker is not None
             if flight.scale_in_encode:
                 codes, residual, flight.scale = fused.scaled_encode(

@@ -2,7 +2,9 @@
 in bfloat16 (Horovod's torch allreduce has no bfloat16) and a channels_last CNN (whose
 gradients are not contiguous, and Horovod takes contiguous tensors only). Every codec, and
 ``LocalClipSGD``, trains both for a few steps at N = 2 in one job; the parameters stay
-finite, keep their dtype and layout, and agree bitwise across the ranks."""
+finite, keep their dtype and layout, and agree bitwise across the ranks. A model cast after
+its optimizer was wrapped trains as one cast before: where a gradient goes (the CPU kernels
+or the eager ops) is decided by the gradient itself, not by the parameter at wrapping."""
 
 import pytest
 import torch
@@ -84,6 +86,97 @@ def _train(kind, codec):
         "params": [p.detach().clone() for p in model.parameters()],
         "channels_last": model.conv.weight.is_contiguous(memory_format=torch.channels_last),
     }
+
+
+def _cast(codec, after_wrapping):
+    """``_train``'s loop with the channels_last CNN cast to float64 (which the CPU kernels do
+    not take) before or after ``DistributedOptimizer`` wraps its SGD."""
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    if not after_wrapping:
+        model.double()
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model.named_parameters(),
+        compression=codec,
+    )
+    if after_wrapping:
+        model.double()  # in place: the optimizer keeps the same parameters
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = _inputs("channels_last", hvd.rank(), step)
+        torch.nn.functional.cross_entropy(model(x.double()), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# The codecs the CPU kernels take (float32 tensors only).
+KERNEL_CODECS = ("terngrad:min_size=0", "qsgd-inf:min_size=0", "ef-sign:min_size=0")
+
+
+def _cast_runs():
+    import horovod.torch as hvd
+
+    hvd.init()
+    return {
+        (codec, after): _cast(codec, after) for codec in KERNEL_CODECS for after in (False, True)
+    }
+
+
+@pytest.fixture(scope="module")
+def cast_runs():
+    return run_parallel(_cast_runs, 2, timeout=600)[0]
+
+
+@pytest.mark.parametrize("codec", KERNEL_CODECS)
+def test_a_model_cast_after_wrapping_trains_as_one_cast_before(cast_runs, codec):
+    for before, after in zip(cast_runs[codec, False], cast_runs[codec, True]):
+        assert after.dtype == torch.float64
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def _moved(codecs):
+    """The channels_last CNN built on the CPU, its optimizer wrapped there, then moved to
+    this rank's GPU: its parameters after ``STEPS`` steps of each codec."""
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+
+    from .devices import rank_device
+
+    hvd.init()
+    device = rank_device("cuda")
+    results = {}
+    for codec in codecs:
+        torch.manual_seed(0)
+        model = ConvNet()
+        optimizer = hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            model.named_parameters(),
+            compression=codec,
+        )
+        model.to(device)  # in place: the optimizer keeps the same parameters
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = _inputs("channels_last", hvd.rank(), step)
+            torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+            optimizer.step()
+        results[codec] = [p.detach().cpu() for p in model.parameters()]
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_model_moved_to_a_gpu_after_wrapping_trains():
+    codecs = KERNEL_CODECS + ("powersgd:start_iter=1",)
+    first, second = run_parallel(_moved, 2, codecs, timeout=600)
+    for codec in codecs:
+        for a, b in zip(first[codec], second[codec]):
+            assert torch.isfinite(a).all(), codec
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _runs():
