@@ -88,30 +88,33 @@ def _train(kind, codec):
     }
 
 
-def _cast(codec, after_wrapping):
-    """``_train``'s loop with the channels_last CNN cast to float64 (which the CPU kernels do
-    not take) before or after ``DistributedOptimizer`` wraps its SGD."""
+def _converted(codec, before=None, after=None):
+    """The CNN trained ``STEPS`` steps with ``codec``, with ``before`` applied to it in place
+    before ``DistributedOptimizer`` wraps its SGD and ``after`` after (the optimizer keeps
+    the same parameters): its parameters, on the CPU."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
 
     torch.manual_seed(0)
     model = ConvNet()
-    if not after_wrapping:
-        model.double()
+    if before is not None:
+        before(model)
     optimizer = hc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         model.named_parameters(),
         compression=codec,
     )
-    if after_wrapping:
-        model.double()  # in place: the optimizer keeps the same parameters
+    if after is not None:
+        after(model)
+    like = next(model.parameters())
     for step in range(STEPS):
         optimizer.zero_grad()
         x, y = _inputs("channels_last", hvd.rank(), step)
-        torch.nn.functional.cross_entropy(model(x.double()), y).backward()
+        x, y = x.to(like.device, like.dtype), y.to(like.device)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().cpu() for p in model.parameters()]
 
 
 # The codecs the CPU kernels take (float32 tensors only).
@@ -119,11 +122,17 @@ KERNEL_CODECS = ("terngrad:min_size=0", "qsgd-inf:min_size=0", "ef-sign:min_size
 
 
 def _cast_runs():
+    """Each kernel codec with the CNN cast to float64 (which the kernels do not take) before
+    and after wrapping."""
     import horovod.torch as hvd
 
     hvd.init()
     return {
-        (codec, after): _cast(codec, after) for codec in KERNEL_CODECS for after in (False, True)
+        (codec, after): _converted(
+            codec, **{"after" if after else "before": torch.nn.Module.double}
+        )
+        for codec in KERNEL_CODECS
+        for after in (False, True)
     }
 
 
@@ -140,33 +149,14 @@ def test_a_model_cast_after_wrapping_trains_as_one_cast_before(cast_runs, codec)
 
 
 def _moved(codecs):
-    """The channels_last CNN built on the CPU, its optimizer wrapped there, then moved to
-    this rank's GPU: its parameters after ``STEPS`` steps of each codec."""
+    """Each of ``codecs`` with the CNN moved to this rank's GPU after wrapping."""
     import horovod.torch as hvd
-
-    import hvd_compress.pt as hc
 
     from .devices import rank_device
 
     hvd.init()
     device = rank_device("cuda")
-    results = {}
-    for codec in codecs:
-        torch.manual_seed(0)
-        model = ConvNet()
-        optimizer = hc.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            model.named_parameters(),
-            compression=codec,
-        )
-        model.to(device)  # in place: the optimizer keeps the same parameters
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            x, y = _inputs("channels_last", hvd.rank(), step)
-            torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
-            optimizer.step()
-        results[codec] = [p.detach().cpu() for p in model.parameters()]
-    return results
+    return {codec: _converted(codec, after=lambda model: model.to(device)) for codec in codecs}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
