@@ -181,10 +181,12 @@ class _Exchange:
         """Whether the kernels decode codes under ``scale`` (None for unscaled codecs)."""
         return scale is not None and fused.applies(self.codec, scale)
 
-    def payload(self) -> torch.Tensor:
-        """An empty tensor in the format this exchange hands over one worker's codes in,
-        for a kernel to encode into (``fused.encode``; ``start_packed`` sends it)."""
-        return torch.empty(self.codec.code_space.packed_nbytes(self.numel), dtype=torch.uint8)
+    def payload(self, device: torch.device) -> torch.Tensor:
+        """An empty tensor on ``device`` in the format this exchange hands over one worker's
+        codes in, for a kernel to encode into (``fused.encode``; ``start_packed`` sends
+        it)."""
+        nbytes = self.codec.code_space.packed_nbytes(self.numel)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def _servers_signs(self, packed, scales, length):
         """The first ``length`` signs of each server's row of ``packed`` times that server's
@@ -210,9 +212,9 @@ class Allreduce(_Exchange):
             torch, codec.value_space.allreduce_carrier(world_size, TORCH_ALLREDUCE_DTYPES)
         )
 
-    def payload(self) -> torch.Tensor:
+    def payload(self, device: torch.device) -> torch.Tensor:
         """The codes' values in the carrier."""
-        return torch.empty(self.numel, dtype=self.carrier)
+        return torch.empty(self.numel, dtype=self.carrier, device=device)
 
     def start(self, codes, scale, name):
         return self.start_packed(self.codec.values(codes).to(self.carrier), scale, name)
@@ -352,11 +354,10 @@ class Sharded(_Exchange):
         self.total_space = codec.value_space.summed(world_size)
         self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
-    def payload(self) -> torch.Tensor:
+    def payload(self, device: torch.device) -> torch.Tensor:
         """The codes of all shards, padded with 0 to ``world_size`` shards."""
-        return torch.empty(
-            self.codec.code_space.packed_nbytes(self.world_size * self.length), dtype=torch.uint8
-        )
+        nbytes = self.codec.code_space.packed_nbytes(self.world_size * self.length)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def start(self, codes, scale, name):
         padded = codes.new_zeros(self.world_size * self.length)

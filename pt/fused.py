@@ -9,8 +9,10 @@ same results: codes, packed bytes, decoded values and residuals bit for bit, and
 equal to the float64 reference's (the eager port's float64 sums are within float64
 rounding of it, so its float32 scales very rarely differ in the last bit).
 
-``HVD_COMPRESS_KERNELS=0`` in the environment keeps the eager calls everywhere, to compare
-the two.
+Device tensors of the quantizers take the same calls through Triton kernels
+(``triton_fused``). ``HVD_COMPRESS_KERNELS=0`` in the environment keeps the eager calls
+everywhere, to compare; ``HVD_COMPRESS_KERNELS=triton`` (with ``TRITON_INTERPRET=1``) sends CPU
+tensors down the device path instead of to the numba kernels.
 """
 
 import numpy as np
@@ -19,9 +21,10 @@ import torch
 from hvd_compress import fused as core
 from hvd_compress.codes import IntCodes
 
+from . import triton_fused
 from .blocksign import BlockSign
 
-# Whether the kernels run at all (tests and benchmarks switch it to compare).
+# Whether the CPU kernels run at all (tests and benchmarks switch it to compare).
 ENABLED = core.AVAILABLE
 
 
@@ -79,15 +82,28 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def applies(codec, tensor):
-    """Whether ``codec``'s work on tensors like ``tensor`` goes through the kernels: CPU
-    float32 tensors of ``BlockSign``, ``TernGrad`` and the QSGD family's fixed width (by
-    name: the codec modules call this module)."""
-    return (
-        ENABLED
-        and tensor.device.type == "cpu"
-        and tensor.dtype == torch.float32
-        and core.covers(codec)
-    )
+    """Whether ``codec``'s encoding and decoding of tensors like ``tensor`` go through
+    kernels: the CPU kernels' (``on_host``) or Triton's (``triton_fused.applies``)."""
+    return on_host(codec, tensor) or triton_fused.applies(codec, tensor)
+
+
+def on_host(codec, tensor):
+    """Whether the CPU kernels take ``codec``'s work on tensors like ``tensor``: CPU float32
+    tensors of ``BlockSign``, ``TernGrad`` and the QSGD family's fixed width (by name: the
+    codec modules call this module). Their scales, compensation and finiteness come from
+    these kernels only; on the device path those are the eager ops."""
+    return host_reads(tensor) and tensor.dtype == torch.float32 and core.covers(codec)
+
+
+def host_reads(tensor):
+    """Whether the CPU kernels' path reads ``tensor`` on the host (``finite``): a CPU
+    tensor, with the kernels on and not standing in for the device path."""
+    return ENABLED and not triton_fused.ON_CPU and tensor.device.type == "cpu"
+
+
+def _on_device(tensor):
+    """Whether a call on ``tensor`` that both kernels make goes to Triton's."""
+    return tensor.device.type != "cpu" or triton_fused.ON_CPU
 
 
 def _factor(mu):
@@ -166,6 +182,8 @@ def headed(scale: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """One worker's message of an exchange that sends its own scales: the bytes of its
     float32 ``scale``, then its ``packed`` codes (``torch.cat`` of the two would take four
     more dispatches to view the scale as bytes)."""
+    if _on_device(packed):
+        return torch.cat([scale.to(torch.float32).reshape(-1).view(torch.uint8), packed])
     return _tensor(core.headed(_array(scale), _array(packed)))
 
 
@@ -225,6 +243,8 @@ def encode(
     if isinstance(codec, BlockSign):
         return signs_with_feedback(codec, p, scale, in_place=overwrite)
     payload, residual = _outputs(exchange, p, feedback)
+    if _on_device(p):
+        return triton_fused.encode(codec, payload, p, scale, key, residual), residual
     values = core.encode(
         codec,
         _array(p),
@@ -250,7 +270,7 @@ def scaled_encode(codec, exchange, p: torch.Tensor, key: int, feedback: bool) ->
 def _outputs(exchange, p, feedback):
     """What an encoding kernel writes: ``exchange``'s payload and, with ``feedback``, a
     residual like p."""
-    return exchange.payload(), torch.empty_like(p) if feedback else None
+    return exchange.payload(p.device), torch.empty_like(p) if feedback else None
 
 
 def _sent(payload, values):
@@ -267,12 +287,16 @@ def scales_in_encode(codec, numel: int) -> bool:
 
 def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
+    if _on_device(total):
+        return triton_fused.decoded_totals(codec, total, scale, count)
     return _tensor(core.decoded_totals(codec, _array(total), _array(scale), count))
 
 
 def summed_codes(codec, rows: torch.Tensor, length: int, total_space: IntCodes) -> torch.Tensor:
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
     every row, summed over the rows and packed in ``total_space``."""
+    if _on_device(rows):
+        return triton_fused.summed_codes(codec, rows, length, total_space)
     return _tensor(core.summed_codes(codec, _array(rows, flat=False), length, total_space))
 
 
@@ -280,6 +304,8 @@ def decoded_sums(
     codec, rows: torch.Tensor, scale: torch.Tensor, count: int, numel: int
 ) -> torch.Tensor:
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
+    if _on_device(rows):
+        return triton_fused.decoded_sums(codec, rows, scale, count, numel)
     return _tensor(core.decoded_sums(codec, _array(rows, flat=False), _array(scale), count, numel))
 
 
@@ -288,6 +314,8 @@ def decoded_own_scales(
 ) -> torch.Tensor:
     """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
     scales, then the codes) of ``codec.decode`` of their values, each under its own scales."""
+    if _on_device(messages):
+        return triton_fused.decoded_own_scales(codec, messages, head, count, numel)
     return _tensor(core.decoded_own_scales(codec, _array(messages, flat=False), head, count, numel))
 
 
@@ -302,6 +330,8 @@ def decoded_segments(
 ) -> torch.Tensor:
     """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
     elements r length .. (r + 1) length - 1, packed in ``total_space``."""
+    if _on_device(rows):
+        return triton_fused.decoded_segments(codec, rows, total_space, length, scale, count, numel)
     return _tensor(
         core.decoded_segments(
             codec,

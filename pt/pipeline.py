@@ -294,17 +294,17 @@ class CompressionPipeline:
         )
 
     def on_kernels(self, tensor):
-        """Whether ``fused``'s CPU kernels take ``tensor``, a gradient or its shard
-        (``fused.applies``): asked of each as it comes, so that a model moved or cast after
-        its optimizer was wrapped sends its gradients where they can go, and the kernels
-        never receive another device's memory."""
+        """Whether kernels encode ``tensor``, a gradient or its shard (``fused.applies``:
+        the CPU kernels, or Triton's on a GPU): asked of each as it comes, so that a model
+        moved or cast after its optimizer was wrapped sends its gradients where they can
+        go, and the kernels never receive another device's memory."""
         return fused.applies(self.codec, tensor)
 
     def _compensates_in_kernels(self, vector):
         """Whether the worker error feedback of ``vector``, a gradient or its shard, runs in
-        ``fused``'s kernels."""
+        the CPU kernels (``fused.on_host``; on the device path it is the eager ops')."""
         return (
-            self.on_kernels(vector)
+            fused.on_host(self.codec, vector)
             and self.state.worker is not None
             and not vector.is_sparse
             and vector.is_contiguous()
@@ -410,7 +410,7 @@ class CompressionPipeline:
         flight.handle = None
         # The QSGD family's own scales are taken in the encoding's pass over the gradient.
         flight.scale_in_encode = (
-            self.on_kernels(flight.vector)
+            fused.on_host(self.codec, flight.vector)
             and not self.codec.shares_scale(exchange)
             and fused.scales_in_encode(self.codec, flight.vector.numel())
         )
@@ -724,7 +724,7 @@ class CompressionPipeline:
         if not extremes:
             return True
         extremes = torch.cat(extremes)
-        if fused.ENABLED and extremes.device.type == "cpu":
+        if fused.host_reads(extremes):
             return fused.finite(extremes.double())
         return torch.isfinite(extremes).all()
 

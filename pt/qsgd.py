@@ -11,7 +11,7 @@ from .quantizer import UniformQuantizer
 
 
 def _local_norms(quantizer, grad, norm):
-    if fused.applies(quantizer, grad):
+    if fused.on_host(quantizer, grad):
         return fused.local_scale(quantizer, grad)
     g = grad.detach().reshape(-1)
     d = quantizer.bucket_length(g.numel())

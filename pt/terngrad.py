@@ -12,7 +12,7 @@ class TernGrad(reference.TernGrad, UniformQuantizer):
     __doc__ = reference.TernGrad.__doc__
 
     def local_scale(self, grad):
-        if fused.applies(self, grad):
+        if fused.on_host(self, grad):
             return fused.local_scale(self, grad)
         g = grad.detach().reshape(-1).to(torch.float32)
         if g.numel() == 0:

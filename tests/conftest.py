@@ -1,8 +1,16 @@
 """Settings of the whole test session."""
 
+import os
+
 import pytest
+import torch
 
 from . import harness
+
+# Without a GPU, the Triton kernels run on CPU tensors under Triton's interpreter, which
+# must be on before ``triton.jit`` wraps them (``tests/test_triton_kernels.py``).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The kernels' own tests run first: they compile every numba kernel once, in one process, into
 # the on-disk cache (``hvd_compress.kernels`` compiles with ``cache=True``) that every later

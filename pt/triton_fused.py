@@ -1,0 +1,254 @@
+"""The quantizers' per-element passes on device tensors, by ``triton_kernels``.
+
+TernGrad's and the fixed-width QSGD family's encoding (the draws of ``seeding.uniforms``,
+rounding, packing or the allreduce's values, and the worker residual) and their decoding on
+each exchange's receiving side, one launch per call where the eager ops take dozens. The
+calls take the arguments of ``fused``'s CPU calls and give their results bit for bit, which
+are the eager ops' (``tests/test_triton_kernels.py`` checks both under Triton's
+interpreter): every float operation is one the eager ops make, rounded as they round it
+(``triton_kernels``).
+
+Under ``TRITON_INTERPRET=1`` Triton runs the same kernels on CPU tensors with numpy:
+``HVD_COMPRESS_KERNELS=triton`` sends CPU tensors here instead of to the numba kernels, to
+test and count the device path on a machine without a GPU; the tests also compile every
+kernel for CUDA architectures without one.
+"""
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from hvd_compress.codes import IntCodes
+from hvd_compress.fused import quantizes
+from hvd_compress.seeding import key_words
+
+# Whether Triton is installed and not turned off (``HVD_COMPRESS_KERNELS=0``).
+ENABLED = (
+    importlib.util.find_spec("triton") is not None
+    and os.environ.get("HVD_COMPRESS_KERNELS", "1") != "0"
+)
+# Whether Triton runs kernels with numpy (``TRITON_INTERPRET=1``), and the profiler range
+# that holds the tensor ops it makes to do so.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETER_RANGE = "hvdc.triton_interpreter"
+# Whether CPU tensors take these kernels too, under Triton's interpreter
+# (``HVD_COMPRESS_KERNELS=triton``): the device path, run where there is no GPU.
+ON_CPU = os.environ.get("HVD_COMPRESS_KERNELS") == "triton"
+if ON_CPU and (not ENABLED or not INTERPRETED):
+    raise RuntimeError(
+        "HVD_COMPRESS_KERNELS=triton runs the Triton kernels on CPU tensors, which needs "
+        "Triton installed and its interpreter on (TRITON_INTERPRET=1)"
+    )
+
+# Elements (or packed bytes) per program: a GPU's, and larger ones for the interpreter, which
+# runs one program at a time in Python (results do not depend on the size).
+_BLOCK = 1 << 16 if INTERPRETED else 1024
+
+# Pinned rounding: a * b + c rounds twice in the eager ops, and must not become one fma.
+_COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+# Kernel launches made so far, for ``benchmarks/op_count.py``.
+launches = 0
+
+
+def applies(codec, tensor: torch.Tensor) -> bool:
+    """Whether these kernels take ``codec``'s work on ``tensor``: float32 tensors of
+    TernGrad and the QSGD family with fixed-width codes, on a CUDA device, or on the CPU
+    under the interpreter."""
+    return (
+        ENABLED
+        and tensor.dtype == torch.float32
+        and (tensor.device.type == "cuda" or (ON_CPU and tensor.device.type == "cpu"))
+        and quantizes(codec)
+    )
+
+
+@functools.cache
+def _kernels():
+    """``triton_kernels``, imported when first needed: Triton's import takes a third of a
+    second that a process without work for it need not spend."""
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def _launch(name, items, *args, **constants):
+    """Launches kernel ``name`` over ``items`` (elements, or packed bytes) ``_BLOCK`` at a
+    time. Under the interpreter, the tensor ops it makes to run the kernel with numpy are
+    marked (``INTERPRETER_RANGE``) so that counts of a step's ops can leave them out: on
+    a GPU the launch is one."""
+    global launches
+    launches += 1
+    grid = (max(1, -(-items // _BLOCK)),)
+    kernel = getattr(_kernels(), name)[grid]
+    if not INTERPRETED:
+        kernel(*args, BLOCK=_BLOCK, **constants, **_COMPILE_OPTIONS)
+        return
+    with torch.profiler.record_function(INTERPRETER_RANGE):
+        kernel(*args, BLOCK=_BLOCK, **constants, **_COMPILE_OPTIONS)
+
+
+# ----- the calls of ``fused`` -----
+
+
+def _rounding(codec):
+    """(mode, s as a float, exponent) of ``quantize`` for ``codec``."""
+    if codec.name == "nuqsgd":
+        return _kernels().NUQSGD, float(2**codec.exponent), codec.exponent
+    kernels = _kernels()
+    return (kernels.ONE_LEVEL if codec.levels == 1 else kernels.UNIFORM), float(codec.levels), 0
+
+
+def _divisor(codec, count):
+    """The divisor of ``codec.decode(total, scale, count)``, as float32 divides by it."""
+    return float((2**codec.exponent if codec.name == "nuqsgd" else codec.levels) * count)
+
+
+def _scales(scale):
+    """The float32 scales, flat and contiguous."""
+    return scale.reshape(-1).to(torch.float32).contiguous()
+
+
+def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, key: int, residual):
+    """``fused.encode`` of a quantizer: p's codes under ``scale`` with the draws of stream
+    ``key`` into ``payload`` (uint8: packed, with code 0 in every field past p's; else the
+    codes' values in its dtype), and with a ``residual`` tensor like p, p - decode(values,
+    scale, 1) there."""
+    space = codec.code_space
+    mode, levels, exponent = _rounding(codec)
+    packed = payload.dtype == torch.uint8
+    lo, multiplier = key_words(key)
+    p = p.reshape(-1)
+    slots = payload.numel() * 8 // space.width if packed else p.numel()
+    items = payload.numel() if packed and space.width < 8 else slots
+    _launch(
+        "quantize",
+        items,
+        p,
+        _scales(scale),
+        payload,
+        p if residual is None else residual,
+        p.numel(),
+        slots,
+        codec.bucket_length(p.numel()),
+        lo,
+        multiplier,
+        levels,
+        exponent,
+        space.bound,
+        MODE=mode,
+        WIDTH=space.width,
+        PACKED=packed,
+        FEEDBACK=residual is not None,
+    )
+    return payload
+
+
+def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:
+    """``codec.decode`` of the allreduce's summed values ``total``."""
+    out = torch.empty(total.shape, dtype=torch.float32, device=total.device)
+    numel = total.numel()
+    bucket = codec.bucket_length(numel)
+    _launch(
+        "decode_totals", numel, total, _scales(scale), out, numel, bucket, _divisor(codec, count)
+    )
+    return out
+
+
+def _rows(rows):
+    """2-D packed rows whose bytes are contiguous within each row (row r at r stride(0))."""
+    rows = rows.reshape(1, -1) if rows.dim() == 1 else rows
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
+def _decode_rows(codec, rows, scales, own, count, numel):
+    space = codec.code_space
+    out = torch.empty(numel, dtype=torch.float32, device=rows.device)
+    _launch(
+        "decode_rows",
+        numel,
+        rows,
+        rows.stride(0),
+        rows.shape[0],
+        scales,
+        scales.numel() // rows.shape[0] if own else 0,
+        out,
+        numel,
+        codec.bucket_length(numel),
+        _divisor(codec, count),
+        space.bound,
+        WIDTH=space.width,
+        NUQSGD=codec.name == "nuqsgd",
+        OWN_SCALES=own,
+    )
+    return out
+
+
+def decoded_sums(codec, rows: torch.Tensor, scale: torch.Tensor, count: int, numel: int):
+    """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
+    return _decode_rows(codec, _rows(rows), _scales(scale), False, count, numel)
+
+
+def decoded_own_scales(codec, messages: torch.Tensor, head: int, count: int, numel: int):
+    """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
+    scales, then the codes) of ``codec.decode`` of their values, each under its own
+    scales."""
+    scales = messages[:, :head].reshape(-1).view(torch.float32)
+    return _decode_rows(codec, _rows(messages)[:, head:], scales, True, count, numel)
+
+
+def summed_codes(codec, rows: torch.Tensor, length: int, total_space: IntCodes) -> torch.Tensor:
+    """The sharded exchange's partial sum: the values of the first ``length`` codes of
+    every row, summed over the rows and packed in ``total_space``."""
+    space = codec.code_space
+    out = torch.empty(total_space.packed_nbytes(length), dtype=torch.uint8, device=rows.device)
+    rows = _rows(rows)
+    slots = out.numel() * 8 // total_space.width
+    _launch(
+        "sum_codes",
+        out.numel() if total_space.width < 8 else slots,
+        rows,
+        rows.stride(0),
+        rows.shape[0],
+        out,
+        length,
+        slots,
+        space.bound,
+        total_space.bound,
+        WIDTH=space.width,
+        TOTAL_WIDTH=total_space.width,
+        NUQSGD=codec.name == "nuqsgd",
+    )
+    return out
+
+
+def decoded_segments(
+    codec,
+    rows: torch.Tensor,
+    total_space: IntCodes,
+    length: int,
+    scale: torch.Tensor,
+    count: int,
+    numel: int,
+) -> torch.Tensor:
+    """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
+    elements r length .. (r + 1) length - 1, packed in ``total_space``."""
+    out = torch.empty(numel, dtype=torch.float32, device=rows.device)
+    rows = _rows(rows)
+    _launch(
+        "decode_segments",
+        numel,
+        rows,
+        rows.stride(0),
+        out,
+        numel,
+        length,
+        _scales(scale),
+        codec.bucket_length(numel),
+        _divisor(codec, count),
+        total_space.bound,
+        WIDTH=total_space.width,
+    )
+    return out
