@@ -6,11 +6,15 @@ This counts, with ``torch.profiler`` on CPU, the ``aten::`` ops of one whole ste
 backward, exchange, optimizer) that no other ``aten::`` op encloses, for one of the
 benchmark's models (the synthetic ResNet-50 by default), and reports each codec's count
 minus that of the same step with ``none``, divided by the model's tensors and by the tensors
-the codec compresses. It also counts the step's reads of tensor values into Python (host
+the codec compresses; Triton kernel launches (``triton_fused.launches``: one each, like an
+op) count as ops. It also counts the step's reads of tensor values into Python (host
 syncs, which on a GPU stall the host until the device has caught up): the
 ``aten::_local_scalar_dense`` events (``item``, ``bool``, ``int`` and ``float`` of a tensor)
 and ``aten::nonzero`` (whose output's size the host must learn). ``.tolist()`` and numpy
-reads of CPU tensors emit no event and are not counted. A codec with an uncompressed start
+reads of CPU tensors emit no event and are not counted. The device path (Triton's kernels,
+which CUDA tensors take) is counted on CPU under Triton's interpreter with
+``HVD_COMPRESS_KERNELS=triton TRITON_INTERPRET=1``, the eager ops with
+``HVD_COMPRESS_KERNELS=0``. A codec with an uncompressed start
 (PowerSGD's) is counted at a step after it. The counts do not depend on the link, so the
 job runs on localhost:
 
@@ -28,6 +32,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hvd_compress.pt as hc
+from hvd_compress.pt import triton_fused
+from hvd_compress.pt.device import rank_device
 
 from .models import workload
 from .shapes import MODELS
@@ -40,13 +46,17 @@ HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero")
 
 
 def top_level_aten_ops(events):
-    """The ``aten::`` events that have no ``aten::`` event among their ancestors."""
+    """The ``aten::`` events that have no ``aten::`` event among their ancestors, but for
+    those Triton's interpreter makes to run a kernel (``triton_fused.INTERPRETER_RANGE``:
+    the launch counts once, as on a GPU)."""
     count = 0
     for event in events:
         if not event.name.startswith("aten::"):
             continue
         parent = event.cpu_parent
         while parent is not None and not parent.name.startswith("aten::"):
+            if parent.name == triton_fused.INTERPRETER_RANGE:
+                break
             parent = parent.cpu_parent
         count += parent is None
     return count
@@ -57,17 +67,17 @@ def host_reads(events):
     return sum(event.name in HOST_READS for event in events)
 
 
-def count(model_name, codec):
-    """Top-level aten ops and host reads of one step past the codec's warm-up, the model's
-    tensors and those compressed."""
+def count(model_name, codec, device):
+    """Top-level aten ops and host reads of one step on ``device`` past the codec's warm-up,
+    the model's tensors and those compressed."""
     work = workload(model_name, hvd.rank(), hvd.size())
-    model = work.build()
+    model = work.build().to(device)
     optimizer = hc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
         model.named_parameters(),
         compression=codec,
     )
-    inputs, targets = next(work.batches(0))
+    inputs, targets = (t.to(device) for t in next(work.batches(0)))
 
     def step():
         optimizer.zero_grad()
@@ -77,11 +87,13 @@ def count(model_name, codec):
     for _ in range(max(WARMUP_STEPS, optimizer._hvdc_pipeline.codec.uncompressed_steps + 1)):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        launched = triton_fused.launches
         step()
+        launched = triton_fused.launches - launched
     tensors = optimizer.compression_stats()["tensors"]
     compressed = sum(1 for _, _, route, _ in tensors if not route.startswith("allreduce ("))
     events = profiler.events()
-    return top_level_aten_ops(events), host_reads(events), len(tensors), compressed
+    return top_level_aten_ops(events) + launched, host_reads(events), len(tensors), compressed
 
 
 def main(argv=None):
@@ -89,12 +101,16 @@ def main(argv=None):
     parser.add_argument("--codecs", default="terngrad,qsgd-inf,nuqsgd,ef-sign,powersgd,dgc")
     parser.add_argument("--model", default="resnet50", choices=MODELS)
     parser.add_argument("--out", help="also write the counts as JSON here (rank 0)")
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="cuda: each rank's own GPU"
+    )
     args = parser.parse_args(argv)
     hvd.init()
-    baseline, baseline_reads, _, _ = count(args.model, "none")
+    device = rank_device() if args.device == "cuda" else torch.device("cpu")
+    baseline, baseline_reads, _, _ = count(args.model, "none", device)
     rows = []
     for name in args.codecs.split(","):
-        ops, reads, tensors, compressed = count(args.model, name)
+        ops, reads, tensors, compressed = count(args.model, name, device)
         rows.append(
             {
                 "codec": name,

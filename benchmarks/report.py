@@ -334,9 +334,10 @@ def _pct(fraction):
 
 def _op_count_table(model, counts):
     """The Markdown lines of one ``benchmarks.op_count`` result."""
+    path = f", {counts['path']}" if "path" in counts else ""
     title = (
         f"\n### {model}: top-level torch ops and host reads of one step (N = "
-        f"{counts['world_size']}; none: {counts['none']:,} ops, "
+        f"{counts['world_size']}{path}; none: {counts['none']:,} ops, "
         f"{counts['none_host_reads']} reads)\n"
     )
     header = [

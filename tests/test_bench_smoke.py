@@ -83,11 +83,18 @@ def _check_results(result, tmp_path):
     assert [e["method"] for e in accuracy] == ["terngrad"]
     assert [p[1] for p in accuracy[0]["points"]] == list(range(1, 5))
     assert (tmp_path / "bench.md").exists() and (tmp_path / "accuracy.png").exists()
-    (counts,) = result["op_counts"]["cnn"]  # at each N of --workers
-    assert counts["world_size"] == 2
-    assert [c["codec"] for c in counts["codecs"]] == ["terngrad", "ef-sign"]  # not -auto
-    # Compression adds ops to the step, for the tensors it compresses.
-    assert all(c["added"] > 0 and c["compressed_tensors"] > 0 for c in counts["codecs"])
+    # At each N of --workers, on each path: the CPU kernels, the device path, the eager ops.
+    by_path = {counts["path"]: counts for counts in result["op_counts"]["cnn"]}
+    assert list(by_path) == list(bench.OP_COUNT_PATHS)
+    for counts in by_path.values():
+        assert counts["world_size"] == 2
+        assert [c["codec"] for c in counts["codecs"]] == ["terngrad", "ef-sign"]  # not -auto
+        # Compression adds ops to the step, for the tensors it compresses.
+        assert all(c["added"] > 0 and c["compressed_tensors"] > 0 for c in counts["codecs"])
+    # TernGrad's kernels, on the CPU or the device, add fewer ops than the eager ops.
+    terngrad = {path: counts["codecs"][0]["added"] for path, counts in by_path.items()}
+    assert terngrad["CPU kernels"] < terngrad["device path (Triton, interpreted)"]
+    assert terngrad["device path (Triton, interpreted)"] < terngrad["eager ops"]
 
 
 @pytest.mark.timeout(900)
