@@ -72,7 +72,7 @@ log = logging.getLogger("hvd_compress")
 # others': one op per step for all of them instead of one per tensor.
 _SMALL_TENSOR = 1 << 16
 
-# The block of a step the planner does not measure (``CompressionPipeline._cpu``).
+# The block of a step the planner does not measure (``CompressionPipeline._timed``).
 _UNMEASURED = contextlib.nullcontext()
 
 # The adaptive mode's probes: the fastest of this many of each (``_probe_links``). A
@@ -232,6 +232,10 @@ class CompressionPipeline:
         self._restored_servers = {}
         self._step_started = None  # perf_counter() of the step's first gradient
         self._measuring = False  # whether the planner measures this step's tensors
+        # A measured step's blocks on a CUDA device, timed by CUDA events: (name, phase,
+        # start, end, wall seconds), read when the step ends (``_spent_on_device``); None
+        # where the thread's CPU time measures them.
+        self._device_spans = None
         # What every rank must compress alike, and whether the ranks of this world have
         # checked it and taken one step counter (``_agree``).
         self._description = agreement.describe(
@@ -327,13 +331,15 @@ class CompressionPipeline:
             self._measuring = self.state.planner is not None and self.state.planner.start_step(
                 self.state.step
             )
+            on_cuda = self._measuring and param.device.type == "cuda"
+            self._device_spans = [] if on_cuda else None
         plan = self.plans[param]
         if self._measuring:
             self.state.planner.ready_at(plan.name, time.perf_counter() - self._step_started)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = param.grad
-        with self.meter.charging(plan.name), self._cpu(plan.name, "before"):
+        with self.meter.charging(plan.name), self._timed(plan.name, "before"):
             self._launch(plan, param, grad, ratio, momentum)
         flight = self._in_flight[param]
         if flight.stage == "shard":
@@ -350,21 +356,46 @@ class CompressionPipeline:
             if plan.reason == "compressed":
                 plan.path = path
 
-    def _cpu(self, name, phase):
-        """Charges this thread's CPU time in the block to tensor ``name``'s ``phase``
-        (``adaptive.Planner.spent``) in the steps the planner measures; in the others it
+    def _timed(self, name, phase):
+        """Charges the time of the block's work to tensor ``name``'s ``phase``
+        (``adaptive.Planner.spent``) in the steps the planner measures: the thread's CPU
+        time, or on a CUDA device the device's, between CUDA events around the block (the
+        thread's time there would see only the kernels' launches). In the other steps it
         does nothing, at the cost of a shared context manager rather than a generator's."""
-        return self._measured_cpu(name, phase) if self._measuring else _UNMEASURED
+        return self._measured(name, phase) if self._measuring else _UNMEASURED
 
     @contextlib.contextmanager
-    def _measured_cpu(self, name, phase):
-        start, wall = time.thread_time(), time.perf_counter()
+    def _measured(self, name, phase):
+        wall = time.perf_counter()
+        if self._device_spans is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._device_spans.append((name, phase, start, end, time.perf_counter() - wall))
+            return
+        start = time.thread_time()
         try:
             yield
         finally:
             self.state.planner.spent(
                 name, phase, time.thread_time() - start, time.perf_counter() - wall
             )
+
+    def _spent_on_device(self):
+        """Hands the planner a measured step's device times. Reading them waits for the
+        device once, at the end of the step, and only in the steps the planner measures
+        (the warm-up and the few before each decision): the events of one stream complete
+        in order, so waiting for the last waits for all."""
+        spans, self._device_spans = self._device_spans, None
+        if not spans:
+            return
+        spans[-1][3].synchronize()
+        for name, phase, start, end, wall in spans:
+            self.state.planner.spent(name, phase, start.elapsed_time(end) / 1e3, wall)
 
     def _launch(self, plan, param, grad, ratio, momentum):
         if plan.route in (UNCOMPRESSED, HALF) or grad.is_sparse:
@@ -582,7 +613,7 @@ class CompressionPipeline:
         while shards and (block or hvd.poll(shards[0].handle)):
             flight = shards.popleft()
             name = flight.plan.name
-            with self.meter.charging(name), self._cpu(name, "before"):
+            with self.meter.charging(name), self._timed(name, "before"):
                 flight.vector = self._own_shard(wait(flight.handle))
                 self._start_shard(flight)
             if flight.stage == "scale":
@@ -594,7 +625,7 @@ class CompressionPipeline:
                     break
                 flight.scale = wait(flight.handle)
             scales.popleft()
-            with self._cpu(flight.plan.name, "before"):
+            with self._timed(flight.plan.name, "before"):
                 self._start_codes(flight)
 
     def _start_codes(self, flight):
@@ -649,7 +680,7 @@ class CompressionPipeline:
         self._start_ready_codes(block=True)
         for flight in self._in_flight.values():
             if flight.stage == "codes":
-                with self.meter.charging(flight.plan.name), self._cpu(flight.plan.name, "after"):
+                with self.meter.charging(flight.plan.name), self._timed(flight.plan.name, "after"):
                     flight.handle = flight.exchange.advance(flight.handle)
         known = {}  # param -> whether its gradient is finite, as its exchange knows
         for param, flight in self._in_flight.items():
@@ -660,15 +691,15 @@ class CompressionPipeline:
                 if output.is_sparse:
                     param.grad = output
                 elif output.data_ptr() != param.grad.data_ptr():  # float16, or flushed
-                    with self._cpu(flight.plan.name, "after"):
+                    with self._timed(flight.plan.name, "after"):
                         _write_grad(param, output.to(param.grad.dtype))
                 continue
             name = flight.plan.name
             if flight.plan.exchange == TWO_LEVEL:
-                with self.meter.charging(name), self._cpu(name, "after"):
+                with self.meter.charging(name), self._timed(name, "after"):
                     self._gather_shard(flight, flight.exchange.finish(flight.handle))
                 continue
-            with self._cpu(name, "after"):
+            with self._timed(name, "after"):
                 decoded = flight.exchange.finish(flight.handle)
                 _write_grad(param, decoded)
             # A copy into another dtype could overflow: only an adopted result is known.
@@ -691,6 +722,7 @@ class CompressionPipeline:
         self.state.step += 1
         planner = self.state.planner
         if planner is not None:
+            self._spent_on_device()
             planner.end_step(time.perf_counter() - self._step_started)
             if planner.due(self.state.step):
                 if planner.judging:

@@ -6,6 +6,7 @@ import torch
 
 from hvd_compress.adaptive import TRIAL_STEPS
 
+from .devices import DEVICES, rank_device
 from .harness import run_parallel
 from .test_pt_distributed import Net
 
@@ -117,6 +118,40 @@ def _leave_codec_runs():
         exchange: _leave_codec(hc.BlockSign(min_size=1000), exchange)
         for exchange in ("allgather", "sharded")
     }
+
+
+def _warm_up_costs(device_kind):
+    """The planner's costs after a warm-up of two steps on this rank's ``device_kind``."""
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+
+    hvd.init()
+    device = rank_device(device_kind)
+    torch.manual_seed(0)
+    model = Net().to(device)
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        compression=hc.TernGrad(min_size=1000, compress_classifier=False),
+        adaptive=hc.Adaptive(warmup_steps=2, every=100),
+    )
+    for _ in range(2):
+        optimizer.zero_grad()
+        x = torch.randn(8, 64, device=device)
+        torch.nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
+        optimizer.step()
+    return dict(optimizer._hvdc_pipeline.state.planner.cpu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_warm_up_measures_each_compressed_tensor_on_its_device(device):
+    """The codec's work before and after its collectives is measured for every compressed
+    tensor: by the thread's CPU time on CPU, by CUDA events on a GPU (the device's time)."""
+    costs = run_parallel(_warm_up_costs, 2, device)[0]
+    for name in ("hidden.weight", "middle.weight"):
+        for phase in ("before", "after"):
+            assert costs[name, "codec", phase] > 0, (name, phase, costs)
 
 
 @pytest.fixture(scope="module")
