@@ -36,9 +36,6 @@ import torch
 
 from hvd_compress.validation import check_int
 
-# The adaptive mode's path of a tensor the codec does not send this step.
-_WARM_UP_PATH = "fp32"
-
 
 class CompressedAdam:
     def __init__(self, optimizer, pipeline, warmup_steps):
@@ -51,6 +48,7 @@ class CompressedAdam:
             p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"]
         }
         self.denominators = {}  # parameter -> d, made from the frozen v when first needed
+        pipeline.uncompressed_steps = warmup_steps
         self.follow()
 
     @staticmethod
@@ -83,11 +81,8 @@ class CompressedAdam:
 
     def follow(self):
         """Routes every compressed tensor for the next step: by an fp32 allreduce during
-        the warm-up, by the codec after."""
-        path = "codec" if self.compressing else _WARM_UP_PATH
-        for plan in self.pipeline.plans.values():
-            if plan.reason == "compressed":
-                plan.path = path
+        the warm-up, by the codec after (``CompressionPipeline.follow_paths``)."""
+        self.pipeline.follow_paths()
 
     def reload(self):
         """Follows a loaded state, whose step and frozen v may be others."""

@@ -3,13 +3,15 @@
 ``CompressionPipeline`` owns what happens to each gradient between the moment autograd has
 produced it and the moment the wrapped optimizer reads it back. It is kept apart from the
 optimizer class so that every wrapper (the optimizer, a local-SGD averager, tests) drives the
-same code.
+same code. This module holds its construction and its step: launching each gradient's
+exchange as its hook fires, and collecting the results. Its world (the ranks, their nodes,
+agreement among them and elastic changes, checkpoints) is ``pt/world.py``'s
+``ElasticWorld``; the adaptive mode's part of a step is ``pt/adaptive.py``'s
+``AdaptiveSteps``.
 """
 
 import collections
-import contextlib
 import dataclasses
-import logging
 import time
 
 import horovod.torch as hvd
@@ -17,35 +19,20 @@ import torch
 
 from hvd_compress import accounting, agreement, cost, fusion
 from hvd_compress.accounting import HALF, UNCOMPRESSED, Sent
-from hvd_compress.adaptive import (
-    CARRIERS,
-    PROBE_SMALL,
-    PROBE_START,
-    Link,
-    Planner,
-    next_probe,
-    path_traffic,
-    probe_sent,
-)
+from hvd_compress.adaptive import Planner
 from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.plan import TensorPlan, plan_tensor
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
-from hvd_compress.topology import averages_by_allreduce
 from hvd_compress.validation import check_global_membership, check_two_level_process_set
 
-from . import fused, seeding, topology
-from .exchange import (
-    Meter,
-    allgather_object,
-    allreducible,
-    make_exchange,
-    make_sparse_exchange,
-    wait,
-)
+from . import fused, seeding
+from .adaptive import AdaptiveSteps
+from .exchange import Meter, allreducible, make_exchange, make_sparse_exchange, wait
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
+from .world import ElasticWorld
 
 
 @dataclasses.dataclass
@@ -65,33 +52,14 @@ class _InFlight:
     ratio: float = 1.0  # eta_{t-1} / eta_t of the step, for residuals compensated later
 
 
-log = logging.getLogger("hvd_compress")
-
-
 # The largest tensor (elements) whose finiteness ``all_finite`` reads together with the
 # others': one op per step for all of them instead of one per tensor.
 _SMALL_TENSOR = 1 << 16
-
-# The block of a step the planner does not measure (``CompressionPipeline._timed``).
-_UNMEASURED = contextlib.nullcontext()
-
-# The adaptive mode's probes: the fastest of this many of each (``_probe_links``). A
-# collective under a name Horovod has not seen yet negotiates in full, and any can meet a
-# rank descheduled.
-_PROBE_REPEATS = 5
 
 
 def _codes_name(name):
     """The name of the collective, or fusion group member, of parameter ``name``'s codes."""
     return f"hvdc.{name}.codes"
-
-
-def _max_over_ranks(values, name, process_set, dtype=torch.float64):
-    """The element-wise largest of ``values`` (a list of numbers) over the ranks of
-    ``process_set``, by one blocking Max-allreduce of a CPU tensor: how the ranks agree on
-    what each measured."""
-    values = torch.tensor(values, dtype=dtype)
-    return hvd.allreduce(values, op=hvd.Max, name=name, process_set=process_set).tolist()
 
 
 def _write_grad(param, decoded):
@@ -105,7 +73,7 @@ def _write_grad(param, decoded):
         param.grad.copy_(decoded.reshape(param.grad.shape))
 
 
-class CompressionPipeline:
+class CompressionPipeline(ElasticWorld, AdaptiveSteps):
     """Compressed averaging (or summing) of gradients across the ranks of a Horovod
     process set.
 
@@ -146,6 +114,9 @@ class CompressionPipeline:
         process_set=hvd.global_process_set,
     ):
         self.codec = codec
+        # Steps at the start that send every compressed tensor whole (``follow_paths``):
+        # the codec's (PowerSGD's ``start_iter``), or compressed Adam's warm-up, which sets it.
+        self.uncompressed_steps = codec.uncompressed_steps
         self.average = average
         self.seed = seed
         self.process_set = process_set
@@ -226,7 +197,7 @@ class CompressionPipeline:
             planner,
         )
         if planner is not None:
-            self._follow_planner()
+            self.follow_paths()
         # The exchange that kept each server residual of a restored state, until the next
         # step has brought them to this pipeline's exchanges (``load_state_dict``).
         self._restored_servers = {}
@@ -247,33 +218,6 @@ class CompressionPipeline:
         self._agreed = False
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
-
-    def _join_nodes(self):
-        """Takes the nodes where Horovod's ranks sit as the two-level exchange's layout:
-        this rank's process sets (``topology.join``) and the exchange among the nodes of
-        each tensor's shards. Collective."""
-        self.nodes = topology.current_nodes()
-        self.node_set, self.shard_set = topology.join(self.nodes)
-        self.node_allreduce = averages_by_allreduce(all(p.device.type == "cpu" for p in self.plans))
-        self.between_nodes = {
-            plan.name: cost.two_level_inner(
-                self.codec, self.nodes.shard_length(plan.numel), self.nodes.cross_size
-            )
-            for plan in self.plans.values()
-            if plan.exchange == TWO_LEVEL and self.shard_set is not None
-        }
-
-    def _choose_exchanges(self):
-        """``exchange="auto"``: the compressed tensors' exchanges for this world, chosen
-        together (``cost.choose_exchanges``: sharded tensors share alltoalls)."""
-        if self.exchange != "auto":
-            return
-        compressed = [plan for plan in self.plans.values() if plan.reason == "compressed"]
-        for plan, exchange in zip(
-            compressed,
-            cost.choose_exchanges(self.codec, [plan.numel for plan in compressed], self.world_size),
-        ):
-            plan.exchange = exchange
 
     # ----- one step -----
 
@@ -326,16 +270,11 @@ class CompressionPipeline:
                 self._agree()
             self._fusions = self._fusion_groups()
             self._step_started = time.perf_counter()
-            if self.codec.uncompressed_steps:
-                self._follow_warm_up()
-            self._measuring = self.state.planner is not None and self.state.planner.start_step(
-                self.state.step
-            )
-            on_cuda = self._measuring and param.device.type == "cuda"
-            self._device_spans = [] if on_cuda else None
+            if self.uncompressed_steps:
+                self.follow_paths()
+            self._start_measuring(param)
         plan = self.plans[param]
-        if self._measuring:
-            self.state.planner.ready_at(plan.name, time.perf_counter() - self._step_started)
+        self._ready(plan.name)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = param.grad
@@ -348,54 +287,29 @@ class CompressionPipeline:
             self._waiting_scales.append(flight)
         self._start_ready_codes()
 
-    def _follow_warm_up(self):
-        """Sends every compressed tensor whole during the codec's first
-        ``uncompressed_steps`` (PowerSGD's ``start_iter``), by the codec after."""
-        path = "codec" if self.state.step >= self.codec.uncompressed_steps else "fp32"
+    def follow_paths(self):
+        """Takes each compressed tensor's path for the next exchange: the one place that
+        decides it. An fp32 allreduce during the ``uncompressed_steps`` at the start
+        (PowerSGD's ``start_iter``, compressed Adam's warm-up), then the path the adaptive
+        planner has in force, else the codec. A tensor that leaves its codec hands its
+        server residual to its worker residual, which its next allreduce carries
+        (``_launch_plain``)."""
+        planner = self.state.planner
         for plan in self.plans.values():
-            if plan.reason == "compressed":
-                plan.path = path
-
-    def _timed(self, name, phase):
-        """Charges the time of the block's work to tensor ``name``'s ``phase``
-        (``adaptive.Planner.spent``) in the steps the planner measures: the thread's CPU
-        time, or on a CUDA device the device's, between CUDA events around the block (the
-        thread's time there would see only the kernels' launches). In the other steps it
-        does nothing, at the cost of a shared context manager rather than a generator's."""
-        return self._measured(name, phase) if self._measuring else _UNMEASURED
-
-    @contextlib.contextmanager
-    def _measured(self, name, phase):
-        wall = time.perf_counter()
-        if self._device_spans is not None:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._device_spans.append((name, phase, start, end, time.perf_counter() - wall))
-            return
-        start = time.thread_time()
-        try:
-            yield
-        finally:
-            self.state.planner.spent(
-                name, phase, time.thread_time() - start, time.perf_counter() - wall
-            )
-
-    def _spent_on_device(self):
-        """Hands the planner a measured step's device times. Reading them waits for the
-        device once, at the end of the step, and only in the steps the planner measures
-        (the warm-up and the few before each decision): the events of one stream complete
-        in order, so waiting for the last waits for all."""
-        spans, self._device_spans = self._device_spans, None
-        if not spans:
-            return
-        spans[-1][3].synchronize()
-        for name, phase, start, end, wall in spans:
-            self.state.planner.spent(name, phase, start.elapsed_time(end) / 1e3, wall)
+            if plan.reason != "compressed":
+                continue
+            if self.state.step < self.uncompressed_steps:
+                path = "fp32"
+            else:
+                path = "codec" if planner is None else planner.path(plan.name)
+            if (
+                plan.path == "codec"
+                and path != "codec"
+                and self.state.server is not None
+                and plan.name in self.state.server.residuals
+            ):
+                self._server_residual_to_worker(plan, self.world_size)
+            plan.path = path
 
     def _launch(self, plan, param, grad, ratio, momentum):
         if plan.route in (UNCOMPRESSED, HALF) or grad.is_sparse:
@@ -720,17 +634,8 @@ class CompressionPipeline:
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
         self.state.step += 1
-        planner = self.state.planner
-        if planner is not None:
-            self._spent_on_device()
-            planner.end_step(time.perf_counter() - self._step_started)
-            if planner.due(self.state.step):
-                if planner.judging:
-                    self._judge()
-                else:
-                    self._decide()
-            elif planner.judging:  # the paths on trial and those they would replace alternate
-                self._follow_planner()
+        if self.state.planner is not None:
+            self._end_adaptive_step()
 
     def all_finite(self, skip=()):
         """Whether every exchanged gradient of this step, but those of ``skip``, is finite;
@@ -759,332 +664,6 @@ class CompressionPipeline:
         if fused.host_reads(extremes):
             return fused.finite(extremes.double())
         return torch.isfinite(extremes).all()
-
-    def _agree(self):
-        """Checks that every rank compresses alike (``hvd_compress.agreement``: a rank that
-        differs would hang the others' collectives) and takes the largest step counter of
-        any rank: before the first exchange, and again in a world that elastic Horovod
-        changed. Not at construction: a worker that joins a running job constructs its
-        pipeline where the others do not, and only meets them at a step.
-
-        After rank 0 alone loaded a checkpoint and ``hvd.broadcast_optimizer_state`` shared
-        the optimizer's state (which does not carry this pipeline's), or after a worker
-        joined, the other ranks would count from 0; the counter chooses CLT-k's leader and
-        the adaptive mode's decision steps, which every rank must take alike or hang."""
-        problem = agreement.disagreement(
-            allgather_object(self._description, "hvdc.agreement", self.process_set)
-        )
-        if problem:
-            raise ValueError(problem)
-        [self.state.step] = _max_over_ranks(
-            [self.state.step], "hvdc.step", self.process_set, torch.int64
-        )
-        self._agreed = True
-        if self.state.planner is not None:
-            self.state.planner.restart(self.state.step)
-            self._follow_planner()
-
-    def _follow_world(self):
-        """Adapts to a world that elastic Horovod changed between steps (``hvd.elastic``).
-
-        Residuals made in the old world of N ranks move into this rank's worker residual,
-        rescaled so that the average over the new world of N' ranks carries the same mass:
-        worker residuals times N'/N; the replicated server's residual as it is (every rank
-        holds it); a sharded server's residual, which covers this rank's old shard only, times
-        N' at that shard's positions. A rank that left takes its own residuals with it.
-        ``exchange="auto"`` is decided again for N'. The two-level exchange takes the new
-        layout (``_follow_nodes``), unless it kept its shape: then its servers are those of
-        a flat exchange among one rank per node, or it compresses nothing (one node).
-        """
-        size, rank = self.process_set.size(), self.process_set.rank()
-        if self.nodes is not None and topology.moved(self.nodes, self.node_set, self.shard_set):
-            self._agreed = False
-            self._follow_nodes(size, rank)
-            return
-        if (size, rank) == (self.world_size, self.rank):
-            return
-        if size != self.world_size:
-            # Every rank sees the new size, so all agree again, with any that joined (a rank
-            # renumbered in a world of the same size cannot tell whether others were).
-            self._agreed = False
-        if self.state.worker is not None:
-            for name, residual in self.state.worker.residuals.items():
-                self.state.worker.residuals[name] = residual * (size / self.world_size)
-        if self.state.server is not None:
-            for plan in self._server_plans().values():
-                self._server_residual_to_worker(plan, size)
-        self.world_size, self.rank = size, rank
-        self._choose_exchanges()
-        if self.state.planner is not None:
-            self.state.planner.restart(self.state.step)
-            self._follow_planner()
-
-    def _server_residual_to_worker(self, plan, world):
-        """Moves the server residual of ``plan``'s tensor into this rank's worker residual,
-        so that the next exchange among ``world`` ranks (for a two-level tensor: nodes),
-        whose sum is divided by count (``world`` for an average, 1 for a sum), delivers it:
-        the replicated server's (held by every rank) times count / world, a sharded
-        server's (this rank's shard of the current world only) times count at that shard's
-        positions; a restored residual by the exchange that kept it."""
-        count = world if self.average else 1
-        residual = self.state.server.residuals.pop(plan.name)
-        exchange, numel, ranks, rank = self.server_exchange(plan)
-        exchange = self._restored_servers.pop(plan.name, exchange)
-        if exchange == "sharded":
-            shard = make_exchange("sharded", self.codec, numel, ranks, self.meter, 1).shard(rank)
-            full = residual.new_zeros(numel)
-            full[shard] = residual * count
-            residual = full
-        else:
-            residual = residual * (count / world)
-        self.state.worker.residuals[plan.name] = self.state.worker.compensate(plan.name, residual)
-
-    def _follow_restored_servers(self):
-        """Moves each restored server residual that another exchange kept than the one its
-        tensor takes now (a state saved with another ``exchange``, or whose world chose
-        another) into the worker residual, as a change of world would
-        (``_server_residual_to_worker``); the others stand."""
-        plans = self._server_plans() if self._restored_servers else {}
-        for name, exchange in list(self._restored_servers.items()):
-            if name in plans and exchange != self.server_exchange(plans[name])[0]:
-                self._server_residual_to_worker(plans[name], self.world_size)
-        self._restored_servers = {}
-
-    def _server_plans(self):
-        """The plan of each tensor that has a server residual, by name."""
-        by_name = {plan.name: plan for plan in self.plans.values()}
-        return {name: by_name[name] for name in self.state.server.residuals}
-
-    def server_exchange(self, plan):
-        """(exchange, elements, ranks, this rank's index among them) of the exchange whose
-        server keeps ``plan``'s server residual: the tensor's own among all ranks, or for a
-        two-level tensor its shard's among the nodes (found from the layout, whose process
-        sets an elastic reset may have dropped)."""
-        if plan.exchange != TWO_LEVEL:
-            return plan.exchange, plan.numel, self.world_size, self.rank
-        _, shard = self.nodes.locate(self.rank)
-        return (
-            self.between_nodes[plan.name],
-            self.nodes.shard_length(plan.numel),
-            self.nodes.cross_size,
-            self.nodes.cross_sets()[shard].index(self.rank),
-        )
-
-    def _follow_nodes(self, size, rank):
-        """Takes the layout of a world that elastic Horovod changed, as ``_follow_world``
-        does for a flat exchange. Collective.
-
-        Each two-level tensor's residuals here are of this rank's shard of its node's
-        average (server residuals moved into them, ``_server_residual_to_worker``), and
-        reach the average over the old M nodes divided by M. Padded to the whole tensor and
-        scaled by N' / M, the node averages of the new layout give each of its ranks a
-        residual of its new shard that carries the same mass to the average over the N'
-        ranks; on a layout of one node, which compresses nothing, the next step sends it
-        (``_start_shard``).
-        """
-        scale = size / self.nodes.cross_size if self.average else 1.0
-        _, shard = self.nodes.locate(self.rank)
-        carried = {}
-        for param, plan in self.plans.items():
-            if plan.exchange != TWO_LEVEL or self.state.worker is None:
-                continue
-            if self.state.server is not None and plan.name in self.state.server.residuals:
-                self._server_residual_to_worker(plan, self.nodes.cross_size)
-            # Zeros where this rank holds no residual, in a dtype every rank agrees on.
-            zeros = param.new_zeros(
-                plan.numel, dtype=torch.promote_types(param.dtype, torch.float32)
-            )
-            whole = self._padded(plan, zeros)
-            residual = self.state.worker.residuals.pop(plan.name, None)
-            if residual is not None:
-                whole.view(self.nodes.local_size, -1)[shard] = residual * scale
-            carried[plan.name] = (plan, whole[: plan.numel])
-        self.world_size, self.rank = size, rank
-        self._join_nodes()
-        for name, (plan, whole) in carried.items():
-            residual = self._padded(plan, whole)
-            if self.node_set is not None:
-                residual = hvd.reducescatter(
-                    residual,
-                    name=f"hvdc.{name}.relayout",
-                    op=hvd.Average if self.average else hvd.Sum,
-                    process_set=self.node_set,
-                )
-            self.state.worker.residuals[name] = residual
-
-    # ----- the adaptive mode -----
-
-    def _follow_planner(self):
-        """Sends every compressed tensor by the path the planner has in force. A tensor
-        that leaves its codec hands its server residual to its worker residual, which its
-        next allreduce carries (``_launch_plain``)."""
-        for plan in self.plans.values():
-            if plan.reason != "compressed":
-                continue
-            path = self.state.planner.path(plan.name)
-            if (
-                plan.path == "codec"
-                and path != "codec"
-                and self.state.server is not None
-                and plan.name in self.state.server.residuals
-            ):
-                self._server_residual_to_worker(plan, self.world_size)
-            plan.path = path
-
-    def _decide(self):
-        """Probes the link, agrees with every rank on the measurements and takes the
-        planner's decision (``hvd_compress.adaptive``); called between steps, on every
-        rank at the same step."""
-        planner = self.state.planner
-        plans = {plan.name: (param, plan) for param, plan in self.plans.items()}
-        for name in planner.compressible:
-            grad = plans[name][0].grad
-            if grad is not None and not grad.is_sparse:
-                start = time.thread_time()
-                half = grad.to(torch.float16)
-                middle = time.thread_time()
-                half.to(grad.dtype)
-                planner.record(name, "fp16", "before", middle - start)
-                planner.record(name, "fp16", "after", time.thread_time() - middle)
-        links = self._probe_links(next(iter(self.plans)).device)
-        agreed = _max_over_ranks(
-            planner.measurements(), "hvdc.adaptive.measurements", self.process_set
-        )
-        traffic = {
-            name: path_traffic(
-                self.codec, plan.numel, self.world_size, plan.exchange, param.element_size()
-            )
-            for name, (param, plan) in plans.items()
-            if name in planner.paths
-        }
-        timings, contention, step_seconds = planner.timings(agreed, traffic)
-        planner.decide(self.state.step, timings, links, contention, step_seconds)
-        self._follow_planner()
-        if self.rank == 0:
-            log.info("hvd_compress adaptive, step %d: %s", self.state.step, planner.describe())
-
-    def _judge(self):
-        """Agrees with every rank on the step times of the decision on trial and keeps or
-        reverts it (``adaptive.Planner.judge``); called between steps, on every rank at
-        the same step."""
-        planner = self.state.planner
-        planner.judge(
-            self.state.step,
-            _max_over_ranks(planner.trial_seconds(), "hvdc.adaptive.trial", self.process_set),
-        )
-        self._follow_planner()
-        if self.rank == 0:
-            log.info(
-                "hvd_compress adaptive, step %d: decision of step %d %s",
-                self.state.step,
-                planner.decision.step,
-                planner.verdict(),
-            )
-
-    def _probe_links(self, device):
-        """Every carrier's ``Link``, fitted to a small and a large probe collective on
-        ``device`` (``adaptive.CARRIERS``); the large one grows until the link's bandwidth
-        shows. Each probe's time is the slowest rank's, so every rank grows and fits alike."""
-        small = dict(zip(CARRIERS, self._probe([(c, PROBE_SMALL) for c in CARRIERS], device)))
-        sizes = dict.fromkeys(CARRIERS, PROBE_START)
-        large = {}
-        growing = list(CARRIERS)
-        while growing:
-            seconds = self._probe([(carrier, sizes[carrier]) for carrier in growing], device)
-            large.update(zip(growing, seconds))
-            grown = {carrier: next_probe(sizes[carrier], large[carrier]) for carrier in growing}
-            growing = [carrier for carrier, nbytes in grown.items() if nbytes is not None]
-            sizes.update((carrier, grown[carrier]) for carrier in growing)
-        return {
-            carrier: Link.fit(
-                (probe_sent(carrier, PROBE_SMALL, self.world_size), small[carrier]),
-                (probe_sent(carrier, sizes[carrier], self.world_size), large[carrier]),
-            )
-            for carrier in CARRIERS
-        }
-
-    def _probe(self, probes, device):
-        """Seconds of the fastest of ``_PROBE_REPEATS`` collectives of each (carrier,
-        nbytes) of ``probes``, the slowest rank's. The probes take turns, so that a burst of
-        noise (a rank descheduled, Horovod's background thread busy) falls on all of them
-        rather than on every repeat of one carrier, which would then look slower than the
-        others. An allreduce that every rank must reach comes first, so that a late rank
-        delays the probes but is not measured as the link."""
-        ranks = self.process_set
-        collectives = []
-        for carrier, nbytes in probes:
-            dtype, collective = CARRIERS[carrier]
-            dtype = getattr(torch, dtype)
-            tensor = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=device)
-            collectives.append((collective, tensor, f"hvdc.adaptive.{carrier}.{nbytes}"))
-        arrive = torch.zeros(1, device=device)
-        hvd.allreduce_(arrive, op=hvd.Sum, name="hvdc.adaptive.arrive", process_set=ranks)
-        best = [float("inf")] * len(collectives)
-        for _ in range(_PROBE_REPEATS):
-            for i, (collective, tensor, name) in enumerate(collectives):
-                start = time.perf_counter()
-                if collective == "allgather":
-                    hvd.allgather(tensor, name=name, process_set=ranks)
-                else:
-                    hvd.allreduce_(tensor, op=hvd.Sum, name=name, process_set=ranks)
-                best[i] = min(best[i], time.perf_counter() - start)
-        agreed = ".".join(f"{carrier}{nbytes}" for carrier, nbytes in probes)
-        return _max_over_ranks(best, f"hvdc.adaptive.seconds.{agreed}", ranks)
-
-    # ----- state -----
-
-    def state_dict(self):
-        # The world the residuals were made in: a state restored into another world is
-        # adapted to it at the next step (``_follow_world``).
-        state = {**self.state.state_dict(), "world_size": self.world_size, "rank": self.rank}
-        if self.state.server is not None:  # whose servers kept the server residuals
-            state["server_exchanges"] = {
-                name: self.server_exchange(plan)[0] for name, plan in self._server_plans().items()
-            }
-        if self.nodes is not None:  # the residuals are of this layout's shards
-            state["nodes"] = self.nodes.node_sets()
-        return state
-
-    def load_state_dict(self, state):
-        nodes = None if self.nodes is None else self.nodes.node_sets()
-        if state.get("nodes", nodes) != nodes:
-            raise ValueError(
-                f"load_state_dict: the state's residuals are of a two-level exchange's "
-                f"shards on the nodes {state.get('nodes')}; this pipeline's nodes are {nodes}"
-            )
-        self.world_size = int(state.get("world_size", self.world_size))
-        self.rank = int(state.get("rank", self.rank))
-        self.state.load_state_dict(state, self.placed)
-        if self.state.server is not None:
-            self._restored_servers = dict(
-                state.get("server_exchanges") or self._implied_server_exchanges()
-            )
-        if self.state.planner is not None:
-            self._follow_planner()
-
-    def _implied_server_exchanges(self):
-        """The exchange that kept each server residual of a state that does not name it,
-        by its length: the whole tensor (or two-level shard) on every rank is an allgather's
-        replicated server, a part of it a sharded server's shard."""
-        residuals = self.state.server.residuals
-        return {
-            name: (
-                "allgather"
-                if residuals[name].numel() == self.server_exchange(plan)[1]
-                else "sharded"
-            )
-            for name, plan in self._server_plans().items()
-        }
-
-    def placed(self, tensors):
-        """Copies of ``tensors`` (parameter name -> state tensor) on their parameters'
-        devices: a checkpoint is usually loaded with ``map_location="cpu"``, and its state
-        must live where the gradients are, apart from the dict it was loaded into."""
-        devices = {plan.name: param.device for param, plan in self.plans.items()}
-        return {
-            name: tensor.to(devices.get(name, tensor.device), copy=True)
-            for name, tensor in tensors.items()
-        }
 
     # ----- accounting -----
 

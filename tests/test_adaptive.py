@@ -145,12 +145,12 @@ def test_probes_grow_until_the_bandwidth_shows():
 
 
 def test_a_burst_of_noise_falls_on_every_carrier_alike(monkeypatch):
-    """The PyTorch pipeline's probes (``_probe_links``) with Horovod's collectives
+    """The PyTorch pipeline's probes (``AdaptiveSteps._probe_links``) with Horovod's collectives
     replaced by a clock: each takes 1 ms, but the first five after the ranks meet take
     20 ms more (a rank descheduled). The carriers' probes take turns, so every carrier
     keeps fast repeats and all fit the same latency; five repeats of one carrier in a row
     would have made that carrier alone 20 ms slower."""
-    from hvd_compress.pt import pipeline
+    from hvd_compress.pt import adaptive as steps
 
     clock = {"now": 0.0, "calls": 0}
 
@@ -164,13 +164,13 @@ def test_a_burst_of_noise_falls_on_every_carrier_alike(monkeypatch):
         else:
             collective()
 
-    monkeypatch.setattr(pipeline.hvd, "allreduce_", arrive)
-    monkeypatch.setattr(pipeline.hvd, "allgather", collective)
-    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: clock["now"])
-    monkeypatch.setattr(pipeline, "_max_over_ranks", lambda values, name, ranks: values)
+    monkeypatch.setattr(steps.hvd, "allreduce_", arrive)
+    monkeypatch.setattr(steps.hvd, "allgather", collective)
+    monkeypatch.setattr(steps.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(steps, "max_over_ranks", lambda values, name, ranks: values)
     probes = types.SimpleNamespace(process_set=None, world_size=2)
-    probes._probe = functools.partial(pipeline.CompressionPipeline._probe, probes)
-    links = pipeline.CompressionPipeline._probe_links(probes, "cpu")
+    probes._probe = functools.partial(steps.AdaptiveSteps._probe, probes)
+    links = steps.AdaptiveSteps._probe_links(probes, "cpu")
     assert set(links) == set(CARRIERS)
     for link in links.values():
         assert link.latency == pytest.approx(1e-3)

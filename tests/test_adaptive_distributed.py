@@ -89,7 +89,7 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
     for step in range(steps):
         if step == switch_at:
             pipeline.state.planner.paths["hidden.weight"] = "fp32"
-            pipeline._follow_planner()
+            pipeline.follow_paths()
         optimizer.zero_grad()
         x = torch.randn(8, 64, generator=data)
         y = torch.randint(0, 10, (8,), generator=data)

@@ -30,10 +30,11 @@ CONFIGS = [
 def by_reduce_scatter(port, body, *args, **kwargs):
     """``body`` run with every node averaging by a reduce-scatter, as nodes of GPUs do,
     where CPU tensors average by an allreduce (``topology.averages_by_allreduce``, as
-    ``port``'s pipeline calls it)."""
+    ``port``'s pipeline calls it: PyTorch's in its world, ``pt/world.py``)."""
     from unittest import mock
 
-    with mock.patch(f"hvd_compress.{port}.pipeline.averages_by_allreduce", return_value=False):
+    caller = {"pt": "hvd_compress.pt.world", "tf": "hvd_compress.tf.pipeline"}[port]
+    with mock.patch(f"{caller}.averages_by_allreduce", return_value=False):
         return body(*args, **kwargs)
 
 
