@@ -202,6 +202,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         # step has brought them to this pipeline's exchanges (``load_state_dict``).
         self._restored_servers = {}
         self._step_started = None  # perf_counter() of the step's first gradient
+        self._device = None  # where the last step's first gradient was
         self._measuring = False  # whether the planner measures this step's tensors
         # A measured step's blocks on a CUDA device, timed by CUDA events: (name, phase,
         # start, end, wall seconds), read when the step ends (``_spent_on_device``); None
@@ -264,6 +265,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         ``momentum`` (``WorkerMomentum.Deferred``, only where ``fuses``) is applied to the
         gradient on the way."""
         if not self._in_flight:
+            self._follow_device(param.device)
             self._follow_world()
             self._follow_restored_servers()
             if not self._agreed:
@@ -286,6 +288,16 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         elif flight.stage == "scale":
             self._waiting_scales.append(flight)
         self._start_ready_codes()
+
+    def _follow_device(self, device):
+        """Moves the state to ``device``, where this step's first gradient is, if the model
+        moved there since the last step (``placed``): a residual, momentum buffer or factor
+        left on the old device would meet gradients on the new one. Once per move, not per
+        step or tensor."""
+        if device != self._device:
+            if self._device is not None:
+                self.state.place(self.placed)
+            self._device = device
 
     def follow_paths(self):
         """Takes each compressed tensor's path for the next exchange: the one place that

@@ -39,6 +39,12 @@ class PipelineState(CommittedState):
             **{role: part.state_dict() for role, part in self.committed().items()},
         }
 
+    def place(self, placed) -> None:
+        """Moves every tensor kept onto the device of the tensor it is kept for
+        (``placed``, as ``load_state_dict`` takes it): after the model moved."""
+        for part in self.committed().values():
+            part.load_state_dict(part.state_dict(), placed)
+
     def load_state_dict(self, state: dict, placed) -> None:
         """Restores ``state``; ``placed`` moves a {name: tensor} onto the devices of the
         tensors named (``CompressionPipeline.placed``)."""

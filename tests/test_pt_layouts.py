@@ -88,10 +88,11 @@ def _train(kind, codec):
     }
 
 
-def _converted(codec, before=None, after=None):
+def _converted(codec, before=None, after=None, midway=None):
     """The CNN trained ``STEPS`` steps with ``codec``, with ``before`` applied to it in place
-    before ``DistributedOptimizer`` wraps its SGD and ``after`` after (the optimizer keeps
-    the same parameters): its parameters, on the CPU."""
+    before ``DistributedOptimizer`` wraps its SGD, ``after`` after, and ``midway`` after
+    ``MIDWAY`` steps, when the pipeline holds state (the optimizer keeps the same
+    parameters): its parameters, on the CPU."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
@@ -107,8 +108,10 @@ def _converted(codec, before=None, after=None):
     )
     if after is not None:
         after(model)
-    like = next(model.parameters())
     for step in range(STEPS):
+        if step == MIDWAY and midway is not None:
+            midway(model)
+        like = next(model.parameters())
         optimizer.zero_grad()
         x, y = _inputs("channels_last", hvd.rank(), step)
         x, y = x.to(like.device, like.dtype), y.to(like.device)
@@ -119,51 +122,73 @@ def _converted(codec, before=None, after=None):
 
 # The codecs the CPU kernels take (float32 tensors only).
 KERNEL_CODECS = ("terngrad:min_size=0", "qsgd-inf:min_size=0", "ef-sign:min_size=0")
+# Codecs with state of every kind: residuals, worker momentum (ef-sign's, DGC's velocity)
+# and PowerSGD's factors.
+STATEFUL_CODECS = ("ef-sign:min_size=0", "dgc:min_size=0:ratio=0.1", "powersgd:start_iter=1")
+# The step before which ``_converted``'s ``midway`` converts the model.
+MIDWAY = 3
 
 
 def _cast_runs():
     """Each kernel codec with the CNN cast to float64 (which the kernels do not take) before
-    and after wrapping."""
+    and after wrapping, and each stateful codec's with the CNN cast midway."""
     import horovod.torch as hvd
 
     hvd.init()
-    return {
+    runs = {
         (codec, after): _converted(
             codec, **{"after" if after else "before": torch.nn.Module.double}
         )
         for codec in KERNEL_CODECS
         for after in (False, True)
     }
+    for codec in STATEFUL_CODECS:
+        runs[codec, "midway"] = _converted(codec, midway=torch.nn.Module.double)
+    return runs
 
 
 @pytest.fixture(scope="module")
 def cast_runs():
-    return run_parallel(_cast_runs, 2, timeout=600)[0]
+    return run_parallel(_cast_runs, 2, timeout=600)
+
+
+@pytest.mark.parametrize("codec", STATEFUL_CODECS)
+def test_a_model_cast_midway_trains_on(cast_runs, codec):
+    """Cast when residuals, momentum and factors exist: the state follows the gradients'
+    dtype, and the ranks still agree bitwise."""
+    first, second = (runs[codec, "midway"] for runs in cast_runs)
+    for a, b in zip(first, second):
+        assert a.dtype == torch.float64 and torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("codec", KERNEL_CODECS)
 def test_a_model_cast_after_wrapping_trains_as_one_cast_before(cast_runs, codec):
-    for before, after in zip(cast_runs[codec, False], cast_runs[codec, True]):
+    for before, after in zip(cast_runs[0][codec, False], cast_runs[0][codec, True]):
         assert after.dtype == torch.float64
         torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
 def _moved(codecs):
-    """Each of ``codecs`` with the CNN moved to this rank's GPU after wrapping."""
+    """Each of ``codecs`` with the CNN moved to this rank's GPU after wrapping, and midway
+    (residuals, momentum and factors then on the CPU)."""
     import horovod.torch as hvd
 
     from .devices import rank_device
 
     hvd.init()
     device = rank_device("cuda")
-    return {codec: _converted(codec, after=lambda model: model.to(device)) for codec in codecs}
+    runs = {codec: _converted(codec, after=lambda model: model.to(device)) for codec in codecs}
+    for codec in STATEFUL_CODECS:
+        runs[codec, "midway"] = _converted(codec, midway=lambda model: model.to(device))
+    return runs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_a_model_moved_to_a_gpu_after_wrapping_trains():
     codecs = KERNEL_CODECS + ("powersgd:start_iter=1",)
     first, second = run_parallel(_moved, 2, codecs, timeout=600)
-    for codec in codecs:
+    for codec in codecs + tuple((c, "midway") for c in STATEFUL_CODECS):
         for a, b in zip(first[codec], second[codec]):
             assert torch.isfinite(a).all(), codec
             torch.testing.assert_close(a, b, rtol=0, atol=0)
