@@ -183,7 +183,7 @@ def headed(scale: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     float32 ``scale``, then its ``packed`` codes (``torch.cat`` of the two would take four
     more dispatches to view the scale as bytes)."""
     if _on_device(packed):
-        return torch.cat([scale.to(torch.float32).reshape(-1).view(torch.uint8), packed])
+        return torch.cat([triton_fused.flat_float32(scale).view(torch.uint8), packed])
     return _tensor(core.headed(_array(scale), _array(packed)))
 
 

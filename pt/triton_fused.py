@@ -106,9 +106,14 @@ def _divisor(codec, count):
     return float((2**codec.exponent if codec.name == "nuqsgd" else codec.levels) * count)
 
 
-def _scales(scale):
-    """The float32 scales, flat and contiguous."""
-    return scale.reshape(-1).to(torch.float32).contiguous()
+def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a flat contiguous float32 tensor: itself where it is one already, so
+    that a step makes no op (a launch on a GPU) to convert what needs no converting."""
+    if tensor.dtype != torch.float32:
+        tensor = tensor.to(torch.float32)
+    if tensor.dim() != 1:
+        tensor = tensor.reshape(-1)
+    return tensor.contiguous()
 
 
 def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, key: int, residual):
@@ -120,14 +125,14 @@ def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, k
     mode, levels, exponent = _rounding(codec)
     packed = payload.dtype == torch.uint8
     lo, multiplier = key_words(key)
-    p = p.reshape(-1)
+    p = p if p.dim() == 1 else p.reshape(-1)
     slots = payload.numel() * 8 // space.width if packed else p.numel()
     items = payload.numel() if packed and space.width < 8 else slots
     _launch(
         "quantize",
         items,
         p,
-        _scales(scale),
+        flat_float32(scale),
         payload,
         p if residual is None else residual,
         p.numel(),
@@ -149,11 +154,9 @@ def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, k
 def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
     out = torch.empty(total.shape, dtype=torch.float32, device=total.device)
-    numel = total.numel()
-    bucket = codec.bucket_length(numel)
-    _launch(
-        "decode_totals", numel, total, _scales(scale), out, numel, bucket, _divisor(codec, count)
-    )
+    numel, divisor = total.numel(), _divisor(codec, count)
+    scale = flat_float32(scale)
+    _launch("decode_totals", numel, total, scale, out, numel, codec.bucket_length(numel), divisor)
     return out
 
 
@@ -188,7 +191,7 @@ def _decode_rows(codec, rows, scales, own, count, numel):
 
 def decoded_sums(codec, rows: torch.Tensor, scale: torch.Tensor, count: int, numel: int):
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
-    return _decode_rows(codec, _rows(rows), _scales(scale), False, count, numel)
+    return _decode_rows(codec, _rows(rows), flat_float32(scale), False, count, numel)
 
 
 def decoded_own_scales(codec, messages: torch.Tensor, head: int, count: int, numel: int):
@@ -245,7 +248,7 @@ def decoded_segments(
         out,
         numel,
         length,
-        _scales(scale),
+        flat_float32(scale),
         codec.bucket_length(numel),
         _divisor(codec, count),
         total_space.bound,
