@@ -254,16 +254,20 @@ def _device_and_eager_steps(cases, steps=2):
             error_feedback=feedback,
         )
         data = torch.Generator().manual_seed(hvd.rank())
-        for step in range(steps):
+
+        def step():
             x, y = torch.randn(16, 64, generator=data), torch.randint(0, 10, (16,), generator=data)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            if step < steps - 1:
-                optimizer.step()
-                continue
-            launched = triton_fused.launches
-            with profile(activities=[ProfilerActivity.CPU]) as profiler:
-                optimizer.step()
+            optimizer.step()
+
+        for _ in range(steps - 1):
+            step()
+        # The whole step: the hooks encode a tensor during the backward pass when its
+        # scale arrives in time, and step() the others.
+        launched = triton_fused.launches
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            step()
         parameters = [p.detach().clone() for p in model.parameters()]
         return parameters, triton_fused.launches - launched, host_reads(profiler.events())
 
