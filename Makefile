@@ -4,6 +4,10 @@
 # convergence training) for the edit-test loop; `make bench` runs the bandwidth-limited
 # benchmark matrix (needs root for the namespaces).
 # Each sets up the environment first (idempotent; the Horovod build is cached).
+# `make gpu-build` (not in CI: 7.4 GB, ~25 minutes the first time) makes the CUDA build in
+# .venv-gpu (torch's CUDA build, Horovod compiled with nvcc and NCCL) and checks that it
+# imports; docs/building-horovod.md, "The CUDA build". `make gpu-check`, on a machine with
+# CUDA GPUs, runs the CUDA tests, op counts and device times there (docs/testing.md).
 PY := .venv/bin/python
 # What launch/worker_env.sh gives workers (one thread each; glibc keeps freed memory).
 export OMP_NUM_THREADS := 1
@@ -11,7 +15,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export MALLOC_MMAP_THRESHOLD_ := 1073741824
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
-.PHONY: setup demo demo-full lint test test-fast bench
+.PHONY: setup demo demo-full lint test test-fast bench gpu-build gpu-check
 
 setup:
 	bash launch/setup.sh
@@ -34,3 +38,16 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m hvd_compress.cli bench
+
+GPU_PY := .venv-gpu/bin/python
+gpu-build:
+	HVD_COMPRESS_GPU=1 HVD_COMPRESS_VENV=$(CURDIR)/.venv-gpu nice -n 19 timeout 3600 bash launch/setup.sh
+	$(GPU_PY) -c "import torch, triton, horovod.torch as hvd; hvd.init(); \
+	assert hvd.nccl_built() and hvd.gloo_built() and hvd.mpi_built(), 'Horovod lacks NCCL, Gloo or MPI'; \
+	print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| triton', triton.__version__, \
+	'| Horovod NCCL', hvd.nccl_built(), 'Gloo', hvd.gloo_built(), 'MPI', hvd.mpi_built())"
+	$(GPU_PY) -c "import horovod.tensorflow as hvd; hvd.init(); \
+	assert hvd.nccl_built(); print('horovod.tensorflow: NCCL', hvd.nccl_built())"
+
+gpu-check:
+	bash launch/gpu_check.sh

@@ -10,9 +10,15 @@
 #   HVD_COMPRESS_CACHE  where built wheels are cached  (default: ~/.cache/hvd_compress)
 #   HVD_COMPRESS_GPU    auto (default): the GPU build where nvidia-smi lists a GPU and nvcc
 #                       is on PATH; 1: the GPU build; 0: the CPU build. The GPU build
-#                       installs the CUDA builds of torch and TensorFlow and builds Horovod
-#                       with NCCL (HOROVOD_GPU_OPERATIONS=NCCL). It has never run: no GPU was
-#                       available to this project (docs/building-horovod.md).
+#                       (`make gpu-build`, into .venv-gpu) installs torch's CUDA build with
+#                       the NCCL it pins (launch/requirements-gpu.txt) and builds
+#                       Horovod with nvcc and NCCL (HOROVOD_GPU_OPERATIONS=NCCL), and
+#                       TensorFlow's CUDA build without its CUDA 12 libraries (they collide
+#                       with torch's CUDA 13 ones). It builds, imports and passes the CPU tests
+#                       on a machine without a GPU; nothing has run on a GPU yet
+#                       (docs/building-horovod.md, "The CUDA build").
+#   HOROVOD_BUILD_CUDA_CC_LIST  GPU build: the compute capabilities Horovod's CUDA kernels are
+#                       compiled for, e.g. 80,90 (default: every one this nvcc supports).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +38,10 @@ case "${HVD_COMPRESS_GPU:-auto}" in
               command -v nvcc >/dev/null 2>&1; then GPU=1; else GPU=0; fi ;;
     *) echo "HVD_COMPRESS_GPU must be auto, 0 or 1, got '$HVD_COMPRESS_GPU'" >&2; exit 2 ;;
 esac
+if [ "$GPU" = 1 ] && ! command -v nvcc >/dev/null 2>&1; then
+    echo "the GPU build needs the CUDA toolkit's nvcc on PATH" >&2
+    exit 1
+fi
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -49,11 +59,14 @@ install_system_packages() {
     fi
 }
 
-# launch/requirements.txt, with TensorFlow's CUDA build for the GPU build (PyPI's torch
-# wheel for Linux is its CUDA build).
+# launch/requirements.txt; for the GPU build with TensorFlow's CUDA build (tensorflow, not
+# tensorflow-cpu: Horovod's TensorFlow library, compiled with its GPU kernels, needs the GPU
+# functors only that build exports) and launch/requirements-gpu.txt (PyPI's torch wheel for
+# Linux is its CUDA build; that file pins the NCCL it requires).
 requirements() {
     if [ "$GPU" = 1 ]; then
-        sed 's/^tensorflow-cpu==/tensorflow[and-cuda]==/' "$REPO/launch/requirements.txt"
+        sed 's/^tensorflow-cpu==/tensorflow==/' "$REPO/launch/requirements.txt"
+        cat "$REPO/launch/requirements-gpu.txt"
     else
         cat "$REPO/launch/requirements.txt"
     fi
@@ -99,7 +112,9 @@ pip_option() {
 # unpacking every wheel again, and compiles their bytecode on every core. uv does not read
 # pip's configuration, so the index and the local wheel directories this machine gives pip
 # are handed to it (here a CPU-only torch wheel, which PyPI's index for Linux does not
-# have); they are looked up once, at the first install.
+# have); they are looked up once, at the first install. The GPU build leaves the local
+# wheel directories out: torch==2.13.0 also matches a local 2.13.0+cpu wheel, which uv
+# prefers to PyPI's CUDA build.
 UV_OPTIONS=()
 install_packages() {
     local index link
@@ -107,28 +122,41 @@ install_packages() {
         UV_OPTIONS=(--python "$VENV/bin/python" --quiet --compile-bytecode)
         index="$(pip_option index-url)"
         if [ -n "$index" ]; then UV_OPTIONS+=(--default-index "$index"); fi
-        for link in $(pip_option find-links); do UV_OPTIONS+=(--find-links "$link"); done
+        if [ "$GPU" = 0 ]; then
+            for link in $(pip_option find-links); do UV_OPTIONS+=(--find-links "$link"); done
+        fi
     fi
     "$VENV/bin/uv" pip install "${UV_OPTIONS[@]}" "$@"
 }
 
 # The NCCL the GPU build links: HOROVOD_NCCL_HOME if set, the system's (libnccl-dev), or
-# the one torch's CUDA wheel brings (nvidia-nccl-cu12), whose library lacks the unversioned
-# name CMake looks for, so a link to it is made in $1.
+# the one torch's CUDA wheel brings (nvidia-nccl-cu13, launch/requirements-gpu.txt). That
+# one is a namespace package (no __file__) whose library lacks the unversioned name CMake
+# looks for, so links to it are made in the venv's hvd_compress-nccl/: the link directory
+# becomes part of the Horovod libraries' RUNPATH, so it has to outlive the build, and it
+# holds libnccl.so.2 too, the name the libraries load (horovod.tensorflow loads it before
+# anything else in the process has).
 nccl_environment() {
-    local links="$1" nccl
+    local links="$VENV/hvd_compress-nccl" nccl
     if [ -n "${HOROVOD_NCCL_HOME:-}" ] || [ -e /usr/include/nccl.h ]; then
         return
     fi
-    nccl="$("$VENV/bin/python" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)"
+    nccl="$("$VENV/bin/python" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
     if [ -z "$nccl" ] || [ ! -e "$nccl/include/nccl.h" ]; then
         echo "the GPU build needs NCCL: set HOROVOD_NCCL_HOME or install libnccl-dev" >&2
         exit 1
     fi
     mkdir -p "$links"
     ln -sf "$nccl/lib/libnccl.so.2" "$links/libnccl.so"
+    ln -sf "$nccl/lib/libnccl.so.2" "$links/libnccl.so.2"
     export HOROVOD_NCCL_INCLUDE="$nccl/include" HOROVOD_NCCL_LIB="$links"
     export HOROVOD_NCCL_LINK=SHARED
+}
+
+# The CUDA toolkit of the nvcc on PATH, from nvcc itself: `nvcc` may be a wrapper script
+# outside the toolkit, so its own directory is not the answer.
+cuda_home() {
+    nvcc --dryrun -E -x cu /dev/null 2>&1 | sed -n 's|^#\$ TOP=\(.*\)/bin/\.\.$|\1|p' | head -n 1
 }
 
 # Builds Horovod from its sdist with the three CMake edits that torch >= 2.1 and
@@ -139,7 +167,7 @@ nccl_environment() {
 build_horovod_wheel() {
     local wheel_dir="$1" work
     work="$(mktemp -d)"
-    log "building Horovod $HOROVOD_VERSION (about 5 minutes on 2 cores)"
+    log "building Horovod $HOROVOD_VERSION (about $([ "$GPU" = 1 ] && echo 25 || echo 5) minutes on 2 cores)"
     "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --no-binary :all: \
         -d "$work" "horovod==$HOROVOD_VERSION"
     tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
@@ -150,9 +178,25 @@ build_horovod_wheel() {
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     mkdir -p "$wheel_dir"
     if [ "$GPU" = 1 ]; then
-        nccl_environment "$work/nccl"
+        # TensorFlow's ops get their CUDA stream from stream_executor::gpu::AsGpuStreamValue,
+        # which TensorFlow 2.21 no longer exports (not even its CUDA build): the library then
+        # fails to load (undefined symbol). Stream::platform_specific_handle() replaces it.
+        local ops="$src/horovod/tensorflow/mpi_ops.cc"
+        sed -i '/^GpuStreamHandle AsGpuStreamValue(Stream\* stream);$/d' "$ops"
+        sed -i '0,/^#endif \/\/ TENSORFLOW_VERSION >= 2011000000$/s//&\
+namespace stream_executor { namespace gpu {\
+inline GpuStreamHandle AsGpuStreamValue(Stream* stream) {\
+  return static_cast<GpuStreamHandle>(stream->platform_specific_handle().stream);\
+} } }/' "$ops"
+        grep -q 'platform_specific_handle' "$ops"
+        nccl_environment
         export HOROVOD_GPU_OPERATIONS=NCCL
-        export HOROVOD_CUDA_HOME="${HOROVOD_CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}"
+        export HOROVOD_CUDA_HOME="${HOROVOD_CUDA_HOME:-$(cuda_home)}"
+        # Horovod finds the CUDA runtime to link the torch library with through torch's
+        # cpp_extension, which takes CUDA_HOME, else nvcc's parent directory (for a wrapper
+        # script outside the toolkit, one without libcudart: FOUND_LIB_cudart NOTFOUND).
+        export CUDA_HOME="${CUDA_HOME:-$HOROVOD_CUDA_HOME}"
+        log "CUDA toolkit $HOROVOD_CUDA_HOME, compute capabilities ${HOROVOD_BUILD_CUDA_CC_LIST:-all that nvcc supports}"
     fi
     # pip's cmake 4.x rejects the bundled gloo: the system cmake is used (PATH has /usr/bin).
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
@@ -170,6 +214,12 @@ install_horovod() {
     key="horovod-${HOROVOD_VERSION}_torch-${TORCH_VERSION}_tf-${TF_VERSION}_${py}_$(uname -m)"
     if [ "$GPU" = 1 ]; then
         key="${key}_nccl_$(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/cuda\1/p')"
+        if [ -n "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
+            key="${key}_sm${HOROVOD_BUILD_CUDA_CC_LIST//,/-}"
+        fi
+        # Its libraries find libnccl.so.2 through the RUNPATH of the venv that built them
+        # (nccl_environment): a wheel per venv.
+        key="${key}_venv-$(printf '%s' "$VENV" | sha256sum | cut -c1-8)"
     fi
     wheel_dir="$CACHE/$key"
     if "$VENV/bin/python" - "$HOROVOD_VERSION" "$GPU" <<'PY' 2>/dev/null; then
@@ -177,7 +227,7 @@ import sys, importlib.metadata as md
 assert md.version("horovod") == sys.argv[1]
 import horovod.torch, horovod.common.util as u
 assert u.gloo_built() and u.mpi_built()
-assert u.nccl_built() == (sys.argv[2] == "1")
+assert bool(u.nccl_built()) == (sys.argv[2] == "1")
 PY
         log "Horovod $HOROVOD_VERSION already installed"
         return
