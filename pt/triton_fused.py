@@ -21,7 +21,7 @@ import os
 import torch
 
 from hvd_compress.codes import IntCodes
-from hvd_compress.fused import quantizes
+from hvd_compress.fused import divisor, quantizes
 from hvd_compress.seeding import key_words
 
 # Whether Triton is installed and not turned off (``HVD_COMPRESS_KERNELS=0``).
@@ -101,11 +101,6 @@ def _rounding(codec):
     return (kernels.ONE_LEVEL if codec.levels == 1 else kernels.UNIFORM), float(codec.levels), 0
 
 
-def _divisor(codec, count):
-    """The divisor of ``codec.decode(total, scale, count)``, as float32 divides by it."""
-    return float((2**codec.exponent if codec.name == "nuqsgd" else codec.levels) * count)
-
-
 def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a flat contiguous float32 tensor: itself where it is one already, so
     that a step makes no op (a launch on a GPU) to convert what needs no converting."""
@@ -154,9 +149,9 @@ def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, k
 def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
     out = torch.empty(total.shape, dtype=torch.float32, device=total.device)
-    numel, divisor = total.numel(), _divisor(codec, count)
-    scale = flat_float32(scale)
-    _launch("decode_totals", numel, total, scale, out, numel, codec.bucket_length(numel), divisor)
+    numel, scale = total.numel(), flat_float32(scale)
+    bucket, divided_by = codec.bucket_length(numel), float(divisor(codec, count))
+    _launch("decode_totals", numel, total, scale, out, numel, bucket, divided_by)
     return out
 
 
@@ -180,7 +175,7 @@ def _decode_rows(codec, rows, scales, own, count, numel):
         out,
         numel,
         codec.bucket_length(numel),
-        _divisor(codec, count),
+        float(divisor(codec, count)),
         space.bound,
         WIDTH=space.width,
         NUQSGD=codec.name == "nuqsgd",
@@ -250,7 +245,7 @@ def decoded_segments(
         length,
         flat_float32(scale),
         codec.bucket_length(numel),
-        _divisor(codec, count),
+        float(divisor(codec, count)),
         total_space.bound,
         WIDTH=total_space.width,
     )
