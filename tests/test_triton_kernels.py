@@ -308,3 +308,19 @@ def test_the_device_path_trains_as_the_eager_ops():
     assert results[0] == results[1]
     for case, (same, launched, reads) in results[0].items():
         assert same and launched >= 4 and reads == 0, (case, same, launched, reads)
+
+
+def test_the_device_path_on_cpu_needs_the_interpreter():
+    """``HVD_COMPRESS_KERNELS=triton`` without ``TRITON_INTERPRET=1`` would hand CPU tensors
+    to compiled kernels: the import refuses it, naming both settings."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["HVD_COMPRESS_KERNELS"] = "triton"
+    run = subprocess.run(
+        [sys.executable, "-c", "import hvd_compress.pt"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0
+    assert "HVD_COMPRESS_KERNELS=triton" in run.stderr and "TRITON_INTERPRET=1" in run.stderr
