@@ -34,6 +34,32 @@ _UNMEASURED = contextlib.nullcontext()
 _PROBE_REPEATS = 5
 
 
+class _Stopwatch:
+    """The time of the block's work on ``device``, as the codecs' is measured (``_timed``):
+    the thread's CPU time, or on a CUDA device the device's between CUDA events, waited for
+    at the block's end (a decision's step waits for its probes anyway)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.seconds = None
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.start.record()
+        else:
+            self.start = time.thread_time()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.thread_time() - self.start
+
+
 class AdaptiveSteps:
     """The adaptive mode of a ``CompressionPipeline`` (a mixin of it), driven by its
     ``state.planner``."""
@@ -75,12 +101,12 @@ class AdaptiveSteps:
         for name in planner.compressible:
             grad = plans[name][0].grad
             if grad is not None and not grad.is_sparse:
-                start = time.thread_time()
-                half = grad.to(torch.float16)
-                middle = time.thread_time()
-                half.to(grad.dtype)
-                planner.record(name, "fp16", "before", middle - start)
-                planner.record(name, "fp16", "after", time.thread_time() - middle)
+                with _Stopwatch(grad.device) as cast:
+                    half = grad.to(torch.float16)
+                planner.record(name, "fp16", "before", cast.seconds)
+                with _Stopwatch(grad.device) as cast:
+                    half.to(grad.dtype)
+                planner.record(name, "fp16", "after", cast.seconds)
         links = self._probe_links(next(iter(self.plans)).device)
         agreed = max_over_ranks(
             planner.measurements(), "hvdc.adaptive.measurements", self.process_set
