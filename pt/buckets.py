@@ -3,15 +3,75 @@
 Per-bucket scales are applied through a (buckets, bucket_size) view of the elements, so they
 broadcast instead of being repeated over every element. Each function keeps the reference's
 float32 operations in the reference's order, so the results are bit-identical to it.
+
+Where the functions take a ``bucket_size``, they also take ``Segments``: the blocks of a
+gradient bucket (``hvd_compress.bucketing``), whose lengths vary from tensor to tensor.
 """
 
 import torch
 
 from hvd_compress.buckets import count
 
+_SEGMENT_REDUCTIONS = {"amax": "max", "sum": "sum"}
+
+
+class Segments:
+    """Blocks of varying lengths, each with one scale, that tile a flat vector with gaps
+    that are no block's: a gradient bucket's members' blocks and the padding after each.
+    Its device tensors let one segment reduction, or one repeat, cover every block.
+
+    Args:
+        lengths: the length of each segment, blocks and gaps, in order.
+        blocks: the indices of the segments that are blocks.
+        groups: the number of blocks of each member, in order.
+        device: where the vector is.
+    """
+
+    def __init__(self, lengths: list, blocks: list, groups: list, device: torch.device):
+        self.numel = sum(lengths)
+        self.count = len(blocks)
+
+        def indices(values):
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        self.lengths = indices(lengths)
+        self.blocks = None if len(blocks) == len(lengths) else indices(blocks)
+        self.block_lengths = (
+            self.lengths if self.blocks is None else indices([lengths[b] for b in blocks])
+        )
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        self.starts = indices([starts[b] for b in blocks])  # each block's first element
+        self.groups = indices(groups)
+
+    def expand(self, scale: torch.Tensor) -> torch.Tensor:
+        """Each block's scale (along ``scale``'s last axis) repeated over its elements, 0
+        over the gaps."""
+        if self.blocks is not None:
+            full = scale.new_zeros(scale.shape[:-1] + self.lengths.shape)
+            scale = full.index_copy_(-1, self.blocks, scale)
+        return torch.repeat_interleave(scale, self.lengths, dim=-1, output_size=self.numel)
+
+    def reduce(self, values: torch.Tensor, reduction: str) -> torch.Tensor:
+        """``reduction`` (``"amax"``, ``"sum"``) of each block of the 1-D ``values``."""
+        out = torch.segment_reduce(
+            values, _SEGMENT_REDUCTIONS[reduction], lengths=self.lengths, unsafe=True
+        )
+        return out if self.blocks is None else out.index_select(0, self.blocks)
+
+    def whole_groups(self, flags: torch.Tensor) -> torch.Tensor:
+        """Whether any block of each block's member has its flag (a boolean per block)."""
+        flagged = torch.segment_reduce(
+            flags.to(torch.float32), "max", lengths=self.groups, unsafe=True
+        )
+        return torch.repeat_interleave(flagged, self.groups, output_size=self.count) > 0
+
 
 def expand(scale, numel, bucket_size):
     """Each bucket's scale repeated over its elements (along the last axis)."""
+    if isinstance(bucket_size, Segments):
+        return bucket_size.expand(scale)
     return torch.repeat_interleave(scale.reshape(scale.shape or (1,)), bucket_size, dim=-1)[
         ..., :numel
     ]
@@ -38,6 +98,8 @@ def per_bucket_(values, method, scale, bucket_size, start=0):
     """``values.method(s)`` in place, with s the scale of each element's bucket; element i of
     ``values``' last axis is element ``start + i`` of the tensor, and leading axes of
     ``values`` and ``scale`` broadcast."""
+    if isinstance(bucket_size, Segments):
+        return getattr(values, method)(bucket_size.expand(scale))
     for elements, rows, buckets in pieces(start, start + values.shape[-1], bucket_size):
         piece = values[..., elements].unflatten(-1, (rows, -1))
         getattr(piece, method)(scale[..., buckets, None])
@@ -48,6 +110,8 @@ def reduce(values, bucket_size, reduction):
     """``reduction`` (``"amax"``, ``"sum"``) of each bucket of ``values`` (1-D); the last
     bucket is reduced over its own elements, which for the nonnegative values reduced here
     is what the reference's zero padding gives."""
+    if isinstance(bucket_size, Segments):
+        return bucket_size.reduce(values, reduction)
     numel = values.shape[-1]
     out = values.new_empty(count(numel, bucket_size))
     for elements, rows, buckets in pieces(0, numel, bucket_size):
@@ -66,6 +130,8 @@ def float64_sums(values, bucket_size, transform):
     ``transform`` is an in-place tensor method (``torch.Tensor.square_`` for QSGD's L2
     norms, whose float32 squares would overflow above 1.8e19) applied to float64 copies of
     the elements."""
+    if isinstance(bucket_size, Segments):
+        return bucket_size.reduce(transform(values.to(torch.float64)), "sum")
     numel = values.shape[-1]
     chunk = _CPU_CHUNK if values.device.type == "cpu" else max(numel, 1)
     sums = torch.zeros(count(numel, bucket_size), dtype=torch.float64, device=values.device)

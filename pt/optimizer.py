@@ -12,6 +12,7 @@ import horovod.torch.optimizer as horovod_optimizer
 import torch
 
 from hvd_compress.adaptive import Adaptive
+from hvd_compress.bucketing import BUCKET_BYTES
 from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import (
     check_compressed_adam_codec,
@@ -228,6 +229,7 @@ def DistributedOptimizer(
     worker_momentum: bool | None = None,
     adaptive: bool | Adaptive = False,
     compressed_adam: int | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> torch.optim.Optimizer:
     """Wraps a ``torch.optim.Optimizer`` so that gradients are compressed, exchanged across
     the Horovod ranks of ``process_set`` and averaged before every ``step()``.
@@ -298,6 +300,13 @@ def DistributedOptimizer(
             the codec (``CompressedAdam``). The remedy for codecs that lean on error
             feedback (ef-sign, AdaComp, CLT-k), which disturb Adam's variance when they
             compress its gradients. None (default): the gradients go through the codec.
+        bucket_bytes: off the CPU kernels (eager ops on a GPU, or with
+            ``HVD_COMPRESS_KERNELS=0``), TernGrad's and the QSGD family's tensors that
+            travel by one exchange are laid out in gradient buckets of this many float32
+            bytes and coded once per bucket, as DDP's buckets are allreduced
+            (``hvd_compress.bucketing``): the same codes, residuals and averages as tensor
+            by tensor, with a few launches per bucket instead of per tensor. Default 25 MiB
+            (DDP's ``bucket_cap_mb``); 0 codes every tensor alone.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -313,6 +322,7 @@ def DistributedOptimizer(
     check_horovod_defaults("DistributedOptimizer", num_groups=num_groups, groups=groups)
     check_exchange("DistributedOptimizer", codec, exchange)
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
+    bucket_bytes = check_int("DistributedOptimizer", "bucket_bytes", bucket_bytes, low=0)
     adaptive = Adaptive.of(adaptive)
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)
     if worker_momentum is None:
@@ -359,6 +369,7 @@ def DistributedOptimizer(
         error_feedback=error_feedback,
         adaptive=adaptive,
         process_set=process_set,
+        bucket_bytes=bucket_bytes,
     )
 
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, local_step=_local_step)

@@ -20,6 +20,7 @@ import torch
 from hvd_compress import accounting, agreement, cost, fusion
 from hvd_compress.accounting import HALF, UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Planner
+from hvd_compress.bucketing import BUCKET_BYTES, gradient_buckets
 from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.plan import TensorPlan, plan_tensor
 from hvd_compress.seeding import stream_seed
@@ -28,6 +29,7 @@ from hvd_compress.validation import check_global_membership, check_two_level_pro
 
 from . import fused, seeding
 from .adaptive import AdaptiveSteps
+from .bucketing import BucketLayout, join_residuals, split_residuals
 from .exchange import Meter, allreducible, make_exchange, make_sparse_exchange, wait
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
@@ -50,6 +52,8 @@ class _InFlight:
     scale_in_encode: bool = False  # the scale taken in the encoding's pass
     compensated: bool = False  # ``vector`` a buffer of the compensation's, free to overwrite
     ratio: float = 1.0  # eta_{t-1} / eta_t of the step, for residuals compensated later
+    layout: BucketLayout = None  # a gradient bucket's flight: the bucket, else None
+    decoded: torch.Tensor = None  # a bucket's decoded vector, once it has arrived
 
 
 # The largest tensor (elements) whose finiteness ``all_finite`` reads together with the
@@ -73,6 +77,17 @@ def _write_grad(param, decoded):
         param.grad.copy_(decoded.reshape(param.grad.shape))
 
 
+def _share_bytes(by_tensor, bucket):
+    """Shares the bytes charged to ``bucket`` (and to the member whose gradient started its
+    exchange) among its members by their elements, for the per-tensor accounting."""
+    members = [m.plan for m in bucket.members]
+    total = by_tensor.pop(bucket.name, 0) + sum(by_tensor.pop(m.name, 0) for m in members)
+    numel = sum(m.numel for m in members)
+    shares = [total * m.numel // numel for m in members]
+    shares[-1] += total - sum(shares)
+    by_tensor.update({m.name: share for m, share in zip(members, shares)})
+
+
 class CompressionPipeline(ElasticWorld, AdaptiveSteps):
     """Compressed averaging (or summing) of gradients across the ranks of a Horovod
     process set.
@@ -94,6 +109,10 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             collective, shard, scale and decision is theirs, and their world size and ranks
             are the set's. On a rank outside it the pipeline exchanges nothing
             (``included`` is False) and only keeps its plans.
+        bucket_bytes: the float32 bytes at which a gradient bucket closes
+            (``hvd_compress.bucketing``): off the CPU kernels, the tensors of a codec that
+            takes buckets travel in them, unless the adaptive mode or the two-level
+            exchange chooses paths tensor by tensor. 0: every tensor alone.
 
     What it carries from one step to the next is ``state`` (``PipelineState``).
     """
@@ -112,6 +131,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         error_feedback=False,
         adaptive=None,
         process_set=hvd.global_process_set,
+        bucket_bytes=BUCKET_BYTES,
     ):
         self.codec = codec
         # Steps at the start that send every compressed tensor whole (``follow_paths``):
@@ -198,6 +218,9 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         )
         if planner is not None:
             self.follow_paths()
+        self.bucket_bytes = bucket_bytes if planner is None and exchange != TWO_LEVEL else 0
+        self.buckets = []
+        self._make_buckets()
         # The exchange that kept each server residual of a restored state, until the next
         # step has brought them to this pipeline's exchanges (``load_state_dict``).
         self._restored_servers = {}
@@ -274,6 +297,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             self._step_started = time.perf_counter()
             if self.uncompressed_steps:
                 self.follow_paths()
+            self._follow_buckets()
             self._start_measuring(param)
         plan = self.plans[param]
         self._ready(plan.name)
@@ -281,8 +305,13 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             param.grad = torch.zeros_like(param)
         grad = param.grad
         with self.meter.charging(plan.name), self._timed(plan.name, "before"):
-            self._launch(plan, param, grad, ratio, momentum)
-        flight = self._in_flight[param]
+            if plan.name in self._bucketed:
+                flight = self._fill_bucket(plan.name, grad, ratio)
+            else:
+                self._launch(plan, param, grad, ratio, momentum)
+                flight = self._in_flight[param]
+        if flight is None:
+            return
         if flight.stage == "shard":
             self._waiting_shards.append(flight)
         elif flight.stage == "scale":
@@ -298,6 +327,80 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             if self._device is not None:
                 self.state.place(self.placed)
             self._device = device
+
+    def _make_buckets(self):
+        """Lays the compressed tensors out in gradient buckets (``hvd_compress.bucketing``)
+        for their exchanges: at construction, and again when ``exchange="auto"`` chose them
+        anew. The residuals of the old buckets go back under their members' names."""
+        if self.state.worker is not None:
+            for bucket in self.buckets:
+                self.state.worker.residuals = split_residuals(self.state.worker.residuals, bucket)
+        self.buckets = gradient_buckets(list(self.plans.values()), self.codec, self.bucket_bytes)
+        params = {plan.name: param for param, plan in self.plans.items()}
+        self._bucket_params = {
+            bucket.name: [params[m.plan.name] for m in bucket.members] for bucket in self.buckets
+        }
+        self._layouts = {}  # bucket name -> its BucketLayout on the gradients' device
+        self._bucketed = {}  # member name -> (layout, index) of this step's buckets
+        self._arrived = {}  # bucket name -> {member index: its ratio} of this step
+
+    def _follow_buckets(self):
+        """Takes the buckets that carry this step's gradients: those whose members all go
+        by the bucket's exchange, are float32 and on one device, off the CPU kernels (and
+        Triton's, which take tensors one by one); asked each step, as placement is
+        (``on_kernels``). Each bucket's residual is kept under the name this step's
+        exchanges use: the bucket's, or its members'."""
+        self._bucketed = {}
+        residuals = None if self.state.worker is None else self.state.worker.residuals
+        for bucket in self.buckets:
+            params = self._bucket_params[bucket.name]
+            device = params[0].device
+            carried = all(
+                m.plan.route == bucket.exchange
+                and p.dtype == torch.float32
+                and p.device == device
+                and not self.on_kernels(p)
+                for m, p in zip(bucket.members, params)
+            )
+            if not carried:
+                if residuals is not None:
+                    self.state.worker.residuals = residuals = split_residuals(residuals, bucket)
+                continue
+            layout = self._layouts.get(bucket.name)
+            if layout is None or layout.device != device:
+                layout = self._layouts[bucket.name] = BucketLayout(bucket, self.codec, device)
+            if residuals is not None:
+                join_residuals(residuals, bucket, device)
+            for index, member in enumerate(bucket.members):
+                self._bucketed[member.plan.name] = (layout, index)
+
+    def _fill_bucket(self, name, grad, ratio):
+        """Copies tensor ``name``'s gradient into its bucket; with the last member's, starts
+        the bucket's exchange, whose flight it returns (None before)."""
+        layout, index = self._bucketed[name]
+        layout.put(index, grad)
+        bucket = layout.bucket
+        arrived = self._arrived.setdefault(bucket.name, {})
+        arrived[index] = ratio
+        if len(arrived) < len(bucket.members):
+            return None
+        del self._arrived[bucket.name]
+        flight = _InFlight(
+            bucket.plan,
+            None,
+            "scale",
+            vector=layout.vector,
+            ratio=layout.ratios([arrived[i] for i in range(len(bucket.members))]),
+            layout=layout,
+        )
+        self._start_scale(flight, None, bucket.exchange, self.world_size, self.process_set)
+        self._in_flight[bucket.name] = flight
+        return flight
+
+    def _codec(self, flight):
+        """The codec of ``flight``: a bucket's (its blocks are the bucket's), else the
+        pipeline's."""
+        return self.codec if flight.layout is None else flight.layout.codec
 
     def follow_paths(self):
         """Takes each compressed tensor's path for the next exchange: the one place that
@@ -363,13 +466,13 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         """Compensates ``flight.vector`` with its worker residual, computes its scale and
         starts the scale's Max-allreduce where ``exchange`` shares it among ``world_size``
         ranks of ``process_set``."""
-        plan = flight.plan
+        plan, codec = flight.plan, self._codec(flight)
         flight.handle = None
         # The QSGD family's own scales are taken in the encoding's pass over the gradient.
         flight.scale_in_encode = (
-            fused.on_host(self.codec, flight.vector)
-            and not self.codec.shares_scale(exchange)
-            and fused.scales_in_encode(self.codec, flight.vector.numel())
+            fused.on_host(codec, flight.vector)
+            and not codec.shares_scale(exchange)
+            and fused.scales_in_encode(codec, flight.vector.numel())
         )
         if flight.fused:
             residual = self.state.worker.residuals.get(plan.name)
@@ -387,11 +490,11 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         elif self.state.worker is not None:
             flight.vector = self.state.worker.compensate(plan.name, flight.vector, flight.ratio)
         server = None
-        if self.codec.two_way:
+        if codec.two_way:
             server = ServerStep(self.state.server, plan.name, flight.ratio)
         flight.exchange = make_exchange(
             exchange,
-            self.codec,
+            codec,
             flight.vector.numel(),
             world_size,
             self.meter,
@@ -400,10 +503,10 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             self._fusions.get(plan.name),
             process_set=process_set,
         )
-        if self.codec.scaled:
+        if codec.scaled:
             if not flight.fused and not flight.scale_in_encode:
-                flight.scale = self.codec.local_scale(flight.vector)
-            if self.codec.shares_scale(exchange):
+                flight.scale = codec.local_scale(flight.vector)
+            if codec.shares_scale(exchange):
                 flight.handle = hvd.allreduce_async(
                     self.meter.hand(flight.scale),
                     op=hvd.Max,
@@ -560,7 +663,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         # keeps every rank's draws its own.
         rank = hvd.rank() if flight.plan.exchange == TWO_LEVEL else self.rank
         key = stream_seed(self.seed, rank, self.state.step, flight.plan.index)
-        if self.on_kernels(vector):
+        if flight.layout is None and self.on_kernels(vector):
             feedback = self.state.worker is not None
             if flight.scale_in_encode:
                 codes, residual, flight.scale = fused.scaled_encode(
@@ -580,19 +683,28 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 self.state.worker.propose(name, residual)
             start = flight.exchange.start_packed
         else:
-            uniforms = (
-                seeding.uniforms(key, vector.numel(), vector.device)
-                if self.codec.stochastic
-                else None
-            )
-            codes = self.codec.encode(vector, flight.scale, uniforms)
+            codec = self._codec(flight)
+            uniforms = self._uniforms(flight, rank, key) if codec.stochastic else None
+            codes = codec.encode(vector, flight.scale, uniforms)
             if self.state.worker is not None:
-                sent = self.codec.decode(self.codec.values(codes), flight.scale, 1)
+                sent = codec.decode(codec.values(codes), flight.scale, 1)
                 self.state.worker.update(name, vector, sent)
             start = flight.exchange.start
         with self.meter.charging(name):
             flight.handle = start(codes, flight.scale, _codes_name(name))
         flight.stage = "codes"
+
+    def _uniforms(self, flight, rank, key):
+        """The draws of ``flight``'s vector: from the stream ``key`` of its tensor, or for a
+        bucket, each member's from its own."""
+        if flight.layout is None:
+            return seeding.uniforms(key, flight.vector.numel(), flight.vector.device)
+        return flight.layout.uniforms(
+            [
+                stream_seed(self.seed, rank, self.state.step, m.plan.index)
+                for m in flight.layout.bucket.members
+            ]
+        )
 
     def synchronize(self, missing):
         """Finishes every exchange of this step and writes the results into ``.grad``.
@@ -608,7 +720,8 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             if flight.stage == "codes":
                 with self.meter.charging(flight.plan.name), self._timed(flight.plan.name, "after"):
                     flight.handle = flight.exchange.advance(flight.handle)
-        known = {}  # param -> whether its gradient is finite, as its exchange knows
+        # param (a bucket's name) -> whether its gradient is finite, as its exchange knows
+        known = {}
         for param, flight in self._in_flight.items():
             if flight.stage == "gather":  # a two-level shard that crossed no network
                 continue
@@ -627,9 +740,17 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 continue
             with self._timed(name, "after"):
                 decoded = flight.exchange.finish(flight.handle)
-                _write_grad(param, decoded)
+                if flight.layout is None:
+                    _write_grad(param, decoded)
+                else:
+                    flight.decoded = decoded
+                    members = self._bucket_params[name]
+                    for member, part in zip(members, flight.layout.members(decoded)):
+                        _write_grad(member, part)
             # A copy into another dtype could overflow: only an adopted result is known.
-            if flight.exchange.finite is not None and param.grad.dtype == decoded.dtype:
+            if flight.exchange.finite is not None and (
+                flight.layout is not None or param.grad.dtype == decoded.dtype
+            ):
                 known[param] = flight.exchange.finite
         for param, flight in self._in_flight.items():
             if flight.stage == "gather":
@@ -642,6 +763,9 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             for flight in self._in_flight.values()
             if flight.exchange
         }
+        for flight in self._in_flight.values():
+            if flight.layout is not None:
+                _share_bytes(self.meter.by_tensor, flight.layout.bucket)
         self._in_flight.clear()
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
@@ -657,8 +781,12 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         the state commits by it with selects (``PipelineState.commit``), so a GPU step does
         not wait for its device."""
         grads = [
-            p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-            for p in self._in_flight
+            flight.decoded
+            if flight.layout is not None
+            else p.grad.coalesce().values()
+            if p.grad.is_sparse
+            else p.grad
+            for p, flight in self._in_flight.items()
             if p not in skip
         ]
         grads = [g for g in grads if g.numel() and g.is_floating_point()]

@@ -5,7 +5,7 @@ import torch
 from hvd_compress import qsgd as reference
 
 from . import fused
-from .buckets import float64_sums, normalized, reduce, rescale
+from .buckets import Segments, float64_sums, normalized, reduce, rescale
 from .codec import Codec
 from .quantizer import UniformQuantizer
 
@@ -21,8 +21,10 @@ def _local_norms(quantizer, grad, norm):
     else:
         # |g| in g's own dtype is exact, and rounding to float32 keeps the maximum.
         scale = reduce(g.abs(), d, "amax").to(torch.float32)
-    # Sums and maxima propagate NaN and Inf: a non-finite scale marks the whole tensor.
-    finite = torch.isfinite(scale).all()
+    # Sums and maxima propagate NaN and Inf: a non-finite scale marks the whole tensor (in
+    # a gradient bucket, the whole member).
+    finite = torch.isfinite(scale)
+    finite = ~d.whole_groups(~finite) if isinstance(d, Segments) else finite.all()
     return torch.where(finite, scale, torch.full_like(scale, float("inf")))
 
 

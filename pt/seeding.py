@@ -24,6 +24,23 @@ def _lowbias32_(x, shifted):
     return x
 
 
+def _to_uniforms(x, scratch):
+    """The draws of the hashed words ``x``: their top 24 bits over 2^24 (float32)."""
+    return torch.bitwise_right_shift(x, 8, out=scratch).to(torch.float32).mul_(2.0**-24)
+
+
+def stream_uniforms(
+    counters: torch.Tensor, lo: torch.Tensor, multiplier: torch.Tensor
+) -> torch.Tensor:
+    """Draw ``counters[i]`` of the stream whose ``key_words`` are ``(lo[i],
+    multiplier[i])``, for every i (int64 tensors alike): the draws of several streams in
+    one pass, as a gradient bucket's members take them (``bucketing.BucketLayout``)."""
+    x = counters * multiplier
+    x.add_(lo).bitwise_and_(_MASK32)
+    scratch = torch.empty_like(x)
+    return _to_uniforms(_lowbias32_(x, scratch), scratch)
+
+
 def uniforms(key: int, numel: int, device: torch.device) -> torch.Tensor:
     """Draws 0 .. numel - 1 of the stream ``key``, as ``hvd_compress.seeding.uniforms``."""
     lo, multiplier = key_words(key)

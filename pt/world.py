@@ -15,6 +15,7 @@ from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.topology import averages_by_allreduce
 
 from . import topology
+from .bucketing import split_residuals
 from .exchange import allgather_object, make_exchange
 
 
@@ -111,6 +112,7 @@ class ElasticWorld:
                 self._server_residual_to_worker(plan, size)
         self.world_size, self.rank = size, rank
         self._choose_exchanges()
+        self._make_buckets()
         if self.state.planner is not None:
             self.state.planner.restart(self.state.step)
             self.follow_paths()
@@ -212,6 +214,9 @@ class ElasticWorld:
         # The world the residuals were made in: a state restored into another world is
         # adapted to it at the next step (``_follow_world``).
         state = {**self.state.state_dict(), "world_size": self.world_size, "rank": self.rank}
+        if "worker" in state:  # under the tensors' names, whatever the buckets of this run
+            for bucket in self.buckets:
+                state["worker"] = split_residuals(state["worker"], bucket)
         if self.state.server is not None:  # whose servers kept the server residuals
             state["server_exchanges"] = {
                 name: self.server_exchange(plan)[0] for name, plan in self._server_plans().items()
@@ -256,6 +261,7 @@ class ElasticWorld:
         devices: a checkpoint is usually loaded with ``map_location="cpu"``, and its state
         must live where the gradients are, apart from the dict it was loaded into."""
         devices = {plan.name: param.device for param, plan in self.plans.items()}
+        devices.update({b.name: devices[b.members[0].plan.name] for b in self.buckets})
         return {
             name: tensor.to(devices.get(name, tensor.device), copy=True)
             for name, tensor in tensors.items()

@@ -1,0 +1,186 @@
+"""Gradient buckets (``hvd_compress.bucketing``): where tensors go, and that coding a bucket
+gives what coding its tensors one by one gives, bit for bit."""
+
+import copy
+
+import pytest
+import torch
+
+import hvd_compress
+from hvd_compress.bucketing import BUCKET_BYTES, gradient_buckets
+from hvd_compress.plan import plan_tensor
+
+from .devices import DEVICES, rank_device
+
+
+def _plans(codec, shapes, exchange="allgather"):
+    return [
+        plan_tensor(codec, f"t{i}", i, shape, True, exchange, False)
+        for i, shape in enumerate(shapes)
+    ]
+
+
+def test_buckets_fill_in_backward_order_and_close_at_their_size():
+    codec = hvd_compress.QSGD(bucket_size=4, min_size=10)
+    # t1 and t3 are below min_size: sent whole, in no bucket.
+    plans = _plans(codec, [(13,), (3,), (20,), (9,), (100,), (30,)])
+    buckets = gradient_buckets(plans, codec, bucket_bytes=4 * 40)
+    assert [[m.plan.name for m in b.members] for b in buckets] == [["t5", "t4"], ["t2", "t0"]]
+    # A tensor that fills a bucket alone goes alone, as it would without buckets.
+    assert gradient_buckets(_plans(codec, [(50,), (50,)]), codec, bucket_bytes=4 * 40) == []
+
+
+def test_a_bucket_is_its_members_side_by_side():
+    codec = hvd_compress.QSGD(bucket_size=4, min_size=10)
+    plans = _plans(codec, [(13,), (20,), (11,)])
+    [bucket] = gradient_buckets(plans, codec)
+    assert [(m.plan.name, m.offset) for m in bucket.members] == [
+        ("t2", 0),
+        ("t1", 16),
+        ("t0", 40),
+    ]
+    assert bucket.numel == 56  # every member starts on a byte of packed codes
+    segments, blocks = bucket.block_lengths(codec)
+    # t2: blocks 4, 4, 3, then 5 of padding; t1: five blocks of 4, then 4 of padding;
+    # t0: blocks 4, 4, 4, 1, then 3 of padding.
+    assert segments == [4, 4, 3, 5] + [4] * 5 + [4] + [4, 4, 4, 1, 3]
+    assert blocks == [0, 1, 2] + [4, 5, 6, 7, 8] + [10, 11, 12, 13]
+    [allreduced] = gradient_buckets(_plans(codec, [(13,), (20,)], "allreduce"), codec)
+    assert [m.offset for m in allreduced.members] == [0, 20]  # values need no alignment
+
+
+def test_no_buckets_where_tensors_go_their_own_way():
+    quantizer = hvd_compress.TernGrad(min_size=1)
+    assert gradient_buckets(_plans(quantizer, [(8,), (8,)], "sharded"), quantizer) == []
+    assert gradient_buckets(_plans(quantizer, [(8,), (8,)]), quantizer, bucket_bytes=0) == []
+    # Two-way, sparse and variable-length codecs send tensors alone.
+    for codec in (
+        hvd_compress.BlockSign(min_size=1),
+        hvd_compress.QSGD(wire="elias", min_size=1),
+        hvd_compress.AdaComp(min_size=1),
+    ):
+        assert gradient_buckets(_plans(codec, [(8,), (8,)]), codec) == []
+
+
+def _bucketed_and_alone(kind, cases, steps=3):
+    """For each (codec, exchange, error feedback) of ``cases``, off the kernels (the eager
+    ops): ``Net``'s parameters after ``steps`` steps, one of which has a NaN on rank 1,
+    with buckets and without; then after a checkpoint of the bucketed run is loaded into
+    an optimizer without buckets and one with, and both take a step more. Also the number
+    of buckets and the residuals' names in the checkpoint."""
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+    from hvd_compress.pt import fused, triton_fused
+
+    from .test_pt_distributed import Net
+
+    hvd.init()
+    device = rank_device(kind)
+    data = torch.Generator().manual_seed(hvd.rank())
+    batches = [
+        (torch.randn(16, 64, generator=data), torch.randint(0, 10, (16,), generator=data))
+        for _ in range(steps + 1)
+    ]
+
+    def optimizer_of(model, codec, exchange, feedback, bucket_bytes):
+        return hc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            model.named_parameters(),
+            compression=codec,
+            exchange=exchange,
+            error_feedback=feedback,
+            bucket_bytes=bucket_bytes,
+        )
+
+    def step(model, optimizer, index):
+        x, y = (t.to(device) for t in batches[index])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if index == 1 and hvd.rank() == 1:
+            model.middle.weight.grad[2, 3] = float("nan")
+        optimizer.step()
+
+    def train(codec, exchange, feedback, bucket_bytes):
+        torch.manual_seed(0)
+        model = Net().to(device)
+        optimizer = optimizer_of(model, codec, exchange, feedback, bucket_bytes)
+        for index in range(steps):
+            step(model, optimizer, index)
+        return model, optimizer
+
+    def resumed(checkpoint, codec, exchange, feedback, bucket_bytes):
+        torch.manual_seed(1)
+        model = Net().to(device)
+        # A copy, as torch.load makes: the optimizer would step the saved momentum itself.
+        checkpoint = copy.deepcopy(checkpoint)
+        model.load_state_dict(checkpoint["model"])
+        optimizer = optimizer_of(model, codec, exchange, feedback, bucket_bytes)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step(model, optimizer, steps)
+        return [p.detach().clone() for p in model.parameters()]
+
+    enabled = fused.ENABLED, triton_fused.ENABLED
+    results = {}
+    try:
+        fused.ENABLED = triton_fused.ENABLED = False
+        for codec, exchange, feedback in cases:
+            codec = f"{codec}:min_size=100"
+            bucketed, optimizer = train(codec, exchange, feedback, BUCKET_BYTES)
+            alone, _ = train(codec, exchange, feedback, 0)
+            checkpoint = {"model": bucketed.state_dict(), "optimizer": optimizer.state_dict()}
+            saved = checkpoint["optimizer"]["hvd_compress"].get("worker", {})
+            compressed = [
+                name
+                for name, _, route, _ in optimizer.compression_stats()["tensors"]
+                if not route.startswith("allreduce (")
+            ]
+            results[codec, exchange, feedback] = {
+                "buckets": len(optimizer._hvdc_pipeline.buckets),
+                "same": all(
+                    torch.equal(a, b) for a, b in zip(bucketed.parameters(), alone.parameters())
+                ),
+                "finite": all(torch.isfinite(p).all() for p in bucketed.parameters()),
+                # The residuals of the compressed tensors, under their names.
+                "saved by name": sorted(saved) == sorted(compressed if feedback else []),
+                "resumed same": all(
+                    torch.equal(a, b)
+                    for a, b in zip(
+                        resumed(checkpoint, codec, exchange, feedback, 0),
+                        resumed(checkpoint, codec, exchange, feedback, BUCKET_BYTES),
+                    )
+                ),
+            }
+    finally:
+        fused.ENABLED, triton_fused.ENABLED = enabled
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", DEVICES)
+def test_a_bucket_codes_as_its_tensors_alone(kind):
+    """Off the kernels, training with buckets leaves every parameter bitwise equal to
+    training tensor by tensor, for every codec that takes buckets, on both exchanges that do,
+    with and without error feedback, through a step that a NaN on one rank skips; a
+    checkpoint keeps residuals under the tensors' names, and resumes alike with or without
+    buckets."""
+    from .harness import run_parallel
+
+    cases = [
+        ("terngrad", "allgather", True),
+        ("terngrad", "allreduce", None),
+        ("qsgd", "allreduce", True),
+        ("qsgd-inf", "allgather", None),
+        ("nuqsgd", "allgather", True),
+    ]
+    results = run_parallel(_bucketed_and_alone, 2, kind, cases)
+    assert results[0] == results[1]
+    for case, result in results[0].items():
+        assert result == {
+            "buckets": 1,
+            "same": True,
+            "finite": True,
+            "saved by name": True,
+            "resumed same": True,
+        }, (case, result)
