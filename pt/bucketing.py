@@ -33,12 +33,17 @@ class BucketLayout:
         self.bucket = bucket
         self.device = device
         lengths, blocks = bucket.block_lengths(codec)
-        groups = [codec.buckets(m.plan.numel) for m in bucket.members]
-        self.segments = Segments(lengths, blocks, groups, device)
+        spans = bucket.spans()
+        groups, members, first_block = [], [], 0
+        for member, (offset, length) in zip(bucket.members, spans):
+            numel = member.plan.numel
+            groups.append(codec.buckets(numel))
+            members.append((offset, numel, length, first_block, codec.bucket_length(numel)))
+            first_block += groups[-1]
+        self.segments = Segments(lengths, blocks, groups, members, device)
         self.codec = copy.copy(codec)
         self.codec.bucket_length = lambda numel: self.segments
         self.codec.buckets = lambda numel: self.segments.count
-        spans = bucket.spans()
         self._span_lengths = [length for _, length in spans]
         self._spans = _indices(self._span_lengths, device)
         starts = _indices([start for start, _ in spans], device)
@@ -48,16 +53,24 @@ class BucketLayout:
             starts, self._spans, output_size=numel
         )
         self.vector = torch.zeros(numel, dtype=torch.float32, device=device)
-        self._views = [self.vector[m.offset : m.stop].view(m.plan.shape) for m in bucket.members]
+        self._views = self._shaped(self.vector)
+        self._decoded = self._shaped(self.segments.decoded)
+
+    def _shaped(self, vector):
+        return [vector[m.offset : m.stop].view(m.plan.shape) for m in self.bucket.members]
 
     def put(self, index: int, grad: torch.Tensor) -> None:
         """Copies member ``index``'s gradient into the vector."""
         self._views[index].copy_(grad.to_dense() if grad.is_sparse else grad)
 
-    def uniforms(self, keys: list[int]) -> torch.Tensor:
-        """The draws of the vector: each member's from its stream ``keys[i]`` (a
-        ``stream_seed``), as its own tensor would draw them."""
-        words = _indices([key_words(key) for key in keys], self.device)
+    def words(self, keys: list[int]) -> torch.Tensor:
+        """The ``key_words`` (lo, multiplier) of each member's stream ``keys[i]`` (a
+        ``stream_seed``), one row each, on the device."""
+        return _indices([key_words(key) for key in keys], self.device)
+
+    def uniforms(self, words: torch.Tensor) -> torch.Tensor:
+        """The draws of the vector: each member's from its stream (``words``), as its own
+        tensor would draw them."""
         lo, multiplier = (
             torch.repeat_interleave(w, self._spans, output_size=self.bucket.numel)
             for w in words.unbind(1)
@@ -65,10 +78,13 @@ class BucketLayout:
         return stream_uniforms(self._counters, lo, multiplier)
 
     def members(self, vector: torch.Tensor) -> list[torch.Tensor]:
-        """Each member's part of a bucket-long ``vector``, in its shape."""
+        """Each member's part of a bucket-long ``vector``: in its shape where ``vector`` is
+        where the kernels decode (views made once), else flat."""
+        if vector is self.segments.decoded:
+            return self._decoded
         parts = vector.split(self._span_lengths)
         return [
-            (part if part.numel() == m.plan.numel else part[: m.plan.numel]).view(m.plan.shape)
+            part if part.numel() == m.plan.numel else part[: m.plan.numel]
             for part, m in zip(parts, self.bucket.members)
         ]
 

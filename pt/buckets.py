@@ -24,10 +24,14 @@ class Segments:
         lengths: the length of each segment, blocks and gaps, in order.
         blocks: the indices of the segments that are blocks.
         groups: the number of blocks of each member, in order.
+        members: each member's (offset, elements, length with its padding, first block,
+            block length), for kernels that work member by member (``programs``).
         device: where the vector is.
     """
 
-    def __init__(self, lengths: list, blocks: list, groups: list, device: torch.device):
+    def __init__(
+        self, lengths: list, blocks: list, groups: list, members: list, device: torch.device
+    ):
         self.numel = sum(lengths)
         self.count = len(blocks)
 
@@ -44,6 +48,12 @@ class Segments:
             starts.append(starts[-1] + length)
         self.starts = indices([starts[b] for b in blocks])  # each block's first element
         self.groups = indices(groups)
+        self._members = members
+        self.members = indices(members)
+        self._programs = {}
+        # Where the kernels decode a bucket (``triton_fused``): the same tensor each step,
+        # so that the gradients can be views of it made once (``BucketLayout.members``).
+        self.decoded = torch.zeros(self.numel, dtype=torch.float32, device=device)
 
     def expand(self, scale: torch.Tensor) -> torch.Tensor:
         """Each block's scale (along ``scale``'s last axis) repeated over its elements, 0
@@ -59,6 +69,20 @@ class Segments:
             values, _SEGMENT_REDUCTIONS[reduction], lengths=self.lengths, unsafe=True
         )
         return out if self.blocks is None else out.index_select(0, self.blocks)
+
+    def programs(self, per_item: int, items: int) -> torch.Tensor:
+        """(member, first item) of each program of a kernel that works ``items`` items at a
+        time within one member's stretch, an item being ``per_item`` elements (the
+        elements of one packed byte, or one): on the device, made once per shape."""
+        key = per_item, items
+        if key not in self._programs:
+            table = [
+                (member, first)
+                for member, (_, _, length, _, _) in enumerate(self._members)
+                for first in range(0, length // per_item, items)
+            ]
+            self._programs[key] = torch.tensor(table, dtype=torch.int64, device=self.members.device)
+        return self._programs[key]
 
     def whole_groups(self, flags: torch.Tensor) -> torch.Tensor:
         """Whether any block of each block's member has its flag (a boolean per block)."""

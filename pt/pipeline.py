@@ -68,11 +68,13 @@ def _codes_name(name):
 
 def _write_grad(param, decoded):
     """Makes the decoded average ``param.grad``. A decoded tensor is new and nothing else
-    holds it, so one of the gradient's dtype becomes the gradient itself, as autograd's own
-    gradients do after ``zero_grad(set_to_none=True)``: copying it would be one more pass
-    over every gradient (13 ms per 25M elements on a CPU core)."""
+    holds it (or, for a gradient bucket on Triton's kernels, a view of the vector they
+    decode the bucket into, which the next step's decode overwrites, as DDP's
+    ``gradient_as_bucket_view`` does), so one of the gradient's dtype becomes the gradient
+    itself, as autograd's own gradients do after ``zero_grad(set_to_none=True)``: copying
+    it would be one more pass over every gradient."""
     if decoded.dtype == param.grad.dtype and decoded.is_contiguous():
-        param.grad = decoded.view(param.shape)
+        param.grad = decoded if decoded.shape == param.shape else decoded.view(param.shape)
     else:
         param.grad.copy_(decoded.reshape(param.grad.shape))
 
@@ -346,8 +348,8 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
 
     def _follow_buckets(self):
         """Takes the buckets that carry this step's gradients: those whose members all go
-        by the bucket's exchange, are float32 and on one device, off the CPU kernels (and
-        Triton's, which take tensors one by one); asked each step, as placement is
+        by the bucket's exchange, are float32 and on one device, off the CPU kernels (on
+        the eager ops, or Triton's kernels); asked each step, as placement is
         (``on_kernels``). Each bucket's residual is kept under the name this step's
         exchanges use: the bucket's, or its members'."""
         self._bucketed = {}
@@ -359,7 +361,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 m.plan.route == bucket.exchange
                 and p.dtype == torch.float32
                 and p.device == device
-                and not self.on_kernels(p)
+                and not fused.on_host(self.codec, p)
                 for m, p in zip(bucket.members, params)
             )
             if not carried:
@@ -658,20 +660,20 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 self._start_codes(flight)
 
     def _start_codes(self, flight):
-        vector, name = flight.vector, flight.plan.name
+        vector, name, codec = flight.vector, flight.plan.name, self._codec(flight)
         # A two-level exchange's shard sets hold one rank of each node: the global rank
         # keeps every rank's draws its own.
         rank = hvd.rank() if flight.plan.exchange == TWO_LEVEL else self.rank
-        key = stream_seed(self.seed, rank, self.state.step, flight.plan.index)
-        if flight.layout is None and self.on_kernels(vector):
+        key = self._key(flight, rank)
+        if self.on_kernels(vector):
             feedback = self.state.worker is not None
             if flight.scale_in_encode:
                 codes, residual, flight.scale = fused.scaled_encode(
-                    self.codec, flight.exchange, vector, key, feedback
+                    codec, flight.exchange, vector, key, feedback
                 )
             else:
                 codes, residual = fused.encode(
-                    self.codec,
+                    codec,
                     flight.exchange,
                     vector,
                     flight.scale,
@@ -683,8 +685,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 self.state.worker.propose(name, residual)
             start = flight.exchange.start_packed
         else:
-            codec = self._codec(flight)
-            uniforms = self._uniforms(flight, rank, key) if codec.stochastic else None
+            uniforms = self._uniforms(flight, key) if codec.stochastic else None
             codes = codec.encode(vector, flight.scale, uniforms)
             if self.state.worker is not None:
                 sent = codec.decode(codec.values(codes), flight.scale, 1)
@@ -694,17 +695,23 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             flight.handle = start(codes, flight.scale, _codes_name(name))
         flight.stage = "codes"
 
-    def _uniforms(self, flight, rank, key):
-        """The draws of ``flight``'s vector: from the stream ``key`` of its tensor, or for a
-        bucket, each member's from its own."""
+    def _key(self, flight, rank):
+        """The random stream of ``flight``'s draws: its tensor's ``stream_seed``, or a
+        bucket's members' words (``BucketLayout.words``), each member's stream its own."""
         if flight.layout is None:
-            return seeding.uniforms(key, flight.vector.numel(), flight.vector.device)
-        return flight.layout.uniforms(
+            return stream_seed(self.seed, rank, self.state.step, flight.plan.index)
+        return flight.layout.words(
             [
                 stream_seed(self.seed, rank, self.state.step, m.plan.index)
                 for m in flight.layout.bucket.members
             ]
         )
+
+    def _uniforms(self, flight, key):
+        """The draws of ``flight``'s vector from its stream ``key`` (``_key``)."""
+        if flight.layout is None:
+            return seeding.uniforms(key, flight.vector.numel(), flight.vector.device)
+        return flight.layout.uniforms(key)
 
     def synchronize(self, missing):
         """Finishes every exchange of this step and writes the results into ``.grad``.

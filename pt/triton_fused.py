@@ -24,6 +24,8 @@ from hvd_compress.codes import IntCodes
 from hvd_compress.fused import divisor, quantizes
 from hvd_compress.seeding import key_words
 
+from .buckets import Segments
+
 # Whether Triton is installed and not turned off (``HVD_COMPRESS_KERNELS=0``).
 ENABLED = (
     importlib.util.find_spec("triton") is not None
@@ -76,12 +78,14 @@ def _kernels():
 
 def _launch(name, items, *args, **constants):
     """Launches kernel ``name`` over ``items`` (elements, or packed bytes) ``_BLOCK`` at a
-    time. Under the interpreter, the tensor ops it makes to run the kernel with numpy are
-    marked (``INTERPRETER_RANGE``) so that counts of a step's ops can leave them out: on
-    a GPU the launch is one."""
+    time, or with a program ``table`` (``Segments.programs``) one program per row. Under
+    the interpreter, the tensor ops it makes to run the kernel with numpy are marked
+    (``INTERPRETER_RANGE``) so that counts of a step's ops can leave them out: on a GPU
+    the launch is one."""
     global launches
     launches += 1
-    grid = (max(1, -(-items // _BLOCK)),)
+    table = constants.get("table")
+    grid = (max(1, -(-items // _BLOCK)) if table is None else table.shape[0],)
     kernel = getattr(_kernels(), name)[grid]
     if not INTERPRETED:
         kernel(*args, BLOCK=_BLOCK, **constants, **_COMPILE_OPTIONS)
@@ -111,18 +115,41 @@ def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, key: int, residual):
+def _stretches(codec, numel, per_item=1):
+    """The arguments of a kernel's ``_stretch``: (block length, {program table, members})
+    of a gradient bucket's codec (its blocks are ``Segments``), or the block length of a
+    tensor's and no tables."""
+    blocks = codec.bucket_length(numel)
+    if not isinstance(blocks, Segments):
+        return blocks, {"table": None, "members": None, "SEGMENTED": False}
+    tables = {"table": blocks.programs(per_item, _BLOCK), "members": blocks.members}
+    return 0, {**tables, "SEGMENTED": True}
+
+
+def _output(codec, numel, device):
+    """Where a decode writes: a new tensor, or a gradient bucket's ``Segments.decoded``."""
+    blocks = codec.bucket_length(numel)
+    if isinstance(blocks, Segments):
+        return blocks.decoded
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, key, residual):
     """``fused.encode`` of a quantizer: p's codes under ``scale`` with the draws of stream
     ``key`` into ``payload`` (uint8: packed, with code 0 in every field past p's; else the
     codes' values in its dtype), and with a ``residual`` tensor like p, p - decode(values,
-    scale, 1) there."""
+    scale, 1) there. For a gradient bucket, ``key`` holds its members' stream words
+    (``BucketLayout.words``)."""
     space = codec.code_space
     mode, levels, exponent = _rounding(codec)
     packed = payload.dtype == torch.uint8
-    lo, multiplier = key_words(key)
     p = p if p.dim() == 1 else p.reshape(-1)
     slots = payload.numel() * 8 // space.width if packed else p.numel()
-    items = payload.numel() if packed and space.width < 8 else slots
+    per_item = 8 // space.width if packed and space.width < 8 else 1
+    items = payload.numel() if per_item > 1 else slots
+    bucket, tables = _stretches(codec, p.numel(), per_item)
+    words = key if tables["SEGMENTED"] else None
+    lo, multiplier = (0, 0) if tables["SEGMENTED"] else key_words(key)
     _launch(
         "quantize",
         items,
@@ -132,12 +159,14 @@ def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, k
         p if residual is None else residual,
         p.numel(),
         slots,
-        codec.bucket_length(p.numel()),
+        bucket,
         lo,
         multiplier,
         levels,
         exponent,
         space.bound,
+        **tables,
+        words=words,
         MODE=mode,
         WIDTH=space.width,
         PACKED=packed,
@@ -148,10 +177,11 @@ def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, k
 
 def decoded_totals(codec, total: torch.Tensor, scale: torch.Tensor, count: int) -> torch.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
-    out = torch.empty(total.shape, dtype=torch.float32, device=total.device)
     numel, scale = total.numel(), flat_float32(scale)
-    bucket, divided_by = codec.bucket_length(numel), float(divisor(codec, count))
-    _launch("decode_totals", numel, total, scale, out, numel, bucket, divided_by)
+    bucket, tables = _stretches(codec, numel)
+    out = _output(codec, numel, total.device)
+    divided_by = float(divisor(codec, count))
+    _launch("decode_totals", numel, total, scale, out, numel, bucket, divided_by, **tables)
     return out
 
 
@@ -163,7 +193,8 @@ def _rows(rows):
 
 def _decode_rows(codec, rows, scales, own, count, numel):
     space = codec.code_space
-    out = torch.empty(numel, dtype=torch.float32, device=rows.device)
+    bucket, tables = _stretches(codec, numel)
+    out = _output(codec, numel, rows.device)
     _launch(
         "decode_rows",
         numel,
@@ -174,9 +205,10 @@ def _decode_rows(codec, rows, scales, own, count, numel):
         scales.numel() // rows.shape[0] if own else 0,
         out,
         numel,
-        codec.bucket_length(numel),
+        bucket,
         float(divisor(codec, count)),
         space.bound,
+        **tables,
         WIDTH=space.width,
         NUQSGD=codec.name == "nuqsgd",
         OWN_SCALES=own,

@@ -4,6 +4,10 @@ Every float operation is one the eager ops make, rounded as they round it: divis
 ``div_rn`` (Triton's ``/`` on float32 is approximate on a GPU), no product and sum contracted
 into a fused multiply-add (``triton_fused`` compiles with ``enable_fp_fusion=False``), in the
 eager order.
+
+With SEGMENTED, a kernel codes a gradient bucket (``hvd_compress.bucketing``): each program
+works in one member's stretch of the vector, which ``table`` names (``_stretch``), so a
+member's blocks, draws and padding are those of the member alone.
 """
 
 import triton
@@ -24,6 +28,30 @@ def _uniform(i, lo, multiplier):
     x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
     x = x ^ (x >> 16)
     return (x >> 8).to(tl.float32) * (2.0**-24)
+
+
+@triton.jit
+def _stretch(table, members, numel, span, bucket, BLOCK, SEGMENTED):
+    """This program's place: (its first item, the first element of its stretch of the
+    vector, the stretch's elements, its length with padding, its first block, its block
+    length, its member). In a bucket, program p works on items ``table[p, 1]`` on of
+    member ``table[p, 0]``, whose row of ``members`` holds (offset, elements, length,
+    first block, block length); else on items p BLOCK on of the whole vector."""
+    pid = tl.program_id(0)
+    if SEGMENTED:
+        member = tl.load(table + 2 * pid)
+        row = members + 5 * member
+        return (
+            tl.load(table + 2 * pid + 1),
+            tl.load(row),
+            tl.load(row + 1),
+            tl.load(row + 2),
+            tl.load(row + 3),
+            tl.load(row + 4),
+            member,
+        )
+    else:
+        return pid * BLOCK, 0, numel, span, 0, bucket, 0
 
 
 @triton.jit
@@ -85,31 +113,42 @@ def quantize(
     levels,
     exponent,
     bound,
+    table,
+    members,
+    words,
     MODE: tl.constexpr,
     WIDTH: tl.constexpr,
     PACKED: tl.constexpr,
     FEEDBACK: tl.constexpr,
+    SEGMENTED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Codes of p's ``numel`` elements under their buckets' scales, each drawn with
     draw i of the stream (lo, multiplier): packed into ``out`` (``slots`` fields, code
     0 past p's), or if not PACKED their values (``Codec.values``) in ``out``'s dtype;
-    with FEEDBACK, p - decode(values, scale, 1) into ``residual``."""
-    start = tl.program_id(0) * BLOCK
+    with FEEDBACK, p - decode(values, scale, 1) into ``residual``. SEGMENTED: of each
+    member of a bucket in its stretch (``_stretch``), code 0 in its padding."""
+    first, offset, valid, span, first_block, length, member = _stretch(
+        table, members, numel, slots, bucket, BLOCK, SEGMENTED
+    )
+    if SEGMENTED:  # each member draws from its own stream, a row of ``words``
+        lo = tl.load(words + 2 * member)
+        multiplier = tl.load(words + 2 * member + 1)
     if PACKED and WIDTH < 8:
-        index = (start + tl.arange(0, BLOCK))[:, None] * (8 // WIDTH) + tl.arange(0, 8 // WIDTH)[
+        local = (first + tl.arange(0, BLOCK))[:, None] * (8 // WIDTH) + tl.arange(0, 8 // WIDTH)[
             None, :
         ]
     else:
-        index = start + tl.arange(0, BLOCK)
-    inside = index < numel
+        local = first + tl.arange(0, BLOCK)
+    index = offset + local
+    inside = local < valid
     g = tl.load(p + index, mask=inside, other=0.0)
-    s = tl.load(scale + index // bucket, mask=inside, other=1.0)
+    s = tl.load(scale + first_block + local // length, mask=inside, other=1.0)
     # |g| / S, S inf for a zero or non-finite scale, and 0 for a NaN ratio.
     divisor = tl.where((s > 0) & (s < float("inf")), s, float("inf"))
     ratio = tl.math.div_rn(tl.abs(g), divisor)
     ratio = tl.where(ratio == ratio, ratio, 0.0)
-    u = _uniform(index, lo, multiplier)
+    u = _uniform(local, lo, multiplier)
     if MODE == 0:
         level = (u < ratio).to(tl.int32)
     elif MODE == 1:
@@ -136,19 +175,36 @@ def quantize(
         sent = tl.math.div_rn(value.to(tl.float32) * _decoded_scale(s), levels)
         tl.store(residual + index, g - sent, mask=inside)
     if PACKED:
-        _store_fields(out, index, code + bound, index < slots, WIDTH)
+        _store_fields(out, index, code + bound, local < span, WIDTH)
     else:
-        tl.store(out + index, value.to(out.dtype.element_ty), mask=inside)
+        tl.store(out + index, value.to(out.dtype.element_ty), mask=local < span)
 
 
 @triton.jit
-def decode_totals(total, scale, out, numel, bucket, divisor, BLOCK: tl.constexpr):
-    """out = ``Codec.decode`` of the allreduce's summed values: total S / divisor."""
-    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = index < numel
+def decode_totals(
+    total,
+    scale,
+    out,
+    numel,
+    bucket,
+    divisor,
+    table,
+    members,
+    SEGMENTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = ``Codec.decode`` of the allreduce's summed values: total S / divisor (0 in
+    a bucket's padding)."""
+    first, offset, valid, span, first_block, length, _ = _stretch(
+        table, members, numel, numel, bucket, BLOCK, SEGMENTED
+    )
+    local = first + tl.arange(0, BLOCK)
+    index = offset + local
+    inside = local < valid
     value = tl.load(total + index, mask=inside, other=0).to(tl.float32)
-    s = _decoded_scale(tl.load(scale + index // bucket, mask=inside, other=1.0))
-    tl.store(out + index, tl.math.div_rn(value * s, divisor), mask=inside)
+    s = _decoded_scale(tl.load(scale + first_block + local // length, mask=inside, other=1.0))
+    decoded = tl.where(inside, tl.math.div_rn(value * s, divisor), 0.0)
+    tl.store(out + index, decoded, mask=local < span)
 
 
 @triton.jit
@@ -163,18 +219,25 @@ def decode_rows(
     bucket,
     divisor,
     bound,
+    table,
+    members,
     WIDTH: tl.constexpr,
     NUQSGD: tl.constexpr,
     OWN_SCALES: tl.constexpr,
+    SEGMENTED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The allgather's decode of ``count`` rows of packed codes: under each row's own
     scales (row r's at ``scales`` + r ``scales_per_row``), the sum over the rows in
     order of their decoded values; under one shared scale, the decode of the sum of
-    their values (int32)."""
-    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = index < numel
-    b = index // bucket
+    their values (int32). 0 in a bucket's padding."""
+    first, offset, valid, span, first_block, length, _ = _stretch(
+        table, members, numel, numel, bucket, BLOCK, SEGMENTED
+    )
+    local = first + tl.arange(0, BLOCK)
+    index = offset + local
+    inside = local < valid
+    b = first_block + local // length
     value = _field(rows, index, inside, WIDTH) - bound
     if NUQSGD:
         value = _nuqsgd_value(value)
@@ -195,7 +258,7 @@ def decode_rows(
             value += more
         s = _decoded_scale(tl.load(scales + b, mask=inside, other=1.0))
         acc = tl.math.div_rn(value.to(tl.float32) * s, divisor)
-    tl.store(out + index, acc, mask=inside)
+    tl.store(out + index, tl.where(inside, acc, 0.0), mask=local < span)
 
 
 @triton.jit

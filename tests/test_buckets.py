@@ -63,11 +63,12 @@ def test_no_buckets_where_tensors_go_their_own_way():
 
 
 def _bucketed_and_alone(kind, cases, steps=3):
-    """For each (codec, exchange, error feedback) of ``cases``, off the kernels (the eager
-    ops): ``Net``'s parameters after ``steps`` steps, one of which has a NaN on rank 1,
-    with buckets and without; then after a checkpoint of the bucketed run is loaded into
-    an optimizer without buckets and one with, and both take a step more. Also the number
-    of buckets and the residuals' names in the checkpoint."""
+    """For each (codec, exchange, error feedback, path) of ``cases``, on the eager ops or
+    on Triton's kernels (the device path; on CPU under the interpreter): ``Net``'s
+    parameters after ``steps`` steps, one of which has a NaN on rank 1, with buckets and
+    without; then after a checkpoint of the bucketed run is loaded into an optimizer
+    without buckets and one with, and both take a step more. Also the number of buckets
+    and the residuals' names in the checkpoint."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
@@ -121,13 +122,17 @@ def _bucketed_and_alone(kind, cases, steps=3):
         step(model, optimizer, steps)
         return [p.detach().clone() for p in model.parameters()]
 
-    enabled = fused.ENABLED, triton_fused.ENABLED
+    enabled = fused.ENABLED, triton_fused.ENABLED, triton_fused.ON_CPU
     results = {}
     try:
-        fused.ENABLED = triton_fused.ENABLED = False
-        for codec, exchange, feedback in cases:
+        fused.ENABLED = False
+        for codec, exchange, feedback, path in cases:
+            triton_fused.ENABLED = path == "kernels"
+            triton_fused.ON_CPU = path == "kernels" and kind == "cpu"
             codec = f"{codec}:min_size=100"
+            launched = triton_fused.launches
             bucketed, optimizer = train(codec, exchange, feedback, BUCKET_BYTES)
+            launched = triton_fused.launches > launched
             alone, _ = train(codec, exchange, feedback, 0)
             checkpoint = {"model": bucketed.state_dict(), "optimizer": optimizer.state_dict()}
             saved = checkpoint["optimizer"]["hvd_compress"].get("worker", {})
@@ -136,8 +141,9 @@ def _bucketed_and_alone(kind, cases, steps=3):
                 for name, _, route, _ in optimizer.compression_stats()["tensors"]
                 if not route.startswith("allreduce (")
             ]
-            results[codec, exchange, feedback] = {
+            results[codec, exchange, feedback, path] = {
                 "buckets": len(optimizer._hvdc_pipeline.buckets),
+                "on the path": launched == (path == "kernels"),
                 "same": all(
                     torch.equal(a, b) for a, b in zip(bucketed.parameters(), alone.parameters())
                 ),
@@ -153,32 +159,41 @@ def _bucketed_and_alone(kind, cases, steps=3):
                 ),
             }
     finally:
-        fused.ENABLED, triton_fused.ENABLED = enabled
+        fused.ENABLED, triton_fused.ENABLED, triton_fused.ON_CPU = enabled
     return results
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", DEVICES)
 def test_a_bucket_codes_as_its_tensors_alone(kind):
-    """Off the kernels, training with buckets leaves every parameter bitwise equal to
-    training tensor by tensor, for every codec that takes buckets, on both exchanges that do,
-    with and without error feedback, through a step that a NaN on one rank skips; a
-    checkpoint keeps residuals under the tensors' names, and resumes alike with or without
-    buckets."""
+    """Off the CPU kernels, on the eager ops and on Triton's, training with buckets leaves
+    every parameter bitwise equal to training tensor by tensor, for every codec that takes
+    buckets, on both exchanges that do, with and without error feedback, through a step
+    that a NaN on one rank skips; a checkpoint keeps residuals under the tensors' names,
+    and resumes alike with or without buckets."""
+    from hvd_compress.pt import triton_fused
+
     from .harness import run_parallel
 
     cases = [
-        ("terngrad", "allgather", True),
-        ("terngrad", "allreduce", None),
-        ("qsgd", "allreduce", True),
-        ("qsgd-inf", "allgather", None),
-        ("nuqsgd", "allgather", True),
+        ("terngrad", "allgather", True, "eager"),
+        ("terngrad", "allreduce", None, "eager"),
+        ("qsgd", "allreduce", True, "eager"),
+        ("qsgd-inf", "allgather", None, "eager"),
+        ("nuqsgd", "allgather", True, "eager"),
     ]
+    if triton_fused.ENABLED and (kind == "cuda" or triton_fused.INTERPRETED):
+        cases += [
+            ("terngrad", "allgather", True, "kernels"),
+            ("qsgd", "allreduce", True, "kernels"),
+            ("nuqsgd", "allgather", None, "kernels"),
+        ]
     results = run_parallel(_bucketed_and_alone, 2, kind, cases)
     assert results[0] == results[1]
     for case, result in results[0].items():
         assert result == {
             "buckets": 1,
+            "on the path": True,
             "same": True,
             "finite": True,
             "saved by name": True,
