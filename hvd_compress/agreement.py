@@ -7,14 +7,16 @@ raises the same error, naming what differs and on which ranks, before the first 
 """
 
 
-def describe(codec, exchange, average, parameters):
+def describe(codec, exchange, average, parameters, bucket_bytes=0):
     """A comparable description of one rank's configuration; ``parameters`` are
-    (name, shape, dtype) triples in the order the optimizer holds them."""
+    (name, shape, dtype) triples in the order the optimizer holds them, ``bucket_bytes``
+    the size of its gradient buckets (``bucketing``), which decides their collectives."""
     return {
         "codec": repr(codec),
         "exchange": exchange,
         "average": average,
         "parameters": [(name, tuple(shape), str(dtype)) for name, shape, dtype in parameters],
+        "bucket_bytes": bucket_bytes,
     }
 
 

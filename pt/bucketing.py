@@ -61,7 +61,7 @@ class BucketLayout:
 
     def put(self, index: int, grad: torch.Tensor) -> None:
         """Copies member ``index``'s gradient into the vector."""
-        self._views[index].copy_(grad.to_dense() if grad.is_sparse else grad)
+        self._views[index].copy_(grad)
 
     def words(self, keys: list[int]) -> torch.Tensor:
         """The ``key_words`` (lo, multiplier) of each member's stream ``keys[i]`` (a

@@ -240,6 +240,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             exchange,
             average,
             [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()],
+            self.bucket_bytes,
         )
         self._agreed = False
         self.last_tensor_bytes = collections.Counter()
@@ -379,6 +380,13 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
     def _fill_bucket(self, name, grad, ratio):
         """Copies tensor ``name``'s gradient into its bucket; with the last member's, starts
         the bucket's exchange, whose flight it returns (None before)."""
+        if grad.is_sparse:
+            raise ValueError(
+                f"bucket_bytes: {name}'s gradient is sparse, which a gradient bucket "
+                f"cannot carry; pass sparse_as_dense=True to compress it, "
+                f"uncompressed=[{name!r}] to send it by Horovod's sparse allreduce, or "
+                f"bucket_bytes=0"
+            )
         layout, index = self._bucketed[name]
         layout.put(index, grad)
         bucket = layout.bucket

@@ -199,3 +199,44 @@ def test_a_bucket_codes_as_its_tensors_alone(kind):
             "saved by name": True,
             "resumed same": True,
         }, (case, result)
+
+
+def _sparse_member():
+    """The error of a step whose gradient bucket meets a sparse gradient (a sparse
+    embedding's), off the kernels."""
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+    from hvd_compress.pt import fused, triton_fused
+
+    hvd.init()
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(1000, 16, sparse=True),
+        torch.nn.Linear(16, 200),
+        torch.nn.Linear(200, 10),
+    )
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        compression="terngrad:min_size=100",
+        exchange="allgather",
+    )
+    enabled = fused.ENABLED, triton_fused.ENABLED
+    try:
+        fused.ENABLED = triton_fused.ENABLED = False
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        optimizer.step()
+    except ValueError as error:
+        return str(error)
+    finally:
+        fused.ENABLED, triton_fused.ENABLED = enabled
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_sparse_gradient_in_a_bucket_fails_on_every_rank_with_the_remedies():
+    from .harness import run_parallel
+
+    for message in run_parallel(_sparse_member, 2):
+        assert message is not None and "0.weight's gradient is sparse" in message, message
+        assert "sparse_as_dense=True" in message and "bucket_bytes=0" in message

@@ -354,8 +354,13 @@ def _mismatched(kind):
     hvd.init()
     model = Net() if kind != "parameters" or hvd.rank() == 0 else torch.nn.Linear(64, 10)
     codec = "terngrad" if kind != "codec" or hvd.rank() == 0 else "qsgd-inf"
+    # Gradient buckets of another size would start other collectives.
+    buckets = {} if kind != "bucket_bytes" or hvd.rank() == 0 else {"bucket_bytes": 0}
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=codec
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        compression=codec,
+        **buckets,
     )
     try:  # the ranks compare their configurations before the first exchange
         model(torch.randn(8, 64)).sum().backward()
@@ -365,7 +370,7 @@ def _mismatched(kind):
     return None
 
 
-@pytest.mark.parametrize("kind", ["codec", "parameters"])
+@pytest.mark.parametrize("kind", ["codec", "parameters", "bucket_bytes"])
 def test_ranks_with_different_configurations_fail_at_the_first_step_on_every_rank(kind):
     messages = run_parallel(_mismatched, 2, kind)
     for message in messages:
