@@ -1,6 +1,8 @@
-"""A gradient bucket (``hvd_compress.bucketing``) on a device: the vector its members'
-gradients are copied into, the segments its codec reduces over, its members' draws, and
-the moves of their residuals between their own names and the bucket's."""
+"""Gradient buckets (``hvd_compress.bucketing``) in a PyTorch pipeline: which buckets carry a
+step's gradients (``GradientBuckets``), each laid out on its device (``BucketLayout``: the
+vector its members' gradients are copied into, the segments its codec reduces over, its
+members' draws), and the moves of their residuals between their own names and the
+bucket's."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import copy
 
 import torch
 
-from hvd_compress.bucketing import GradientBucket
+from hvd_compress.bucketing import GradientBucket, gradient_buckets
 from hvd_compress.seeding import key_words
 
+from . import fused
 from .buckets import Segments
+from .memory import ErrorFeedback
 from .seeding import stream_uniforms
 
 
@@ -124,3 +128,94 @@ def split_residuals(residuals: dict, bucket: GradientBucket) -> dict:
     for member in bucket.members:
         residuals[member.plan.name] = joined[member.offset : member.stop].clone()
     return residuals
+
+
+class GradientBuckets:
+    """A pipeline's gradient buckets, and those that carry this step's gradients.
+
+    Args:
+        codec: the pipeline's codec.
+        bucket_bytes: the size at which a bucket closes (0: no buckets).
+        plans: {parameter: its ``TensorPlan``}, whose exchanges the buckets follow.
+        worker: the pipeline's worker residuals, or None.
+    """
+
+    def __init__(self, codec, bucket_bytes: int, plans: dict, worker: ErrorFeedback | None):
+        self.codec, self.bucket_bytes, self.plans = codec, bucket_bytes, plans
+        self.buckets = []
+        self.make(worker)
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+    def __len__(self):
+        return len(self.buckets)
+
+    def make(self, worker: ErrorFeedback | None) -> None:
+        """Lays the compressed tensors out in buckets for their exchanges: at construction,
+        and again when ``exchange="auto"`` chose them anew. The residuals of the old
+        buckets go back under their members' names."""
+        if worker is not None:
+            for bucket in self.buckets:
+                worker.residuals = split_residuals(worker.residuals, bucket)
+        self.buckets = gradient_buckets(list(self.plans.values()), self.codec, self.bucket_bytes)
+        params = {plan.name: param for param, plan in self.plans.items()}
+        # bucket name -> its members' parameters
+        self.params = {b.name: [params[m.plan.name] for m in b.members] for b in self.buckets}
+        self._layouts = {}  # bucket name -> its BucketLayout on the gradients' device
+        self._carried = {}  # member name -> (layout, index) of this step's buckets
+        self._arrived = {}  # bucket name -> {member index: its ratio} of this step
+
+    def follow(self, worker: ErrorFeedback | None) -> None:
+        """Takes the buckets that carry this step's gradients: those whose members all go
+        by the bucket's exchange, are float32 and on one device, off the CPU kernels (on
+        the eager ops, or Triton's kernels); asked at each step's first gradient, as
+        placement is. Each bucket's residual is kept under the name this step's exchanges
+        use: the bucket's, or its members'."""
+        self._carried = {}
+        for bucket in self.buckets:
+            params = self.params[bucket.name]
+            device = params[0].device
+            carried = all(
+                m.plan.route == bucket.exchange
+                and p.dtype == torch.float32
+                and p.device == device
+                and not fused.on_host(self.codec, p)
+                for m, p in zip(bucket.members, params)
+            )
+            if not carried:
+                if worker is not None:
+                    worker.residuals = split_residuals(worker.residuals, bucket)
+                continue
+            layout = self._layouts.get(bucket.name)
+            if layout is None or layout.device != device:
+                layout = self._layouts[bucket.name] = BucketLayout(bucket, self.codec, device)
+            if worker is not None:
+                join_residuals(worker.residuals, bucket, device)
+            for index, member in enumerate(bucket.members):
+                self._carried[member.plan.name] = (layout, index)
+
+    def carries(self, name: str) -> bool:
+        """Whether tensor ``name``'s gradient travels in a bucket this step."""
+        return name in self._carried
+
+    def put(self, name: str, grad: torch.Tensor, ratio) -> BucketLayout | None:
+        """Copies tensor ``name``'s gradient, whose residual ``ratio`` is ``ratio``, into
+        its bucket; returns the bucket's layout once every member's is in, else None."""
+        if grad.is_sparse:
+            raise ValueError(
+                f"bucket_bytes: {name}'s gradient is sparse, which a gradient bucket "
+                f"cannot carry; pass sparse_as_dense=True to compress it, "
+                f"uncompressed=[{name!r}] to send it by Horovod's sparse allreduce, or "
+                f"bucket_bytes=0"
+            )
+        layout, index = self._carried[name]
+        layout.put(index, grad)
+        arrived = self._arrived.setdefault(layout.bucket.name, {})
+        arrived[index] = ratio
+        return layout if len(arrived) == len(layout.bucket.members) else None
+
+    def ratio(self, layout: BucketLayout):
+        """The residual ratio of a full bucket's vector (``BucketLayout.ratios``)."""
+        arrived = self._arrived.pop(layout.bucket.name)
+        return layout.ratios([arrived[i] for i in range(len(arrived))])

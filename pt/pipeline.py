@@ -20,7 +20,7 @@ import torch
 from hvd_compress import accounting, agreement, cost, fusion
 from hvd_compress.accounting import HALF, UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Planner
-from hvd_compress.bucketing import BUCKET_BYTES, gradient_buckets
+from hvd_compress.bucketing import BUCKET_BYTES
 from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.plan import TensorPlan, plan_tensor
 from hvd_compress.seeding import stream_seed
@@ -29,7 +29,7 @@ from hvd_compress.validation import check_global_membership, check_two_level_pro
 
 from . import fused, seeding
 from .adaptive import AdaptiveSteps
-from .bucketing import BucketLayout, join_residuals, split_residuals
+from .bucketing import BucketLayout, GradientBuckets
 from .exchange import Meter, allreducible, make_exchange, make_sparse_exchange, wait
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
@@ -221,8 +221,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         if planner is not None:
             self.follow_paths()
         self.bucket_bytes = bucket_bytes if planner is None and exchange != TWO_LEVEL else 0
-        self.buckets = []
-        self._make_buckets()
+        self.buckets = GradientBuckets(codec, self.bucket_bytes, self.plans, self.state.worker)
         # The exchange that kept each server residual of a restored state, until the next
         # step has brought them to this pipeline's exchanges (``load_state_dict``).
         self._restored_servers = {}
@@ -300,7 +299,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             self._step_started = time.perf_counter()
             if self.uncompressed_steps:
                 self.follow_paths()
-            self._follow_buckets()
+            self.buckets.follow(self.state.worker)
             self._start_measuring(param)
         plan = self.plans[param]
         self._ready(plan.name)
@@ -308,7 +307,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             param.grad = torch.zeros_like(param)
         grad = param.grad
         with self.meter.charging(plan.name), self._timed(plan.name, "before"):
-            if plan.name in self._bucketed:
+            if self.buckets.carries(plan.name):
                 flight = self._fill_bucket(plan.name, grad, ratio)
             else:
                 self._launch(plan, param, grad, ratio, momentum)
@@ -331,76 +330,19 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 self.state.place(self.placed)
             self._device = device
 
-    def _make_buckets(self):
-        """Lays the compressed tensors out in gradient buckets (``hvd_compress.bucketing``)
-        for their exchanges: at construction, and again when ``exchange="auto"`` chose them
-        anew. The residuals of the old buckets go back under their members' names."""
-        if self.state.worker is not None:
-            for bucket in self.buckets:
-                self.state.worker.residuals = split_residuals(self.state.worker.residuals, bucket)
-        self.buckets = gradient_buckets(list(self.plans.values()), self.codec, self.bucket_bytes)
-        params = {plan.name: param for param, plan in self.plans.items()}
-        self._bucket_params = {
-            bucket.name: [params[m.plan.name] for m in bucket.members] for bucket in self.buckets
-        }
-        self._layouts = {}  # bucket name -> its BucketLayout on the gradients' device
-        self._bucketed = {}  # member name -> (layout, index) of this step's buckets
-        self._arrived = {}  # bucket name -> {member index: its ratio} of this step
-
-    def _follow_buckets(self):
-        """Takes the buckets that carry this step's gradients: those whose members all go
-        by the bucket's exchange, are float32 and on one device, off the CPU kernels (on
-        the eager ops, or Triton's kernels); asked each step, as placement is
-        (``on_kernels``). Each bucket's residual is kept under the name this step's
-        exchanges use: the bucket's, or its members'."""
-        self._bucketed = {}
-        residuals = None if self.state.worker is None else self.state.worker.residuals
-        for bucket in self.buckets:
-            params = self._bucket_params[bucket.name]
-            device = params[0].device
-            carried = all(
-                m.plan.route == bucket.exchange
-                and p.dtype == torch.float32
-                and p.device == device
-                and not fused.on_host(self.codec, p)
-                for m, p in zip(bucket.members, params)
-            )
-            if not carried:
-                if residuals is not None:
-                    self.state.worker.residuals = residuals = split_residuals(residuals, bucket)
-                continue
-            layout = self._layouts.get(bucket.name)
-            if layout is None or layout.device != device:
-                layout = self._layouts[bucket.name] = BucketLayout(bucket, self.codec, device)
-            if residuals is not None:
-                join_residuals(residuals, bucket, device)
-            for index, member in enumerate(bucket.members):
-                self._bucketed[member.plan.name] = (layout, index)
-
     def _fill_bucket(self, name, grad, ratio):
         """Copies tensor ``name``'s gradient into its bucket; with the last member's, starts
         the bucket's exchange, whose flight it returns (None before)."""
-        if grad.is_sparse:
-            raise ValueError(
-                f"bucket_bytes: {name}'s gradient is sparse, which a gradient bucket "
-                f"cannot carry; pass sparse_as_dense=True to compress it, "
-                f"uncompressed=[{name!r}] to send it by Horovod's sparse allreduce, or "
-                f"bucket_bytes=0"
-            )
-        layout, index = self._bucketed[name]
-        layout.put(index, grad)
-        bucket = layout.bucket
-        arrived = self._arrived.setdefault(bucket.name, {})
-        arrived[index] = ratio
-        if len(arrived) < len(bucket.members):
+        layout = self.buckets.put(name, grad, ratio)
+        if layout is None:
             return None
-        del self._arrived[bucket.name]
+        bucket = layout.bucket
         flight = _InFlight(
             bucket.plan,
             None,
             "scale",
             vector=layout.vector,
-            ratio=layout.ratios([arrived[i] for i in range(len(bucket.members))]),
+            ratio=self.buckets.ratio(layout),
             layout=layout,
         )
         self._start_scale(flight, None, bucket.exchange, self.world_size, self.process_set)
@@ -759,7 +701,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                     _write_grad(param, decoded)
                 else:
                     flight.decoded = decoded
-                    members = self._bucket_params[name]
+                    members = self.buckets.params[name]
                     for member, part in zip(members, flight.layout.members(decoded)):
                         _write_grad(member, part)
             # A copy into another dtype could overflow: only an adopted result is known.

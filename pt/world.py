@@ -112,7 +112,7 @@ class ElasticWorld:
                 self._server_residual_to_worker(plan, size)
         self.world_size, self.rank = size, rank
         self._choose_exchanges()
-        self._make_buckets()
+        self.buckets.make(self.state.worker)
         if self.state.planner is not None:
             self.state.planner.restart(self.state.step)
             self.follow_paths()
