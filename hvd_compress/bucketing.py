@@ -14,7 +14,9 @@ In an allgather's bucket a member starts at a multiple of 8 elements (``ALIGNMEN
 that its codes begin on a byte of the packed message whatever the code width: the message
 then holds the members' per-tensor codes side by side, byte for byte, and their scales
 after them, as many bytes as their per-tensor messages. An allreduce's values need no
-alignment.
+alignment. The sharded exchange cuts a bucket into the ranks' shards as it would one
+tensor, so shards cross members; it pads the bucket to whole shards once rather than each
+member, and sends no more bytes than the members would.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .plan import TensorPlan
 BUCKET_BYTES = 25 * 2**20
 # Elements a member's start is a multiple of, by the exchanges whose tensors share buckets
 # (those that send every element): 8 codes fill whole bytes at every width.
-ALIGNMENT = {"allreduce": 1, "allgather": 8}
+ALIGNMENT = {"allreduce": 1, "allgather": 8, "sharded": 8}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -195,6 +195,21 @@ class GradientBuckets:
             for index, member in enumerate(bucket.members):
                 self._carried[member.plan.name] = (layout, index)
 
+    def units(self, plans: list) -> list[tuple[str, int]]:
+        """(name, elements) of what travels for ``plans`` (in the parameters' order) this
+        step: each plan's tensor, but for the members of a bucket that carries them, the
+        bucket, at the place of the member whose gradient comes last (its first in the
+        parameters' order)."""
+        units = []
+        for plan in plans:
+            if plan.name not in self._carried:
+                units.append((plan.name, plan.numel))
+                continue
+            bucket = self._carried[plan.name][0].bucket
+            if bucket.members[-1].plan is plan:
+                units.append((bucket.name, bucket.numel))
+        return units
+
     def carries(self, name: str) -> bool:
         """Whether tensor ``name``'s gradient travels in a bucket this step."""
         return name in self._carried

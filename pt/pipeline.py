@@ -295,11 +295,11 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             self._follow_restored_servers()
             if not self._agreed:
                 self._agree()
-            self._fusions = self._fusion_groups()
             self._step_started = time.perf_counter()
             if self.uncompressed_steps:
                 self.follow_paths()
             self.buckets.follow(self.state.worker)
+            self._fusions = self._fusion_groups()
             self._start_measuring(param)
         plan = self.plans[param]
         self._ready(plan.name)
@@ -531,12 +531,12 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         )
 
     def _fusion_groups(self):
-        """This step's ``AlltoallFusion`` of each sharded tensor (``hvd_compress.fusion``):
-        among all ranks, and among the nodes for the shards of two-level tensors whose
-        exchange between nodes is sharded."""
-        sharded = [
-            (plan.name, plan.numel) for plan in self.plans.values() if plan.route == "sharded"
-        ]
+        """This step's ``AlltoallFusion`` of each sharded tensor or gradient bucket
+        (``hvd_compress.fusion``): among all ranks, and among the nodes for the shards of
+        two-level tensors whose exchange between nodes is sharded."""
+        sharded = self.buckets.units(
+            [plan for plan in self.plans.values() if plan.route == "sharded"]
+        )
         groups = self._groups(sharded, self.world_size, self.process_set, "hvdc.alltoall")
         if self.shard_set is not None:
             sharded = [

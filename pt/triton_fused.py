@@ -25,6 +25,7 @@ from hvd_compress.fused import divisor, quantizes
 from hvd_compress.seeding import key_words
 
 from .buckets import Segments
+from .packing import pack
 
 # Whether Triton is installed and not turned off (``HVD_COMPRESS_KERNELS=0``).
 ENABLED = (
@@ -126,6 +127,14 @@ def _stretches(codec, numel, per_item=1):
     return 0, {**tables, "SEGMENTED": True}
 
 
+@functools.lru_cache
+def _zero_codes(space: IntCodes, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of packed codes 0 on ``device``, made once per size: the kernels write a
+    bucket's members' stretches only."""
+    zeros = torch.zeros(1, nbytes * 8 // space.width, dtype=torch.int32)
+    return pack(zeros, space).reshape(-1).to(device)
+
+
 def _output(codec, numel, device):
     """Where a decode writes: a new tensor, or a gradient bucket's ``Segments.decoded``."""
     blocks = codec.bucket_length(numel)
@@ -172,6 +181,10 @@ def encode(codec, payload: torch.Tensor, p: torch.Tensor, scale: torch.Tensor, k
         PACKED=packed,
         FEEDBACK=residual is not None,
     )
+    if tables["SEGMENTED"] and packed:
+        head = space.packed_nbytes(p.numel())
+        if payload.numel() > head:  # the sharded exchange's padding to whole shards
+            payload[head:].copy_(_zero_codes(space, payload.numel() - head, payload.device))
     return payload
 
 
@@ -265,7 +278,8 @@ def decoded_segments(
 ) -> torch.Tensor:
     """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
     elements r length .. (r + 1) length - 1, packed in ``total_space``."""
-    out = torch.empty(numel, dtype=torch.float32, device=rows.device)
+    bucket, tables = _stretches(codec, numel)
+    out = _output(codec, numel, rows.device)
     rows = _rows(rows)
     _launch(
         "decode_segments",
@@ -276,9 +290,10 @@ def decoded_segments(
         numel,
         length,
         flat_float32(scale),
-        codec.bucket_length(numel),
+        bucket,
         float(divisor(codec, count)),
         total_space.bound,
+        **tables,
         WIDTH=total_space.width,
     )
     return out

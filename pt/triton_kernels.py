@@ -307,15 +307,22 @@ def decode_segments(
     bucket,
     divisor,
     bound,
+    table,
+    members,
     WIDTH: tl.constexpr,
+    SEGMENTED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The sharded exchange's decode: row r holds the summed values of elements
-    r length .. (r + 1) length - 1."""
-    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = index < numel
+    r length .. (r + 1) length - 1 (0 in a bucket's padding)."""
+    first, offset, valid, span, first_block, block_length, _ = _stretch(
+        table, members, numel, numel, bucket, BLOCK, SEGMENTED
+    )
+    local = first + tl.arange(0, BLOCK)
+    index = offset + local
+    inside = local < valid
     row, j = index // length, index % length
     value = _field(rows + row * row_bytes, j, inside, WIDTH)
-    s = _decoded_scale(tl.load(scale + index // bucket, mask=inside, other=1.0))
-    decoded = tl.math.div_rn((value - bound).to(tl.float32) * s, divisor)
-    tl.store(out + index, decoded, mask=inside)
+    s = tl.load(scale + first_block + local // block_length, mask=inside, other=1.0)
+    decoded = tl.math.div_rn((value - bound).to(tl.float32) * _decoded_scale(s), divisor)
+    tl.store(out + index, tl.where(inside, decoded, 0.0), mask=local < span)

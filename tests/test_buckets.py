@@ -47,11 +47,13 @@ def test_a_bucket_is_its_members_side_by_side():
     assert blocks == [0, 1, 2] + [4, 5, 6, 7, 8] + [10, 11, 12, 13]
     [allreduced] = gradient_buckets(_plans(codec, [(13,), (20,)], "allreduce"), codec)
     assert [m.offset for m in allreduced.members] == [0, 20]  # values need no alignment
+    [sharded] = gradient_buckets(_plans(codec, [(13,), (20,)], "sharded"), codec)
+    assert [m.offset for m in sharded.members] == [0, 24]  # packed codes, as allgather's
 
 
 def test_no_buckets_where_tensors_go_their_own_way():
     quantizer = hvd_compress.TernGrad(min_size=1)
-    assert gradient_buckets(_plans(quantizer, [(8,), (8,)], "sharded"), quantizer) == []
+    assert gradient_buckets(_plans(quantizer, [(8,), (8,)], "two-level"), quantizer) == []
     assert gradient_buckets(_plans(quantizer, [(8,), (8,)]), quantizer, bucket_bytes=0) == []
     # Two-way, sparse and variable-length codecs send tensors alone.
     for codec in (
@@ -181,12 +183,14 @@ def test_a_bucket_codes_as_its_tensors_alone(kind):
         ("qsgd", "allreduce", True, "eager"),
         ("qsgd-inf", "allgather", None, "eager"),
         ("nuqsgd", "allgather", True, "eager"),
+        ("qsgd-inf", "sharded", None, "eager"),
     ]
     if triton_fused.ENABLED and (kind == "cuda" or triton_fused.INTERPRETED):
         cases += [
             ("terngrad", "allgather", True, "kernels"),
             ("qsgd", "allreduce", True, "kernels"),
             ("nuqsgd", "allgather", None, "kernels"),
+            ("terngrad", "sharded", True, "kernels"),
         ]
     results = run_parallel(_bucketed_and_alone, 2, kind, cases)
     assert results[0] == results[1]

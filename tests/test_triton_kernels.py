@@ -34,6 +34,9 @@ SPECS = (
 # One element, an odd few, and more than one program of packed 2-bit codes (4,096).
 LENGTHS = (1, 13, 5001)
 KEY = 12_345_678_901
+# The exchanges whose tensors share gradient buckets; the sharded one sums the codes' values,
+# which NUQSGD's are not.
+EXCHANGES = ("allgather", "allreduce", "sharded")
 
 
 @pytest.fixture(params=DEVICES)
@@ -144,7 +147,7 @@ def _bucket(codec, exchange, device):
 
     plans = [
         plan_tensor(codec, f"t{i}", i, (n,), True, exchange, False)
-        for i, n in enumerate((13, 1, 5001, 7))
+        for i, n in enumerate((13, 1, 5001, 15))
     ]
     [bucket] = gradient_buckets(plans, codec)
     layout = BucketLayout(bucket, codec, device)
@@ -155,18 +158,28 @@ def _bucket(codec, exchange, device):
     return layout, grads, scales
 
 
+def _placed(parts, members, numel):
+    """The members' ``parts`` at their offsets in a vector of ``numel`` zeros."""
+    vector = parts[0].new_zeros(numel)
+    for member, part in zip(members, parts):
+        vector[member.offset : member.stop] = part
+    return vector
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_bucket_codes_and_decodes_as_its_tensors_alone(spec, device):
-    """A gradient bucket's encoding (packed as the allgather sends it, and as the
-    allreduce's values) and decodings are its members', each coded alone by the eager ops
-    with its own scales and stream, side by side."""
+    """A gradient bucket's encoding (packed as the allgather sends it, and as the sharded
+    exchange does, padded to whole shards; as the allreduce's values) and each exchange's
+    decoding are its members', each coded alone by the eager ops with its own scales and
+    stream, side by side, and zeros in the padding."""
     codec = resolve(f"{spec}:min_size=1", CODECS)
-    space = codec.code_space
+    space, world = codec.code_space, 3
     keys = [KEY + i for i in range(4)]
-    for exchange in ("allgather", "allreduce"):
+    exchanges = ("allgather", "allreduce") if spec.startswith("nuqsgd") else EXCHANGES
+    for exchange in exchanges:
         layout, grads, scales = _bucket(codec, exchange, device)
-        members, words = layout.bucket.members, layout.words(keys)
+        members, words, numel = layout.bucket.members, layout.words(keys), layout.bucket.numel
         alone = [
             codec.encode(g, s, seeding.uniforms(k, g.numel(), device))
             for g, s, k in zip(grads, scales, keys)
@@ -174,56 +187,60 @@ def test_a_bucket_codes_and_decodes_as_its_tensors_alone(spec, device):
         values = [codec.values(c) for c in alone]
         scale = torch.cat(scales)
         residual = torch.empty_like(layout.vector)
-        if exchange == "allgather":
-            payload = torch.empty(
-                space.packed_nbytes(layout.bucket.numel), dtype=torch.uint8, device=device
-            )
-            spans = [length for _, length in layout.bucket.spans()]
-            want = torch.cat(
-                [
-                    pack(torch.cat([c, c.new_zeros(n - c.numel())]).reshape(1, -1), space).reshape(
-                        -1
-                    )
-                    for c, n in zip(alone, spans)
-                ]
-            )
-        else:
-            payload = torch.empty(layout.bucket.numel, dtype=torch.int8, device=device)
+        if exchange == "allreduce":
+            payload = torch.empty(numel, dtype=torch.int8, device=device)
             want = torch.cat(values).to(torch.int8)
+        else:
+            total_space = codec.value_space.summed(world)
+            padded = (
+                numel
+                if exchange == "allgather"
+                else world * shard_length(numel, world, space, total_space)
+            )
+            nbytes = space.packed_nbytes(padded)
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            want = pack(_placed(alone, members, padded).reshape(1, -1), space).reshape(-1)
         triton_fused.encode(layout.codec, payload, layout.vector, scale, words, residual)
         _assert_same(payload, want)
         for m, g, v, s in zip(members, grads, values, scales):
             _assert_same(residual[m.offset : m.stop], g - codec.decode(v, s, 1))
-        # Decoded: the allreduce's totals, and the allgather's rows under own scales.
-        count = 3
+        # Decoded: the allreduce's totals, the sharded exchange's summed shards, the
+        # allgather's rows under own scales.
+        if exchange != "allgather":
+            want = [
+                codec.decode(v.to(torch.int32) * world, s, world) for v, s in zip(values, scales)
+            ]
         if exchange == "allreduce":
             got = triton_fused.decoded_totals(
-                layout.codec, payload.to(torch.int32) * count, scale, count
+                layout.codec, payload.to(torch.int32) * world, scale, world
             )
-            want = [
-                codec.decode(v.to(torch.int32) * count, s, count) for v, s in zip(values, scales)
-            ]
+        elif exchange == "sharded":
+            totals = _placed([v.to(torch.int32) * world for v in values], members, padded)
+            rows = pack(totals.reshape(world, -1), total_space)
+            length = padded // world
+            got = triton_fused.decoded_segments(
+                layout.codec, rows, total_space, length, scale, world, numel
+            )
         else:
-            own = torch.stack([scale.roll(r) for r in range(count)])
-            messages = torch.cat([own.view(torch.uint8), payload.expand(count, -1)], dim=1)
+            own = torch.stack([scale.roll(r) for r in range(world)])
+            messages = torch.cat([own.view(torch.uint8), payload.expand(world, -1)], dim=1)
             got = triton_fused.decoded_own_scales(
-                layout.codec, messages, own.shape[1] * 4, count, layout.bucket.numel
+                layout.codec, messages, own.shape[1] * 4, world, numel
             )
             want, first = [], 0
             for v, s in zip(values, scales):
                 blocks = slice(first, first + s.numel())
                 first = blocks.stop
-                decoded = codec.decode(v, own[0, blocks], count)
-                for r in range(1, count):
-                    decoded = decoded + codec.decode(v, own[r, blocks], count)
+                decoded = codec.decode(v, own[0, blocks], world)
+                for r in range(1, world):
+                    decoded = decoded + codec.decode(v, own[r, blocks], world)
                 want.append(decoded)
         for m, w in zip(members, want):
             _assert_same(got[m.offset : m.stop], w)
-        # The padding decodes to zeros.
-        covered = torch.zeros(layout.bucket.numel, dtype=torch.bool)
-        for m in members:
-            covered[m.offset : m.stop] = True
-        assert torch.equal(got.cpu()[~covered], torch.zeros(int((~covered).sum())))
+        padding = ~_placed(
+            [torch.ones(m.plan.numel, dtype=torch.bool) for m in members], members, numel
+        )
+        assert torch.equal(got.cpu()[padding], torch.zeros(int(padding.sum())))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -281,11 +298,12 @@ CASES = [
     (k.decode_rows, dict(WIDTH=2, NUQSGD=False, OWN_SCALES=True, **ALONE)),
     (k.decode_rows, dict(WIDTH=4, NUQSGD=True, OWN_SCALES=False, **ALONE)),
     (k.sum_codes, dict(WIDTH=2, TOTAL_WIDTH=4, NUQSGD=False)),
-    (k.decode_segments, dict(WIDTH=16)),
+    (k.decode_segments, dict(WIDTH=16, **ALONE)),
     (k.quantize, dict(MODE=k.UNIFORM, WIDTH=2, PACKED=True, FEEDBACK=True, SEGMENTED=True)),
     (k.quantize, dict(MODE=k.NUQSGD, WIDTH=8, PACKED=False, FEEDBACK=False, SEGMENTED=True)),
     (k.decode_totals, dict(SEGMENTED=True)),
     (k.decode_rows, dict(WIDTH=4, NUQSGD=True, OWN_SCALES=True, SEGMENTED=True)),
+    (k.decode_segments, dict(WIDTH=4, SEGMENTED=True)),
 ]
 for capability in map(int, sys.argv[1:]):
     for kernel, constants in CASES:
@@ -322,7 +340,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.stdout.splitlines()) == 24, run.stdout
+    assert len(run.stdout.splitlines()) == 26, run.stdout
 
 
 def _device_and_eager_steps(cases, steps=2):
