@@ -31,7 +31,7 @@ from tqdm import tqdm
 from . import network, plots, report
 from .job import HorovodJob, LocalHosts, NamespacedHosts
 from .methods import CODEC_METHODS, METHODS, PEER_METHODS, TWO_LEVEL_METHODS
-from .protocol import EVENT, LONG_SECONDS, STEP_BUDGET_SECONDS, TF_METHODS
+from .protocol import EVENT, LONG_SECONDS, OP_COUNT_PATHS, STEP_BUDGET_SECONDS, TF_METHODS
 from .shapes import MODELS
 
 DEFAULT_WORKERS = (2, 4)
@@ -277,41 +277,26 @@ def run_job(hosts, spec, timeout, shape, progress, events, program):
             )
 
 
-# The paths whose ops a step is counted on (``benchmarks.op_count``), by the environment
-# that selects each: the CPU kernels, the device path that CUDA tensors take (Triton's
-# kernels, interpreted on CPU), and the eager ops.
-OP_COUNT_PATHS = {
-    "CPU kernels": {},
-    "device path (Triton, interpreted)": {
-        "HVD_COMPRESS_KERNELS": "triton",
-        "TRITON_INTERPRET": "1",
-    },
-    "eager ops": {"HVD_COMPRESS_KERNELS": "0"},
-}
-
-
 def op_counts(model, codecs, workers, timeout):
-    """``benchmarks.op_count`` of ``codecs`` on ``model`` on each of ``OP_COUNT_PATHS``, in a
-    job of ``workers`` on localhost (the counts do not depend on the link). Started as the
-    benchmark's own jobs are: ``horovodrun`` would first import TensorFlow to check how
-    Horovod was built."""
-    counts = []
+    """``benchmarks.op_count`` of ``codecs`` on ``model`` on each of ``OP_COUNT_PATHS`` (the CPU
+    kernels, the device path that CUDA tensors take, interpreted on CPU, and the eager
+    ops), in one job of ``workers`` on localhost (the counts do not depend on the link).
+    Started as the benchmark's own jobs are: ``horovodrun`` would first import TensorFlow
+    to check how Horovod was built."""
     with tempfile.TemporaryDirectory(prefix="hvdc-ops-") as workdir:
-        for path, env in OP_COUNT_PATHS.items():
-            out = os.path.join(workdir, "ops.json")
-            log_path = os.path.join(workdir, "workers.log")
-            command = [sys.executable, "-m", "benchmarks.op_count", "--model", model]
-            command += ["--codecs", ",".join(codecs), "--out", out]
-            with open(log_path, "w") as log:
-                code = HorovodJob(LocalHosts(workers), command, env=env, log=log).run(timeout)
-            if code:
-                raise RuntimeError(
-                    f"the op count job ({path}) failed (exit code {code}); output:\n"
-                    f"{_tail(log_path)}"
-                )
-            with open(out) as f:
-                counts.append({**json.load(f), "path": path})
-    return counts
+        out = os.path.join(workdir, "ops.json")
+        log_path = os.path.join(workdir, "workers.log")
+        command = [sys.executable, "-m", "benchmarks.op_count", "--model", model]
+        command += ["--codecs", ",".join(codecs), "--out", out, "--paths", ",".join(OP_COUNT_PATHS)]
+        with open(log_path, "w") as log:
+            job = HorovodJob(LocalHosts(workers), command, env={"TRITON_INTERPRET": "1"}, log=log)
+            code = job.run(timeout)
+        if code:
+            raise RuntimeError(
+                f"the op count job failed (exit code {code}); output:\n{_tail(log_path)}"
+            )
+        with open(out) as f:
+            return json.load(f)
 
 
 def _tail(log_path):

@@ -14,7 +14,9 @@ and ``aten::nonzero`` (whose output's size the host must learn). ``.tolist()`` a
 reads of CPU tensors emit no event and are not counted. The device path (Triton's kernels,
 which CUDA tensors take) is counted on CPU under Triton's interpreter with
 ``HVD_COMPRESS_KERNELS=triton TRITON_INTERPRET=1``, the eager ops with
-``HVD_COMPRESS_KERNELS=0``. A codec with an uncompressed start
+``HVD_COMPRESS_KERNELS=0``; or ``--paths kernels,device,eager`` counts each in turn in one
+job (under ``TRITON_INTERPRET=1``), turning the kernels on and off in the process. A codec
+with an uncompressed start
 (PowerSGD's) is counted at a step after it. The counts do not depend on the link, so the
 job runs on localhost:
 
@@ -32,10 +34,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hvd_compress.pt as hc
-from hvd_compress.pt import triton_fused
+from hvd_compress.pt import fused, triton_fused
 from hvd_compress.pt.device import rank_device
 
 from .models import workload
+from .protocol import OP_COUNT_PATHS as PATHS
 from .shapes import MODELS
 
 # Steps before the profiled one: allocations and the compilation of the kernels.
@@ -96,17 +99,46 @@ def count(model_name, codec, device):
     return top_level_aten_ops(events) + launched, host_reads(events), len(tensors), compressed
 
 
+def _take(path):
+    """Sends this process's CPU tensors down ``path`` (a key of ``PATHS``)."""
+    _, cpu_kernels, device_path = PATHS[path]
+    if device_path and not triton_fused.INTERPRETED:
+        raise SystemExit("--paths device runs Triton's kernels on CPU: set TRITON_INTERPRET=1")
+    fused.ENABLED = cpu_kernels
+    triton_fused.ENABLED = triton_fused.ON_CPU = device_path
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default="terngrad,qsgd-inf,nuqsgd,ef-sign,powersgd,dgc")
     parser.add_argument("--model", default="resnet50", choices=MODELS)
-    parser.add_argument("--out", help="also write the counts as JSON here (rank 0)")
+    parser.add_argument(
+        "--out", help="also write the counts as JSON here (rank 0): a list, one per path"
+    )
     parser.add_argument(
         "--device", default="cpu", choices=("cpu", "cuda"), help="cuda: each rank's own GPU"
+    )
+    parser.add_argument(
+        "--paths",
+        help=f"count each of these paths in turn ({','.join(PATHS)}); default: the path "
+        f"the environment sets",
     )
     args = parser.parse_args(argv)
     hvd.init()
     device = rank_device() if args.device == "cuda" else torch.device("cpu")
+    results = []
+    for path in args.paths.split(",") if args.paths else [None]:
+        if path is not None:
+            _take(path)
+        results.append(_counted(args, device, None if path is None else PATHS[path][0]))
+    if hvd.rank() == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def _counted(args, device, path):
+    """The counts of ``args.codecs`` on the path the process is set to (named ``path``),
+    printed by rank 0."""
     baseline, baseline_reads, _, _ = count(args.model, "none", device)
     rows = []
     for name in args.codecs.split(","):
@@ -128,7 +160,8 @@ def main(argv=None):
         )
     if hvd.rank() == 0:
         print(
-            f"Top-level aten ops and host reads of one step, {args.model}, N = {hvd.size()} "
+            f"Top-level aten ops and host reads of one step, {args.model}, N = {hvd.size()}"
+            f"{'' if path is None else f', {path}'} "
             f"(none: {baseline} ops, {baseline_reads} reads):\n"
         )
         print(
@@ -143,19 +176,14 @@ def main(argv=None):
                 f"{r['compressed_tensors']} | {'-' if per is None else f'{per:.1f}'} | "
                 f"{r['added_host_reads']} |"
             )
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(
-                    {
-                        "model": args.model,
-                        "world_size": hvd.size(),
-                        "none": baseline,
-                        "none_host_reads": baseline_reads,
-                        "codecs": rows,
-                    },
-                    f,
-                    indent=1,
-                )
+    counts = {
+        "model": args.model,
+        "world_size": hvd.size(),
+        "none": baseline,
+        "none_host_reads": baseline_reads,
+        "codecs": rows,
+    }
+    return counts if path is None else {**counts, "path": path}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,14 @@ from hvd_compress import cost
 from hvd_compress.accounting import HALF, UNCOMPRESSED
 
 EVENT = "@@bench "
+# The paths a step can take on CPU tensors, whose ops ``benchmarks.op_count`` counts: by
+# key, its name and the kernels it turns on (the CPU kernels, Triton's kernels with CPU
+# tensors under the interpreter); neither is the eager ops.
+OP_COUNT_PATHS = {
+    "kernels": ("CPU kernels", True, False),
+    "device": ("device path (Triton, interpreted)", False, True),
+    "eager": ("eager ops", False, False),
+}
 # Learning rate of the timed steps (what is measured does not depend on it).
 TIMING_LR = 0.01
 # Timed steps of each compute baseline, whatever the model: a step without exchange is
