@@ -290,7 +290,7 @@ def op_counts(model, codecs, workers, timeout):
         command += ["--codecs", ",".join(codecs), "--out", out, "--paths", ",".join(OP_COUNT_PATHS)]
         with open(log_path, "w") as log:
             job = HorovodJob(LocalHosts(workers), command, env={"TRITON_INTERPRET": "1"}, log=log)
-            code = job.run(timeout)
+            code = job.run(timeout * len(OP_COUNT_PATHS))  # each path's share of the job
         if code:
             raise RuntimeError(
                 f"the op count job failed (exit code {code}); output:\n{_tail(log_path)}"
