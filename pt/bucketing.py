@@ -50,15 +50,12 @@ class BucketLayout:
         self.codec.buckets = lambda numel: self.segments.count
         self._span_lengths = [length for _, length in spans]
         self._spans = _indices(self._span_lengths, device)
-        starts = _indices([start for start, _ in spans], device)
-        numel = bucket.numel
-        # Each element's counter in its member's stream: its index within the member.
-        self._counters = torch.arange(numel, device=device) - torch.repeat_interleave(
-            starts, self._spans, output_size=numel
-        )
-        self.vector = torch.zeros(numel, dtype=torch.float32, device=device)
+        # Made when first needed, each by one path only: each element's counter in its
+        # member's stream (the eager draws), the member views of ``Segments.decoded``
+        # (Triton's decodes).
+        self._counters = self._decoded = None
+        self.vector = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
         self._views = self._shaped(self.vector)
-        self._decoded = self._shaped(self.segments.decoded)
 
     def _shaped(self, vector):
         return [vector[m.offset : m.stop].view(m.plan.shape) for m in self.bucket.members]
@@ -75,9 +72,14 @@ class BucketLayout:
     def uniforms(self, words: torch.Tensor) -> torch.Tensor:
         """The draws of the vector: each member's from its stream (``words``), as its own
         tensor would draw them."""
+        numel = self.bucket.numel
+        if self._counters is None:  # an element's index within its member
+            starts = _indices([start for start, _ in self.bucket.spans()], self.device)
+            self._counters = torch.arange(numel, device=self.device) - torch.repeat_interleave(
+                starts, self._spans, output_size=numel
+            )
         lo, multiplier = (
-            torch.repeat_interleave(w, self._spans, output_size=self.bucket.numel)
-            for w in words.unbind(1)
+            torch.repeat_interleave(w, self._spans, output_size=numel) for w in words.unbind(1)
         )
         return stream_uniforms(self._counters, lo, multiplier)
 
@@ -85,6 +87,8 @@ class BucketLayout:
         """Each member's part of a bucket-long ``vector``: in its shape where ``vector`` is
         where the kernels decode (views made once), else flat."""
         if vector is self.segments.decoded:
+            if self._decoded is None:
+                self._decoded = self._shaped(vector)
             return self._decoded
         parts = vector.split(self._span_lengths)
         return [

@@ -51,9 +51,9 @@ class Segments:
         self._members = members
         self.members = indices(members)
         self._programs = {}
-        # Where the kernels decode a bucket (``triton_fused``): the same tensor each step,
-        # so that the gradients can be views of it made once (``BucketLayout.members``).
-        self.decoded = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        # Where the kernels decode a bucket (``decoding``), made at the first decode: the
+        # eager ops never use it.
+        self.decoded = None
 
     def expand(self, scale: torch.Tensor) -> torch.Tensor:
         """Each block's scale (along ``scale``'s last axis) repeated over its elements, 0
@@ -83,6 +83,13 @@ class Segments:
             ]
             self._programs[key] = torch.tensor(table, dtype=torch.int64, device=self.members.device)
         return self._programs[key]
+
+    def decoding(self) -> torch.Tensor:
+        """Where the kernels decode the bucket (``triton_fused``): the same tensor each
+        step, so that the gradients can be views of it made once (``BucketLayout.members``)."""
+        if self.decoded is None:
+            self.decoded = torch.zeros(self.numel, dtype=torch.float32, device=self.lengths.device)
+        return self.decoded
 
     def whole_groups(self, flags: torch.Tensor) -> torch.Tensor:
         """Whether any block of each block's member has its flag (a boolean per block)."""

@@ -139,7 +139,7 @@ def _output(codec, numel, device):
     """Where a decode writes: a new tensor, or a gradient bucket's ``Segments.decoded``."""
     blocks = codec.bucket_length(numel)
     if isinstance(blocks, Segments):
-        return blocks.decoded
+        return blocks.decoding()
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
