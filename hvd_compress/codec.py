@@ -182,9 +182,8 @@ class Codec:
     @property
     def bucketable(self) -> bool:
         """Whether tensors of this codec can share gradient buckets (``bucketing``): a
-        one-way quantizer whose scales are per tensor or per block, packed at a fixed
-        width."""
-        return self.scaled and not (self.sparse or self.two_way) and self.wire == "fixed"
+        quantizer whose scales are per tensor or per block, packed at a fixed width."""
+        return self.scaled and not self.sparse and self.wire == "fixed"
 
     def bucket_length(self, numel):
         """Elements per bucket of a tensor of ``numel`` elements."""

@@ -4,7 +4,7 @@ import torch
 
 from hvd_compress import blocksign as reference
 
-from .buckets import l1_sums, rescale
+from .buckets import Segments, float64_sums, rescale
 from .codec import Codec
 
 
@@ -12,13 +12,20 @@ class BlockSign(reference.BlockSign, Codec):
     __doc__ = reference.BlockSign.__doc__
 
     def local_scale(self, grad):
+        # The reference's float64 sums: float32 sums of |p| round differently in the last
+        # bit of one scale in a dozen.
         p = grad.detach().reshape(-1)
-        return self.scale_from_sums(l1_sums(p, self.bucket_length(p.numel())), p.numel())
+        sums = float64_sums(p, self.bucket_length(p.numel()), torch.Tensor.abs_)
+        return self.scale_from_sums(sums, p.numel())
 
     def scale_from_sums(self, sums, numel):
         """The float32 block scales of ``numel`` elements from their float64 sums of |p|
         per block (``local_scale``'s, or those a fused kernel accumulated)."""
         d = self.bucket_length(numel)
+        if isinstance(d, Segments):
+            scale = (sums / d.block_lengths).to(torch.float32)
+            # A non-finite scale marks its whole member.
+            return torch.where(d.whole_groups(~torch.isfinite(scale)), float("inf"), scale)
         scale = sums / d
         if numel % d:  # the last block is shorter
             scale[-1] = sums[-1] / (numel % d)

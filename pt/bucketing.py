@@ -10,17 +10,38 @@ import copy
 
 import torch
 
-from hvd_compress.bucketing import GradientBucket, gradient_buckets
+from hvd_compress.bucketing import GradientBucket, block_lengths, gradient_buckets
 from hvd_compress.seeding import key_words
 
 from . import fused
 from .buckets import Segments
-from .memory import ErrorFeedback
 from .seeding import stream_uniforms
 
 
 def _indices(values, device):
     return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _segments(codec, parts: list[tuple[int, int]], device: torch.device) -> Segments:
+    """The ``Segments`` of ``codec``'s blocks over a vector of ``parts`` (elements, length
+    with their padding) laid end to end (``hvd_compress.bucketing.block_lengths``)."""
+    lengths, blocks = block_lengths(codec, parts)
+    groups, members, first_block, offset = [], [], 0, 0
+    for numel, length in parts:
+        groups.append(codec.buckets(numel))
+        members.append((offset, numel, length, first_block, codec.bucket_length(numel)))
+        first_block += groups[-1]
+        offset += length
+    return Segments(lengths, blocks, groups, members, device)
+
+
+def _blocked(codec, segments: Segments):
+    """A copy of ``codec`` whose blocks are ``segments``: it codes their vector as it would
+    one tensor."""
+    codec = copy.copy(codec)
+    codec.bucket_length = lambda numel: segments
+    codec.buckets = lambda numel: segments.count
+    return codec
 
 
 class BucketLayout:
@@ -31,23 +52,17 @@ class BucketLayout:
             (``put``); the padding stays zero.
         codec: a copy of ``codec`` whose blocks are the bucket's ``segments``: the
             pipeline codes the vector with it as it would one tensor.
+        shards: for a bucket sharded member by member, its ``ShardLayout`` seen from
+            ``rank``; else None.
     """
 
-    def __init__(self, bucket: GradientBucket, codec, device: torch.device):
+    def __init__(self, bucket: GradientBucket, codec, device: torch.device, rank: int):
         self.bucket = bucket
         self.device = device
-        lengths, blocks = bucket.block_lengths(codec)
         spans = bucket.spans()
-        groups, members, first_block = [], [], 0
-        for member, (offset, length) in zip(bucket.members, spans):
-            numel = member.plan.numel
-            groups.append(codec.buckets(numel))
-            members.append((offset, numel, length, first_block, codec.bucket_length(numel)))
-            first_block += groups[-1]
-        self.segments = Segments(lengths, blocks, groups, members, device)
-        self.codec = copy.copy(codec)
-        self.codec.bucket_length = lambda numel: self.segments
-        self.codec.buckets = lambda numel: self.segments.count
+        self.segments = _segments(codec, bucket.parts(), device)
+        self.codec = _blocked(codec, self.segments)
+        self.shards = ShardLayout(bucket, codec, rank, device) if bucket.shards else None
         self._span_lengths = [length for _, length in spans]
         self._spans = _indices(self._span_lengths, device)
         # Made when first needed, each by one path only: each element's counter in its
@@ -83,6 +98,14 @@ class BucketLayout:
         )
         return stream_uniforms(self._counters, lo, multiplier)
 
+    def server_ratio(self, ratio):
+        """The residual ratio of this rank's server from the bucket's (``ratios``): where
+        it is one per element and the bucket is sharded member by member, those of this
+        rank's shard."""
+        if self.shards is None or not isinstance(ratio, torch.Tensor) or ratio.dim() == 0:
+            return ratio
+        return ratio.index_select(0, self.shards.own)
+
     def members(self, vector: torch.Tensor) -> list[torch.Tensor]:
         """Each member's part of a bucket-long ``vector``: in its shape where ``vector`` is
         where the kernels decode (views made once), else flat."""
@@ -108,29 +131,137 @@ class BucketLayout:
         return torch.repeat_interleave(per_member, self._spans, output_size=self.bucket.numel)
 
 
-def join_residuals(residuals: dict, bucket: GradientBucket, device: torch.device) -> None:
+class ShardLayout:
+    """A bucket sharded member by member (``GradientBucket.shards``) on ``device``, as
+    ``rank`` sees it: shard r is the r-th shard of every member (``shard_pieces``), each
+    shard's server blocks are those its members' own servers would cut
+    (``hvd_compress.bucketing``), and each server's block scales travel in a head with
+    as many slots per member as its own exchange's.
+
+    Attributes:
+        length: elements of a shard.
+        head: server block scales in a server's head.
+        server_codec: a copy of the codec whose blocks are this rank's server blocks.
+    """
+
+    def __init__(self, bucket: GradientBucket, codec, rank: int, device: torch.device):
+        shards = [bucket.shard_pieces(r) for r in range(bucket.shards)]
+        self.shards = bucket.shards
+        self.length = sum(piece.length for piece in shards[0])
+        # The bucket's element at each position of the shards laid end to end.
+        order = torch.cat(
+            [
+                torch.arange(p.member.offset + p.first, p.member.offset + p.first + p.length)
+                for pieces in shards
+                for p in pieces
+            ]
+        )
+        self.order = order.to(device)
+        per_byte = codec.code_space.codes_per_byte
+        self._byte_order = (order[::per_byte] // per_byte).to(device)
+        # The bucket's elements of this rank's shard, in its order.
+        self.own = order[rank * self.length : (rank + 1) * self.length].to(device)
+        self._inverse = torch.argsort(order).to(device)
+        self.server_codec = _blocked(
+            codec, _segments(codec, [(p.valid, p.length) for p in shards[rank]], device)
+        )
+        # Where each member's server scales start in a head, and its worker blocks start
+        # among the bucket's.
+        slots, first_blocks = [0], [0]
+        for piece in shards[0]:
+            slots.append(slots[-1] + codec.buckets(piece.length))
+            first_blocks.append(first_blocks[-1] + codec.buckets(piece.member.plan.numel))
+        self.head = slots[-1]
+        worker_blocks, server_blocks, head_slots = [], [], []
+        for r, pieces in enumerate(shards):
+            for i, p in enumerate(pieces):
+                elements = torch.arange(p.first, p.first + p.valid)
+                padding = torch.full((p.length - p.valid,), -1)
+                if r == rank:
+                    d = codec.bucket_length(p.member.plan.numel)
+                    worker_blocks += [first_blocks[i] + elements // d, padding]
+                    head_slots.append(slots[i] + torch.arange(codec.buckets(p.valid)))
+                d = codec.bucket_length(p.valid)
+                server_blocks += [r * self.head + slots[i] + (elements - p.first) // d, padding]
+        # The block of each element of this rank's shard among a worker's blocks, of each
+        # element of every shard among the servers' heads laid end to end; -1 for
+        # padding, which takes the zero appended to the scales (``_scaled_signs``).
+        # Attributes, as Triton's kernels read them too (``triton_fused``).
+        self.worker_blocks = torch.cat(worker_blocks).to(device)
+        self.server_blocks = torch.cat(server_blocks).to(device)
+        self._head_slots = torch.cat(head_slots).to(device)
+
+    def rows(self, packed: torch.Tensor) -> torch.Tensor:
+        """The bucket's packed codes as one row per shard."""
+        return packed.index_select(0, self._byte_order).view(self.shards, -1)
+
+    def worker_average(self, signs: torch.Tensor, scales: torch.Tensor, count: int):
+        """The average over the workers of their signs of this rank's shard (a row each)
+        times their block scales (a row each), divided by ``count``."""
+        return _scaled_signs(signs, scales, self.worker_blocks).sum(dim=0) / count
+
+    def server_head(self, scale: torch.Tensor) -> torch.Tensor:
+        """This rank's server block scales in its head's slots, zeros elsewhere."""
+        return scale.new_zeros(self.head).index_copy_(0, self._head_slots, scale)
+
+    def decoded(self, signs: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """The bucket's vector from every server's signs of its shard (a row each) times
+        its block scales (its head, a row each)."""
+        values = _scaled_signs(signs.reshape(1, -1), heads.reshape(1, -1), self.server_blocks)
+        return values.reshape(-1).index_select(0, self._inverse)
+
+
+def _scaled_signs(signs, scales, blocks):
+    """Each row's signs (int8) times that row's scale of each element's block (``blocks``
+    into the row; -1: 0); NaN for a non-finite scale, as ``rescale`` decodes it."""
+    scales = torch.where(torch.isfinite(scales), scales, float("nan"))
+    scales = torch.cat([scales, scales.new_zeros(scales.shape[0], 1)], dim=1)
+    return signs.to(torch.float32) * scales[:, blocks]
+
+
+def _residual_parts(bucket: GradientBucket, server_rank: int | None):
+    """(member name, start, stop) of each member's residual within the bucket's, and the
+    bucket's residual's length: the worker's (``server_rank`` None) and a replicated
+    server's span the vector; a sharded server's, that rank's shard (``shard_pieces``)."""
+    if server_rank is None or not bucket.shards:
+        parts = [(m.plan.name, m.offset, m.stop) for m in bucket.members]
+        return parts, bucket.numel
+    pieces = bucket.shard_pieces(server_rank)
+    parts = [(p.member.plan.name, p.column, p.column + p.valid) for p in pieces]
+    return parts, sum(p.length for p in pieces)
+
+
+def join_residuals(
+    residuals: dict, bucket: GradientBucket, device: torch.device, server_rank=None
+) -> None:
     """Moves the residuals of ``bucket``'s members, kept under their names (a restored
-    state, or steps that sent them one by one), into one under the bucket's name."""
-    parts = {m.plan.name: residuals.pop(m.plan.name, None) for m in bucket.members}
-    if not any(part is not None for part in parts.values()):
+    state, or steps that sent them one by one), into one under the bucket's name: the
+    worker's, or with ``server_rank`` that rank's server's (``_residual_parts``)."""
+    parts, length = _residual_parts(bucket, server_rank)
+    kept = {name: residuals.pop(name, None) for name, _, _ in parts}
+    if not any(part is not None for part in kept.values()):
         return
-    joined = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
-    for member in bucket.members:
-        part = parts[member.plan.name]
-        if part is not None:
-            joined[member.offset : member.stop] = part.reshape(-1)
+    joined = torch.zeros(length, dtype=torch.float32, device=device)
+    for name, start, stop in parts:
+        if kept[name] is not None:
+            joined[start:stop] = kept[name].reshape(-1)
     residuals[bucket.name] = joined
 
 
-def split_residuals(residuals: dict, bucket: GradientBucket) -> dict:
+def split_residuals(
+    residuals: dict, bucket: GradientBucket, server_rank=None, shaped=False
+) -> dict:
     """``residuals`` with the bucket's one, if it has one, kept under its members' names
-    instead, each a copy (flat, as the members' own residuals are)."""
+    instead, each a copy: flat, as the members' own residuals are, or ``shaped`` as their
+    parameters, as momentum buffers are."""
     if bucket.name not in residuals:
         return residuals
     residuals = dict(residuals)
     joined = residuals.pop(bucket.name)
-    for member in bucket.members:
-        residuals[member.plan.name] = joined[member.offset : member.stop].clone()
+    shapes = {m.plan.name: m.plan.shape for m in bucket.members}
+    for name, start, stop in _residual_parts(bucket, server_rank)[0]:
+        part = joined[start:stop].clone()
+        residuals[name] = part.view(shapes[name]) if shaped else part
     return residuals
 
 
@@ -141,13 +272,15 @@ class GradientBuckets:
         codec: the pipeline's codec.
         bucket_bytes: the size at which a bucket closes (0: no buckets).
         plans: {parameter: its ``TensorPlan``}, whose exchanges the buckets follow.
-        worker: the pipeline's worker residuals, or None.
+        state: the pipeline's ``PipelineState``, whose worker and server residuals a
+            bucket keeps under its own name while it carries its members.
+        world_size, rank: the pipeline's world, which the buckets' layouts are for.
     """
 
-    def __init__(self, codec, bucket_bytes: int, plans: dict, worker: ErrorFeedback | None):
-        self.codec, self.bucket_bytes, self.plans = codec, bucket_bytes, plans
+    def __init__(self, codec, bucket_bytes: int, plans: dict, state, world_size: int, rank: int):
+        self.codec, self.bucket_bytes, self.plans, self.state = codec, bucket_bytes, plans, state
         self.buckets = []
-        self.make(worker)
+        self.make(world_size, rank)
 
     def __iter__(self):
         return iter(self.buckets)
@@ -155,14 +288,15 @@ class GradientBuckets:
     def __len__(self):
         return len(self.buckets)
 
-    def make(self, worker: ErrorFeedback | None) -> None:
-        """Lays the compressed tensors out in buckets for their exchanges: at construction,
-        and again when ``exchange="auto"`` chose them anew. The residuals of the old
-        buckets go back under their members' names."""
-        if worker is not None:
-            for bucket in self.buckets:
-                worker.residuals = split_residuals(worker.residuals, bucket)
-        self.buckets = gradient_buckets(list(self.plans.values()), self.codec, self.bucket_bytes)
+    def make(self, world_size: int, rank: int) -> None:
+        """Lays the compressed tensors out in buckets for their exchanges among
+        ``world_size`` ranks: at construction, and again when the world changed. The
+        residuals of the old buckets go back under their members' names."""
+        self.release()
+        self.world_size, self.rank = world_size, rank
+        self.buckets = gradient_buckets(
+            list(self.plans.values()), self.codec, world_size, self.bucket_bytes
+        )
         params = {plan.name: param for param, plan in self.plans.items()}
         # bucket name -> its members' parameters
         self.params = {b.name: [params[m.plan.name] for m in b.members] for b in self.buckets}
@@ -170,12 +304,40 @@ class GradientBuckets:
         self._carried = {}  # member name -> (layout, index) of this step's buckets
         self._arrived = {}  # bucket name -> {member index: its ratio} of this step
 
-    def follow(self, worker: ErrorFeedback | None) -> None:
+    def release(self) -> None:
+        """Keeps every bucket's residuals under its members' names: before the world they
+        were laid out for changes."""
+        for bucket in self.buckets:
+            self._split(bucket)
+
+    def _split(self, bucket: GradientBucket) -> None:
+        """Keeps ``bucket``'s residuals and momentum under its members' names."""
+        worker, server, momentum = self.state.worker, self.state.server, self.state.momentum
+        if worker is not None:
+            worker.residuals = split_residuals(worker.residuals, bucket)
+        if server is not None:
+            server.residuals = split_residuals(server.residuals, bucket, self.rank)
+        if momentum is not None:
+            momentum.momentum = split_residuals(momentum.momentum, bucket, shaped=True)
+
+    def split_state(self, state: dict) -> dict:
+        """``PipelineState.state_dict``'s ``state`` with every residual and momentum buffer
+        under its tensor's name, whatever the buckets of this run."""
+        for bucket in self.buckets:
+            for role, rank in (("worker", None), ("server", self.rank)):
+                if role in state:
+                    state[role] = split_residuals(state[role], bucket, rank)
+            if "momentum" in state:
+                buffers = state["momentum"]["momentum"]
+                state["momentum"]["momentum"] = split_residuals(buffers, bucket, shaped=True)
+        return state
+
+    def follow(self) -> None:
         """Takes the buckets that carry this step's gradients: those whose members all go
         by the bucket's exchange, are float32 and on one device, off the CPU kernels (on
         the eager ops, or Triton's kernels); asked at each step's first gradient, as
-        placement is. Each bucket's residual is kept under the name this step's exchanges
-        use: the bucket's, or its members'."""
+        placement is. Each bucket's residuals are kept under the name this step's
+        exchanges use: the bucket's, or its members'."""
         self._carried = {}
         for bucket in self.buckets:
             params = self.params[bucket.name]
@@ -188,14 +350,18 @@ class GradientBuckets:
                 for m, p in zip(bucket.members, params)
             )
             if not carried:
-                if worker is not None:
-                    worker.residuals = split_residuals(worker.residuals, bucket)
+                self._split(bucket)
                 continue
             layout = self._layouts.get(bucket.name)
             if layout is None or layout.device != device:
-                layout = self._layouts[bucket.name] = BucketLayout(bucket, self.codec, device)
-            if worker is not None:
-                join_residuals(worker.residuals, bucket, device)
+                layout = BucketLayout(bucket, self.codec, device, self.rank)
+                self._layouts[bucket.name] = layout
+            if self.state.worker is not None:
+                join_residuals(self.state.worker.residuals, bucket, device)
+            if self.state.server is not None:
+                join_residuals(self.state.server.residuals, bucket, device, self.rank)
+            if self.state.momentum is not None:
+                join_residuals(self.state.momentum.momentum, bucket, device)
             for index, member in enumerate(bucket.members):
                 self._carried[member.plan.name] = (layout, index)
 

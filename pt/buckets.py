@@ -175,48 +175,6 @@ def float64_sums(values, bucket_size, transform):
     return sums
 
 
-# Elements of a row whose |v| are summed in float32 by ``l1_sums`` before the rows are
-# added up in float64.
-_ROW = 1 << 12
-
-
-def _row_sums(matrix):
-    """float64 sum of each row of a 2-D float tensor: float32 partial sums of runs of _ROW
-    elements, added up in float64."""
-    whole = matrix.shape[1] // _ROW
-    sums = matrix[:, whole * _ROW :].sum(dim=1, dtype=torch.float64)
-    if whole:
-        runs = matrix[:, : whole * _ROW].unflatten(1, (whole, _ROW)).sum(dim=2)
-        sums += runs.sum(dim=1, dtype=torch.float64)
-    return sums
-
-
-def l1_sums(values, bucket_size):
-    """float64 sum of |v| over each bucket of the 1-D ``values``.
-
-    Runs of 4,096 elements are summed in float32 (relative error ~1e-7 of a run, and no
-    overflow below 8e34 per element) and the runs in float64: as close to the reference's
-    float64 sums as float32 scales can tell (within 1e-9 on 25M Gaussian elements). A run
-    is one output of a reduction over the last axis, so its sum does not depend on how many
-    threads share the work; only the last bits of the float64 total can, far below what a
-    float32 scale keeps, so a replicated server's scale is the same on ranks with different
-    thread counts (as with ``float64_sums``). A dozen tensor operations per tensor, against ~30
-    per 128K elements for ``float64_sums``' chunked conversion: on the 76 gradients of a
-    25M-parameter model that per-tensor overhead was the larger part of the scales' cost.
-    """
-    numel = values.shape[-1]
-    magnitude = (
-        values.abs()
-        if values.dtype in (torch.float32, torch.float64)
-        else values.to(torch.float32).abs_()
-    )
-    whole = numel // bucket_size
-    sums = _row_sums(magnitude[: whole * bucket_size].view(whole, bucket_size))
-    if numel % bucket_size:
-        sums = torch.cat([sums, _row_sums(magnitude[whole * bucket_size :].view(1, -1))])
-    return sums
-
-
 def _float32(scale, device):
     scale = torch.as_tensor(scale, dtype=torch.float32, device=device)
     return scale.reshape(scale.shape or (1,))

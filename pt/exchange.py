@@ -28,7 +28,7 @@ import torch
 from hvd_compress.codes import shard_length
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
-from . import elias, fused
+from . import elias, fused, triton_fused
 from .buckets import per_bucket_
 from .packing import pack, unpack, unpack_scaled_signs
 
@@ -323,6 +323,17 @@ class Allgather(_Exchange):
         """The replicated server: every rank runs the same server step on every worker's
         message (rows; this worker's ``scale``), averaged as the sharded server averages
         its shard (sum, then divide)."""
+        if triton_fused.signs_apply(self.codec, scale):  # a gradient bucket on the device
+            decoded, _ = triton_fused.server_step(
+                self.server,
+                self.codec,
+                rows[:, self.scale_bytes :],
+                _floats(rows[:, : self.scale_bytes]),
+                self.count,
+                self.numel,
+                decoded=True,
+            )
+            return decoded
         if self.scale_bytes == 4 and self._fused(scale):  # one block per tensor
             packed, server_scale = fused.server_step(
                 self.server, self.codec, rows, self.scale_bytes, 0, self.count, self.numel
@@ -503,6 +514,70 @@ class ShardedServer(_Exchange):
     def shard(self, rank):
         """The elements of the tensor whose server is ``rank``."""
         return slice(rank * self.length, rank * self.length + self._valid(rank))
+
+
+class MemberShardedServer(ShardedServer):
+    """``ShardedServer`` of a gradient bucket sharded member by member (``shards``, its
+    ``ShardLayout``): rank k serves the k-th shard of every member, with the blocks, codes
+    and residuals of the members' own servers; a message holds what the members' own
+    messages would, their block scales first."""
+
+    def __init__(
+        self, codec, numel, world_size, meter, count, server=None, fusion=None, *, shards, **options
+    ):
+        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
+        self.shards = shards
+        self.length = shards.length
+        self.server_scale_bytes = 4 * shards.head
+
+    def start_packed(self, packed, scale, name):
+        heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
+        payload = torch.cat([heads.expand(self.world_size, -1), self.shards.rows(packed)], dim=1)
+        return self.fusion.send(name, self.meter.hand(payload)), scale, name
+
+    def advance(self, pending):
+        fusion, scale, name = pending
+        received = fusion.receive(name)
+        bits, scales = received[:, self.scale_bytes :], _floats(received[:, : self.scale_bytes])
+        on_device = triton_fused.signs_apply(self.codec, scale)
+        if on_device:
+            packed, server_scale = triton_fused.server_step(
+                self.server,
+                self.shards.server_codec,
+                bits,
+                scales,
+                self.count,
+                self.length,
+                blocks=self.shards.worker_blocks,
+            )
+        else:
+            signs = unpack(bits, self.codec.code_space, self.length)
+            average = self.shards.worker_average(signs, scales, self.count)
+            codes, server_scale, _ = self.server(self.shards.server_codec, average)
+            packed = self._packed(codes)
+        head = self.shards.server_head(server_scale)
+        payload = torch.cat([head.view(torch.uint8), packed]).reshape(1, -1)
+        handle = hvd.allgather_async(
+            self.meter.hand(payload), name=f"{name}.server", process_set=self.process_set
+        )
+        return handle, on_device
+
+    def finish(self, pending):
+        handle, on_device = pending
+        rows = wait(handle)
+        bits = rows[:, self.server_scale_bytes :]
+        heads = _floats(rows[:, : self.server_scale_bytes])
+        if on_device:
+            return triton_fused.decoded_shards(
+                self.codec,
+                bits,
+                heads.reshape(-1),
+                self.shards.server_blocks,
+                self.shards.order,
+                self.length,
+                self.numel,
+            )
+        return self.shards.decoded(unpack(bits, self.codec.code_space, self.length), heads)
 
 
 class SparseAllgather(_Exchange):
@@ -702,11 +777,16 @@ SPARSE_EXCHANGES = {
 
 
 def make_exchange(
-    name, codec, numel, world_size, meter, count, server=None, fusion=None, **options
+    name, codec, numel, world_size, meter, count, server=None, fusion=None, shards=None, **options
 ):
-    """The exchange called ``name`` for ``codec``; a sharded one sends through ``fusion``.
+    """The exchange called ``name`` for ``codec``; a sharded one sends through ``fusion``,
+    a gradient bucket sharded member by member by its ``shards`` (``ShardLayout``).
     ``options``: ``process_set``, the ranks that exchange (all by default)."""
-    cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
+    if shards is not None:
+        options["shards"] = shards
+        cls = MemberShardedServer
+    else:
+        cls = ShardedServer if name == "sharded" and codec.two_way else EXCHANGES[name]
     return cls(codec, numel, world_size, meter, count, server, fusion, **options)
 
 

@@ -11,6 +11,12 @@ Per parameter, with mu = the group's momentum and eta_t its learning rate:
 Weight decay stays out of compression, with its own momentum buffer w, and the base SGD step
 runs with momentum and weight decay switched off, so nothing is applied twice. Learning-rate
 changes from any scheduler are seen through the parameter groups.
+
+A tensor sent whole (a bias, a norm's scale) has no residual, and the average of the
+workers' momenta is the momentum of the average: its m is kept of the averaged gradient,
+after the exchange, for all of them at once (``torch._foreach_*``), as SGD keeps it; the
+same on every rank. On a GPU that is a handful of launches a step instead of a few per
+tensor, as is weight decay's step.
 """
 
 import contextlib
@@ -41,18 +47,25 @@ class WorkerMomentum:
         self.group_index = {
             p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"]
         }
-        self.momentum = {}  # name -> m
+        # name -> m: a parameter's, or a gradient bucket's for its members while it
+        # carries them (``pt/bucketing.py``)
+        self.momentum = {}
         self.decay = {}  # name -> w, the weight-decay momentum
-        self.learning_rate = {}  # name -> eta of the last exchange
-        # name -> (m, eta) of the step in flight, kept by ``commit`` only if the step's
-        # gradients are finite everywhere (the pipeline decides, like its residuals).
+        self.learning_rate = {}  # group index -> eta of the last exchange
+        # name -> m, and group index -> eta, of the step in flight, kept by ``commit`` only
+        # if the step's gradients are finite everywhere (the pipeline decides, like its
+        # residuals).
         self.proposed = {}
+        self.proposed_rates = {}
+        # name -> m of the tensors sent whole, of the last exchange (``after_exchange``)
+        self.proposed_whole = {}
+        self._ratios = {}  # group index -> eta_{t-1} / eta_t of the step in flight
         pipeline.state.momentum = self
 
     def mask(self, name, indices):
         """Forgets the proposed momentum of tensor ``name`` at ``indices``, which its
         exchange sent (DGC's momentum factor masking)."""
-        buffer, _ = self.proposed[name]
+        buffer = self.proposed.get(name)
         if buffer is not None:
             # ``indices`` count the elements in the gradient's logical order; m keeps the
             # gradient's layout (channels_last, say), which a flat view cannot address.
@@ -71,68 +84,148 @@ class WorkerMomentum:
     def _name(self, param):
         return self.pipeline.plans[param].name
 
+    def _sent_whole(self, param):
+        """Whether ``param``'s gradient is always sent whole: its momentum is taken after
+        the exchange (``applied_by_worker``)."""
+        return self.pipeline.plans[param].reason != "compressed"
+
+    def _ratio(self, index, lr):
+        """eta_{t-1} / eta_t of group ``index``, whose learning rate is ``lr``: once per
+        group and step (a 0-d tensor once the rates are kept on the device)."""
+        if index not in self._ratios:
+            self.proposed_rates[index] = lr
+            self._ratios[index] = self.learning_rate.get(index, lr) / lr
+        return self._ratios[index]
+
     def before_exchange(self, param, defer=False):
         """Turns ``param.grad`` into the momentum direction u; returns (eta_{t-1} / eta_t,
         None). With ``defer`` (the pipeline compensates ``param`` in a fused kernel), a
         step with a momentum buffer leaves ``param.grad`` as it is and returns
-        (eta_{t-1} / eta_t, ``Deferred``) for the pipeline to apply."""
-        group = self.optimizer.param_groups[self.group_index[param]]
-        name, mu, lr = self._name(param), group["momentum"], group["lr"]
+        (eta_{t-1} / eta_t, ``Deferred``) for the pipeline to apply. A gradient that
+        travels in a gradient bucket stays as it is too: its bucket takes the step
+        (``accelerate``); as does one sent whole, whose step comes after the exchange
+        (``applied_by_worker``)."""
+        index = self.group_index[param]
+        group = self.optimizer.param_groups[index]
+        ratio = self._ratio(index, group["lr"])
+        name, mu = self._name(param), group["momentum"]
+        if mu == 0 or self._sent_whole(param) or self.pipeline.buckets.carries(name):
+            return ratio, None
         grad = param.grad
-        buffer = deferred = None
-        if mu > 0:
-            buffer = self.momentum.get(name)
-            # New tensors for m: the old one stays until ``commit``.
-            if buffer is not None and defer:
-                deferred = self.Deferred(buffer, mu, group["nesterov"], torch.empty_like(grad))
-                buffer = deferred.out
-            elif buffer is not None and grad.is_contiguous() and self.pipeline.on_kernels(grad):
-                buffer = fused.momentum(grad, buffer, mu, group["nesterov"])
-            else:
-                buffer = grad.clone() if buffer is None else torch.add(grad, buffer, alpha=mu)
-                if group["nesterov"]:
-                    grad.add_(buffer, alpha=mu)
-                else:
-                    grad.copy_(buffer)
-        self.proposed[name] = (buffer, lr)
-        return self.learning_rate.get(name, lr) / lr, deferred
+        deferred = None
+        buffer = self.momentum.get(name)
+        # New tensors for m: the old one stays until ``commit``.
+        if buffer is not None and defer:
+            deferred = self.Deferred(buffer, mu, group["nesterov"], torch.empty_like(grad))
+            buffer = deferred.out
+        elif buffer is not None and grad.is_contiguous() and self.pipeline.on_kernels(grad):
+            buffer = fused.momentum(grad, buffer, mu, group["nesterov"])
+        else:
+            buffer = self._step(grad, buffer, mu, group["nesterov"])
+        self.proposed[name] = buffer
+        return ratio, deferred
+
+    @staticmethod
+    def _step(grad, buffer, mu, nesterov):
+        """m = mu m + g, and ``grad`` becomes u = g + mu m (or m); returns the new m."""
+        buffer = grad.clone() if buffer is None else torch.add(grad, buffer, alpha=mu)
+        if nesterov:
+            grad.add_(buffer, alpha=mu)
+        else:
+            grad.copy_(buffer)
+        return buffer
+
+    def accelerate(self, bucket, params, vector, members):
+        """``before_exchange`` of a full gradient bucket's members (``params``), whose
+        gradients ``vector`` holds (``members``: their views of it): one step of the whole
+        vector where its members' groups share their momentum, else one per member."""
+        groups = [self.optimizer.param_groups[self.group_index[p]] for p in params]
+        settings = {(g["momentum"], g["nesterov"]) for g in groups}
+        if len(settings) == 1:
+            mu, nesterov = settings.pop()
+            if mu > 0:
+                self.proposed[bucket.name] = self._step(
+                    vector, self.momentum.get(bucket.name), mu, nesterov
+                )
+            return
+        # Members of groups with different momenta: each its own step, on its view, and
+        # the bucket's m made of theirs.
+        old = self.momentum.get(bucket.name)
+        buffer = torch.zeros_like(vector)
+        for member, group, view in zip(bucket.members, groups, members):
+            if group["momentum"] > 0:
+                part = None if old is None else old[member.offset : member.stop]
+                buffer[member.offset : member.stop] = self._step(
+                    view, part, group["momentum"], group["nesterov"]
+                )
+        self.proposed[bucket.name] = buffer
 
     def commit(self, keep):
         """Keeps (``keep``: a bool, or a boolean 0-d tensor, selected by and not read: the
         learning rates then become 0-d tensors on its device) or drops the step's m and eta."""
         if isinstance(keep, torch.Tensor):
-            for name, (buffer, lr) in self.proposed.items():
-                if buffer is not None:
-                    self.momentum[name] = choose(keep, buffer, self.momentum.get(name))
-                previous = self.learning_rate.get(name)
+            for name, buffer in self.proposed.items():
+                self.momentum[name] = choose(keep, buffer, self.momentum.get(name))
+            for index, lr in self.proposed_rates.items():
+                previous = self.learning_rate.get(index)
                 if previous is None:  # nothing kept yet, so no residual it could rescale
-                    self.learning_rate[name] = lr
-                else:
+                    self.learning_rate[index] = lr
+                elif previous is not lr:
                     if not isinstance(previous, torch.Tensor):  # filled, not copied: no wait
                         previous = torch.full((), previous, dtype=torch.float64, device=keep.device)
-                    self.learning_rate[name] = torch.where(keep, lr, previous)
+                    self.learning_rate[index] = torch.where(keep, lr, previous)
         elif keep:
-            for name, (buffer, lr) in self.proposed.items():
-                if buffer is not None:
-                    self.momentum[name] = buffer
-                self.learning_rate[name] = lr
-        self.proposed = {}
+            self.momentum.update(self.proposed)
+            self.learning_rate.update(self.proposed_rates)
+        self.proposed, self.proposed_rates, self._ratios = {}, {}, {}
+
+    def after_exchange(self):
+        """The momentum step of the tensors sent whole, on their averaged gradients, which
+        become u; their new m is kept if the optimizer steps (``applied_by_worker``), so a
+        step that ``GradScaler`` skips leaves it."""
+        self.proposed_whole = {}
+        for group in self.optimizer.param_groups:
+            mu = group["momentum"]
+            whole = [p for p in group["params"] if p.grad is not None and self._sent_whole(p)]
+            if mu == 0 or not whole:
+                continue
+            names = [self._name(p) for p in whole]
+            grads = [p.grad for p in whole]
+            buffers = [self.momentum.get(n) for n in names]
+            buffers = [torch.zeros_like(g) if m is None else m for g, m in zip(grads, buffers)]
+            buffers = torch._foreach_add(grads, buffers, alpha=mu)
+            if group["nesterov"]:
+                torch._foreach_add_(grads, buffers, alpha=mu)
+            else:
+                torch._foreach_copy_(grads, buffers)
+            self.proposed_whole.update(zip(names, buffers))
 
     @contextlib.contextmanager
     def applied_by_worker(self):
-        """Adds weight decay (with its own momentum) to the exchanged direction, then lets
-        the base SGD step run as plain SGD."""
+        """Keeps the momentum of the tensors sent whole, adds weight decay (with its own
+        momentum) to the exchanged direction, then lets the base SGD step run as plain
+        SGD."""
+        self.momentum.update(self.proposed_whole)
+        self.proposed_whole = {}
         for group in self.optimizer.param_groups:
             mu, decay = group["momentum"], group["weight_decay"]
-            for param in group["params"]:
-                if param.grad is None or decay == 0:
-                    continue
-                name = self._name(param)
-                step = param.detach() * decay
-                buffer = self.decay.get(name)
-                buffer = step.clone() if buffer is None else buffer.mul_(mu).add_(step)
-                self.decay[name] = buffer
-                param.grad.add_(step).add_(buffer, alpha=mu)
+            params = [p for p in group["params"] if p.grad is not None]
+            if decay != 0 and params:
+                names = [self._name(p) for p in params]
+                steps = torch._foreach_mul([p.detach() for p in params], decay)
+                buffers = [self.decay.get(n) for n in names]
+                if any(w is None for w in buffers):  # a first step: w = wd x
+                    buffers = [
+                        s.clone() if w is None else w.mul_(mu).add_(s)
+                        for s, w in zip(steps, buffers)
+                    ]
+                else:
+                    torch._foreach_mul_(buffers, mu)
+                    torch._foreach_add_(buffers, steps)
+                self.decay.update(zip(names, buffers))
+                grads = [p.grad for p in params]
+                torch._foreach_add_(grads, steps)
+                torch._foreach_add_(grads, buffers, alpha=mu)
         with self.plain_sgd():
             yield
 
@@ -155,11 +248,21 @@ class WorkerMomentum:
         return {
             "momentum": {k: v.clone() for k, v in self.momentum.items()},
             "decay": {k: v.clone() for k, v in self.decay.items()},
-            "learning_rate": {k: float(v) for k, v in self.learning_rate.items()},
+            # By parameter name, as each parameter's group rate.
+            "learning_rate": {
+                self._name(p): float(eta)
+                for index, eta in self.learning_rate.items()
+                for p in self.optimizer.param_groups[index]["params"]
+            },
         }
 
     def load_state_dict(self, state, placed):
         """Restores ``state`` through ``placed``, which copies its tensors onto their devices."""
         self.momentum = placed(state["momentum"])
         self.decay = placed(state["decay"])
-        self.learning_rate = dict(state["learning_rate"])
+        rates = state["learning_rate"]
+        self.learning_rate = {}
+        for index, group in enumerate(self.optimizer.param_groups):
+            saved = [rates[n] for n in map(self._name, group["params"]) if n in rates]
+            if saved:
+                self.learning_rate[index] = saved[0]

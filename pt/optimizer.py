@@ -86,6 +86,7 @@ class _DistributedOptimizer:
             self._hvdc_launched.add(param)
             self._hvdc_densify(param)
             self._hvdc_pipeline.clip_locally(param)
+            self._hvdc_pipeline.begin(param)
             ratio, momentum = 1.0, None
             if self._hvdc_momentum is not None:
                 ratio, momentum = self._hvdc_momentum.before_exchange(
@@ -124,6 +125,8 @@ class _DistributedOptimizer:
                     param.grad = torch.zeros_like(param)
                 self._hvdc_adam.before_exchange(param)
         self._hvdc_pipeline.synchronize(missing)
+        if self._hvdc_momentum is not None:
+            self._hvdc_momentum.after_exchange()
         if self._hvdc_adam is not None:
             self._hvdc_adam.after_exchange()
         for param, sparse_dim in self._hvdc_densified.items():

@@ -27,7 +27,7 @@ from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_global_membership, check_two_level_process_set
 
-from . import fused, seeding
+from . import fused, seeding, triton_fused
 from .adaptive import AdaptiveSteps
 from .bucketing import BucketLayout, GradientBuckets
 from .exchange import Meter, allreducible, make_exchange, make_sparse_exchange, wait
@@ -160,6 +160,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         self.meter = Meter()
         self.last_step_bytes = 0
         self._in_flight = {}
+        self._begun = False  # whether this step has started (``begin``)
         # This step's flights whose codes wait for a collective, in the order they were
         # launched: two-level shards for their node's average (stage "shard"), and codes for
         # their shared scale (stage "scale"). Each hook looks at the heads of these, not at
@@ -221,7 +222,9 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         if planner is not None:
             self.follow_paths()
         self.bucket_bytes = bucket_bytes if planner is None and exchange != TWO_LEVEL else 0
-        self.buckets = GradientBuckets(codec, self.bucket_bytes, self.plans, self.state.worker)
+        self.buckets = GradientBuckets(
+            codec, self.bucket_bytes, self.plans, self.state, self.world_size, self.rank
+        )
         # The exchange that kept each server residual of a restored state, until the next
         # step has brought them to this pipeline's exchanges (``load_state_dict``).
         self._restored_servers = {}
@@ -249,7 +252,8 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
 
     @property
     def in_flight(self):
-        return bool(self._in_flight)
+        """Whether a step has begun and not yet been synchronized."""
+        return self._begun
 
     def clip_locally(self, param):
         """Makes ``param.grad`` what this worker compresses, before any momentum: clipped
@@ -284,23 +288,31 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             and vector.is_contiguous()
         )
 
+    def begin(self, param):
+        """Starts a step at its first gradient (``param``'s), once: takes the device and
+        the world it finds, the paths and buckets of its tensors. The optimizer calls it
+        before its momentum step, which asks whether a gradient travels in a bucket."""
+        if self._begun:
+            return
+        self._begun = True
+        self._follow_device(param.device)
+        self._follow_world()
+        self._follow_restored_servers()
+        if not self._agreed:
+            self._agree()
+        self._step_started = time.perf_counter()
+        if self.uncompressed_steps:
+            self.follow_paths()
+        self.buckets.follow()
+        self._fusions = self._fusion_groups()
+        self._start_measuring(param)
+
     def launch(self, param, ratio=1.0, momentum=None):
         """Starts the exchange of ``param.grad``; called once per parameter per step.
         ``ratio`` (eta_{t-1} / eta_t) rescales residuals kept in gradient units; a
         ``momentum`` (``WorkerMomentum.Deferred``, only where ``fuses``) is applied to the
         gradient on the way."""
-        if not self._in_flight:
-            self._follow_device(param.device)
-            self._follow_world()
-            self._follow_restored_servers()
-            if not self._agreed:
-                self._agree()
-            self._step_started = time.perf_counter()
-            if self.uncompressed_steps:
-                self.follow_paths()
-            self.buckets.follow(self.state.worker)
-            self._fusions = self._fusion_groups()
-            self._start_measuring(param)
+        self.begin(param)
         plan = self.plans[param]
         self._ready(plan.name)
         if param.grad is None:
@@ -337,6 +349,10 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         if layout is None:
             return None
         bucket = layout.bucket
+        if self.state.momentum is not None:
+            params = self.buckets.params[bucket.name]
+            members = layout.members(layout.vector)
+            self.state.momentum.accelerate(bucket, params, layout.vector, members)
         flight = _InFlight(
             bucket.plan,
             None,
@@ -443,7 +459,10 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             flight.vector = self.state.worker.compensate(plan.name, flight.vector, flight.ratio)
         server = None
         if codec.two_way:
-            server = ServerStep(self.state.server, plan.name, flight.ratio)
+            ratio = (
+                flight.ratio if flight.layout is None else flight.layout.server_ratio(flight.ratio)
+            )
+            server = ServerStep(self.state.server, plan.name, ratio)
         flight.exchange = make_exchange(
             exchange,
             codec,
@@ -453,6 +472,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             world_size if self.average else 1,
             server,
             self._fusions.get(plan.name),
+            shards=None if flight.layout is None else flight.layout.shards,
             process_set=process_set,
         )
         if codec.scaled:
@@ -634,6 +654,12 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             if feedback:
                 self.state.worker.propose(name, residual)
             start = flight.exchange.start_packed
+        elif triton_fused.signs_apply(codec, vector):  # ef-sign's gradient buckets
+            feedback = self.state.worker is not None
+            codes, residual, _ = triton_fused.signs(codec, vector, flight.scale, feedback=feedback)
+            if feedback:
+                self.state.worker.propose(name, residual)
+            start = flight.exchange.start_packed
         else:
             uniforms = self._uniforms(flight, key) if codec.stochastic else None
             codes = codec.encode(vector, flight.scale, uniforms)
@@ -724,6 +750,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             if flight.layout is not None:
                 _share_bytes(self.meter.by_tensor, flight.layout.bucket)
         self._in_flight.clear()
+        self._begun = False
         self.last_step_bytes, self.meter.bytes = self.meter.bytes, 0
         self.last_tensor_bytes, self.meter.by_tensor = self.meter.by_tensor, collections.Counter()
         self.state.step += 1

@@ -2,7 +2,9 @@
 
 TernGrad's and the fixed-width QSGD family's encoding (the draws of ``seeding.uniforms``,
 rounding, packing or the allreduce's values, and the worker residual) and their decoding on
-each exchange's receiving side, one launch per call where the eager ops take dozens. The
+each exchange's receiving side, one launch per call where the eager ops take dozens; and
+ef-sign's on gradient buckets: the worker's and the server's signs and residuals, the
+server's average, the decode of the servers' messages. The
 calls take the arguments of ``fused``'s CPU calls and give their results bit for bit, which
 are the eager ops' (``tests/test_triton_kernels.py`` checks both under Triton's
 interpreter): every float operation is one the eager ops make, rounded as they round it
@@ -24,6 +26,7 @@ from hvd_compress.codes import IntCodes
 from hvd_compress.fused import divisor, quantizes
 from hvd_compress.seeding import key_words
 
+from .blocksign import BlockSign
 from .buckets import Segments
 from .packing import pack
 
@@ -296,4 +299,112 @@ def decoded_segments(
         **tables,
         WIDTH=total_space.width,
     )
+    return out
+
+
+# ----- ef-sign's gradient buckets -----
+
+
+def signs_apply(codec, tensor: torch.Tensor) -> bool:
+    """Whether these kernels take ef-sign's work on ``tensor``, a gradient bucket's vector
+    (its codec's blocks are ``Segments``): float32, on a CUDA device, or on the CPU under
+    the interpreter. A tensor of its own takes the eager ops."""
+    return (
+        ENABLED
+        and tensor.dtype == torch.float32
+        and (tensor.device.type == "cuda" or (ON_CPU and tensor.device.type == "cpu"))
+        and isinstance(codec, BlockSign)
+        and isinstance(codec.bucket_length(tensor.numel()), Segments)
+    )
+
+
+def signs(codec, p: torch.Tensor, scale: torch.Tensor, packed=True, feedback=True, decoded=False):
+    """``BlockSign.encode`` of p under ``scale``, in one pass: (the packed codes, with
+    ``feedback`` the residual p - decode(codes, scale, 1), with ``decoded`` that decode,
+    written where the bucket decodes), each None where not asked for."""
+    numel = p.numel()
+    bucket, tables = _stretches(codec, numel, per_item=8)
+    nbytes = codec.code_space.packed_nbytes(numel)
+    out = torch.empty(nbytes, dtype=torch.uint8, device=p.device) if packed else None
+    residual = torch.empty_like(p) if feedback else None
+    values = _output(codec, numel, p.device) if decoded else None
+    _launch(
+        "signs",
+        nbytes,
+        p,
+        flat_float32(scale),
+        p if out is None else out,
+        p if residual is None else residual,
+        p if values is None else values,
+        numel,
+        numel,
+        bucket,
+        **tables,
+        PACKED=packed,
+        FEEDBACK=feedback,
+        DECODED=decoded,
+    )
+    return out, residual, values
+
+
+def _averaged_signs(codec, rows, scales, count, residual, ratio, numel, blocks):
+    """The ``average_signs`` kernel's p (see there)."""
+    out = torch.empty(numel, dtype=torch.float32, device=rows.device)
+    if blocks is None:
+        bucket, tables = _stretches(codec, numel)
+    else:
+        bucket, tables = 0, {"table": None, "members": None, "SEGMENTED": False}
+    rows = _rows(rows)
+    _launch(
+        "average_signs",
+        numel,
+        rows,
+        rows.stride(0),
+        rows.shape[0],
+        scales,
+        scales.shape[-1],
+        rows if blocks is None else blocks,
+        out if residual is None else residual,
+        float(ratio),
+        out,
+        numel,
+        bucket,
+        float(count),
+        **tables,
+        BLOCK_INDEX=blocks is not None,
+        FEEDBACK=residual is not None,
+    )
+    return out
+
+
+def server_step(server, codec, rows, scales, count: int, numel: int, blocks=None, decoded=False):
+    """``ServerStep`` of a server whose workers each sent a row of ``rows`` (packed signs)
+    under their block ``scales`` (a row each): p, the average plus the server residual;
+    its scales under ``codec``'s blocks; its codes, and the new server residual, which it
+    proposes. The blocks of the workers' scales are those of ``codec``'s stretches, or
+    ``blocks`` (each element's, -1 for padding: a sharded server's, ``ShardLayout``).
+    Returns (packed codes, scale), or with ``decoded`` (a replicated server, which sends
+    nothing) (the decoded codes, scale)."""
+    residual = server.memory.residuals.get(server.key)
+    ratio = server.ratio
+    if isinstance(ratio, torch.Tensor):  # not read: the compensation is the eager op
+        p = _averaged_signs(codec, rows, scales, count, None, 1.0, numel, blocks)
+        p = server.memory.compensate(server.key, p, ratio)
+    else:
+        p = _averaged_signs(codec, rows, scales, count, residual, ratio, numel, blocks)
+    scale = codec.local_scale(p)
+    packed, kept, values = signs(codec, p, scale, packed=not decoded, decoded=decoded)
+    server.memory.propose(server.key, kept)
+    return (values if decoded else packed), scale
+
+
+def decoded_shards(codec, rows, heads, blocks, order, length, numel):
+    """A bucket sharded member by member (``ShardLayout``): every server's decoded signs
+    (row r: shard r's ``length`` packed signs) times its block scales (``heads``, each
+    server's in a row; element q of the shards laid end to end takes ``heads[blocks[q]]``),
+    written to the bucket's elements ``order[q]``, where the bucket decodes."""
+    out = _output(codec, numel, rows.device)
+    rows = _rows(rows)
+    total = rows.shape[0] * length
+    _launch("decode_shards", total, rows, rows.stride(0), heads, blocks, order, out, length, total)
     return out

@@ -1,4 +1,5 @@
-"""Triton kernels of the quantizers' per-element passes (``triton_fused`` calls them).
+"""Triton kernels of the quantizers' per-element passes, and of ef-sign's on gradient buckets
+(``triton_fused`` calls them).
 
 Every float operation is one the eager ops make, rounded as they round it: division by
 ``div_rn`` (Triton's ``/`` on float32 is approximate on a GPU), no product and sum contracted
@@ -326,3 +327,125 @@ def decode_segments(
     s = tl.load(scale + first_block + local // block_length, mask=inside, other=1.0)
     decoded = tl.math.div_rn((value - bound).to(tl.float32) * _decoded_scale(s), divisor)
     tl.store(out + index, tl.where(inside, decoded, 0.0), mask=local < span)
+
+
+@triton.jit
+def _bit(row, j, valid):
+    """Bit j of the packed ``row`` where ``valid``, 0 elsewhere, as int32."""
+    byte = tl.load(row + j // 8, mask=valid, other=0).to(tl.int32)
+    return (byte >> (j % 8)) & 1
+
+
+@triton.jit
+def _scaled_sign(row, scales, b, j, valid):
+    """Sign j of the packed ``row`` times ``scales[b]``, NaN for a non-finite scale."""
+    s = _decoded_scale(tl.load(scales + b, mask=valid, other=0.0))
+    return (1 - 2 * _bit(row, j, valid)).to(tl.float32) * s
+
+
+@triton.jit
+def signs(
+    p,
+    scale,
+    out,
+    residual,
+    decoded,
+    numel,
+    slots,
+    bucket,
+    table,
+    members,
+    PACKED: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    DECODED: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``BlockSign``'s codes of p's ``numel`` elements (sign(0) = +1, and -1 for NaN, as
+    ``g >= 0`` compares) under their blocks' scales: packed into ``out`` (``slots``
+    bits, +1 past p's); with FEEDBACK, p - decode(codes, scale, 1) into ``residual``;
+    with DECODED, decode(codes, scale, 1) into ``decoded``. SEGMENTED: of each member of
+    a bucket in its stretch (``_stretch``), +1 and zeros in its padding."""
+    first, offset, valid, span, first_block, length, _ = _stretch(
+        table, members, numel, slots, bucket, BLOCK, SEGMENTED
+    )
+    local = (first + tl.arange(0, BLOCK))[:, None] * 8 + tl.arange(0, 8)[None, :]
+    index = offset + local
+    inside = local < valid
+    g = tl.load(p + index, mask=inside, other=0.0)
+    s = _decoded_scale(tl.load(scale + first_block + local // length, mask=inside, other=1.0))
+    negative = inside & ~(g >= 0)
+    sent = tl.where(negative, -1.0, 1.0) * s
+    if FEEDBACK:
+        tl.store(residual + index, tl.where(inside, g - sent, 0.0), mask=local < span)
+    if DECODED:
+        tl.store(decoded + index, tl.where(inside, sent, 0.0), mask=local < span)
+    if PACKED:
+        _store_fields(out, index, negative.to(tl.int32), local < span, 1)
+
+
+@triton.jit
+def average_signs(
+    rows,
+    row_bytes,
+    count,
+    scales,
+    scales_per_row,
+    blocks,
+    residual,
+    ratio,
+    out,
+    numel,
+    bucket,
+    divisor,
+    table,
+    members,
+    BLOCK_INDEX: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A server's p: the sum over ``count`` rows of packed signs, in order, of each sign
+    times its row's scale of the element's block (row r's scales at ``scales`` + r
+    ``scales_per_row``), divided by ``divisor``; with FEEDBACK, plus ``residual`` times
+    ``ratio``. The blocks: with BLOCK_INDEX, element i's is ``blocks[i]`` (-1: padding),
+    else those of the stretches (``_stretch``). 0 in padding."""
+    if BLOCK_INDEX:
+        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        span = index < numel
+        b = tl.load(blocks + index, mask=span, other=-1)
+        inside = b >= 0
+    else:
+        first, offset, valid, length_with_padding, first_block, length, _ = _stretch(
+            table, members, numel, numel, bucket, BLOCK, SEGMENTED
+        )
+        local = first + tl.arange(0, BLOCK)
+        index = offset + local
+        span = local < length_with_padding
+        inside = local < valid
+        b = first_block + local // length
+    acc = _scaled_sign(rows, scales, b, index, inside)
+    for r in range(1, count):
+        acc += _scaled_sign(rows + r * row_bytes, scales + r * scales_per_row, b, index, inside)
+    acc = tl.math.div_rn(acc, divisor)
+    if FEEDBACK:
+        acc = acc + tl.load(residual + index, mask=inside, other=0.0) * ratio
+    tl.store(out + index, tl.where(inside, acc, 0.0), mask=span)
+
+
+@triton.jit
+def decode_shards(
+    rows, row_bytes, heads, blocks, order, out, length, elements, BLOCK: tl.constexpr
+):
+    """The decode of every server's signs (row r: those of shard r, ``length`` of them)
+    times its block scales (``heads``, a row of each server's laid end to end; element
+    q's is ``heads[blocks[q]]``, -1: padding, 0), written to the bucket's element
+    ``order[q]``."""
+    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    span = q < elements
+    b = tl.load(blocks + q, mask=span, other=-1)
+    inside = b >= 0
+    negative = _bit(rows + (q // length) * row_bytes, q % length, inside)
+    s = _decoded_scale(tl.load(heads + b, mask=inside, other=0.0))
+    value = tl.where(inside, (1 - 2 * negative).to(tl.float32) * s, 0.0)
+    tl.store(out + tl.load(order + q, mask=span, other=0), value, mask=span)

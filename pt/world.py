@@ -15,7 +15,6 @@ from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.topology import averages_by_allreduce
 
 from . import topology
-from .bucketing import split_residuals
 from .exchange import allgather_object, make_exchange
 
 
@@ -108,11 +107,12 @@ class ElasticWorld:
             for name, residual in self.state.worker.residuals.items():
                 self.state.worker.residuals[name] = residual * (size / self.world_size)
         if self.state.server is not None:
+            self.buckets.release()
             for plan in self._server_plans().values():
                 self._server_residual_to_worker(plan, size)
         self.world_size, self.rank = size, rank
         self._choose_exchanges()
-        self.buckets.make(self.state.worker)
+        self.buckets.make(size, rank)
         if self.state.planner is not None:
             self.state.planner.restart(self.state.step)
             self.follow_paths()
@@ -214,12 +214,11 @@ class ElasticWorld:
         # The world the residuals were made in: a state restored into another world is
         # adapted to it at the next step (``_follow_world``).
         state = {**self.state.state_dict(), "world_size": self.world_size, "rank": self.rank}
-        if "worker" in state:  # under the tensors' names, whatever the buckets of this run
-            for bucket in self.buckets:
-                state["worker"] = split_residuals(state["worker"], bucket)
+        state = self.buckets.split_state(state)
         if self.state.server is not None:  # whose servers kept the server residuals
+            plans = {plan.name: plan for plan in self.plans.values()}
             state["server_exchanges"] = {
-                name: self.server_exchange(plan)[0] for name, plan in self._server_plans().items()
+                name: self.server_exchange(plans[name])[0] for name in state["server"]
             }
         if self.nodes is not None:  # the residuals are of this layout's shards
             state["nodes"] = self.nodes.node_sets()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hvd_compress
-from hvd_compress.bucketing import BUCKET_BYTES, gradient_buckets
+from hvd_compress.bucketing import BUCKET_BYTES, block_lengths, gradient_buckets
 from hvd_compress.plan import plan_tensor
 
 from .devices import DEVICES, rank_device
@@ -24,44 +24,68 @@ def test_buckets_fill_in_backward_order_and_close_at_their_size():
     codec = hvd_compress.QSGD(bucket_size=4, min_size=10)
     # t1 and t3 are below min_size: sent whole, in no bucket.
     plans = _plans(codec, [(13,), (3,), (20,), (9,), (100,), (30,)])
-    buckets = gradient_buckets(plans, codec, bucket_bytes=4 * 40)
+    buckets = gradient_buckets(plans, codec, 2, bucket_bytes=4 * 40)
     assert [[m.plan.name for m in b.members] for b in buckets] == [["t5", "t4"], ["t2", "t0"]]
     # A tensor that fills a bucket alone goes alone, as it would without buckets.
-    assert gradient_buckets(_plans(codec, [(50,), (50,)]), codec, bucket_bytes=4 * 40) == []
+    assert gradient_buckets(_plans(codec, [(50,), (50,)]), codec, 2, bucket_bytes=4 * 40) == []
 
 
 def test_a_bucket_is_its_members_side_by_side():
     codec = hvd_compress.QSGD(bucket_size=4, min_size=10)
     plans = _plans(codec, [(13,), (20,), (11,)])
-    [bucket] = gradient_buckets(plans, codec)
+    [bucket] = gradient_buckets(plans, codec, 2)
     assert [(m.plan.name, m.offset) for m in bucket.members] == [
         ("t2", 0),
         ("t1", 16),
         ("t0", 40),
     ]
     assert bucket.numel == 56  # every member starts on a byte of packed codes
-    segments, blocks = bucket.block_lengths(codec)
+    segments, blocks = block_lengths(codec, bucket.parts())
     # t2: blocks 4, 4, 3, then 5 of padding; t1: five blocks of 4, then 4 of padding;
     # t0: blocks 4, 4, 4, 1, then 3 of padding.
     assert segments == [4, 4, 3, 5] + [4] * 5 + [4] + [4, 4, 4, 1, 3]
     assert blocks == [0, 1, 2] + [4, 5, 6, 7, 8] + [10, 11, 12, 13]
-    [allreduced] = gradient_buckets(_plans(codec, [(13,), (20,)], "allreduce"), codec)
+    [allreduced] = gradient_buckets(_plans(codec, [(13,), (20,)], "allreduce"), codec, 2)
     assert [m.offset for m in allreduced.members] == [0, 20]  # values need no alignment
-    [sharded] = gradient_buckets(_plans(codec, [(13,), (20,)], "sharded"), codec)
+    [sharded] = gradient_buckets(_plans(codec, [(13,), (20,)], "sharded"), codec, 2)
     assert [m.offset for m in sharded.members] == [0, 24]  # packed codes, as allgather's
+
+
+def test_a_two_way_codecs_sharded_bucket_shards_each_member_as_alone():
+    """Each member's stretch is its own shards (its exchange's ``shard_length``); shard r
+    of the bucket is the r-th shard of every member, padding after each member's part."""
+    codec = hvd_compress.BlockSign(min_size=1)
+    plans = _plans(codec, [(13,), (40,), (3,)], "sharded")
+    [bucket] = gradient_buckets(plans, codec, 3)
+    # Shards of 8 (13 / 3, to whole bytes), 16 and 8 elements, three of each.
+    assert bucket.shards == 3
+    assert [(m.plan.name, m.offset) for m in bucket.members] == [
+        ("t2", 0),
+        ("t1", 24),
+        ("t0", 72),
+    ]
+    assert bucket.numel == 96
+    pieces = bucket.shard_pieces(1)
+    assert [(p.member.plan.name, p.column, p.length, p.valid, p.first) for p in pieces] == [
+        ("t2", 0, 8, 0, 8),
+        ("t1", 8, 16, 16, 16),
+        ("t0", 24, 8, 5, 8),
+    ]
+    # The allgather's two-way buckets are aligned as the one-way codecs' are.
+    [gathered] = gradient_buckets(_plans(codec, [(13,), (40,)]), codec, 3)
+    assert gathered.shards == 0 and [m.offset for m in gathered.members] == [0, 40]
 
 
 def test_no_buckets_where_tensors_go_their_own_way():
     quantizer = hvd_compress.TernGrad(min_size=1)
-    assert gradient_buckets(_plans(quantizer, [(8,), (8,)], "two-level"), quantizer) == []
-    assert gradient_buckets(_plans(quantizer, [(8,), (8,)]), quantizer, bucket_bytes=0) == []
-    # Two-way, sparse and variable-length codecs send tensors alone.
+    assert gradient_buckets(_plans(quantizer, [(8,), (8,)], "two-level"), quantizer, 2) == []
+    assert gradient_buckets(_plans(quantizer, [(8,), (8,)]), quantizer, 2, bucket_bytes=0) == []
+    # Sparse and variable-length codecs send tensors alone.
     for codec in (
-        hvd_compress.BlockSign(min_size=1),
         hvd_compress.QSGD(wire="elias", min_size=1),
         hvd_compress.AdaComp(min_size=1),
     ):
-        assert gradient_buckets(_plans(codec, [(8,), (8,)]), codec) == []
+        assert gradient_buckets(_plans(codec, [(8,), (8,)]), codec, 2) == []
 
 
 def _bucketed_and_alone(kind, cases, steps=3):
@@ -137,7 +161,7 @@ def _bucketed_and_alone(kind, cases, steps=3):
             launched = triton_fused.launches > launched
             alone, _ = train(codec, exchange, feedback, 0)
             checkpoint = {"model": bucketed.state_dict(), "optimizer": optimizer.state_dict()}
-            saved = checkpoint["optimizer"]["hvd_compress"].get("worker", {})
+            state = checkpoint["optimizer"]["hvd_compress"]
             compressed = [
                 name
                 for name, _, route, _ in optimizer.compression_stats()["tensors"]
@@ -151,7 +175,10 @@ def _bucketed_and_alone(kind, cases, steps=3):
                 ),
                 "finite": all(torch.isfinite(p).all() for p in bucketed.parameters()),
                 # The residuals of the compressed tensors, under their names.
-                "saved by name": sorted(saved) == sorted(compressed if feedback else []),
+                "saved by name": sorted(state.get("worker", {}))
+                == sorted(compressed if feedback else []),
+                "server saved by name": sorted(state.get("server", {}))
+                == sorted(compressed if "ef-sign" in codec else []),
                 "resumed same": all(
                     torch.equal(a, b)
                     for a, b in zip(
@@ -184,6 +211,9 @@ def test_a_bucket_codes_as_its_tensors_alone(kind):
         ("qsgd-inf", "allgather", None, "eager"),
         ("nuqsgd", "allgather", True, "eager"),
         ("qsgd-inf", "sharded", None, "eager"),
+        ("ef-sign", "allgather", True, "eager"),
+        ("ef-sign:max_block_size=7", "sharded", True, "eager"),
+        ("ef-sign", "sharded", True, "eager"),
     ]
     if triton_fused.ENABLED and (kind == "cuda" or triton_fused.INTERPRETED):
         cases += [
@@ -191,6 +221,8 @@ def test_a_bucket_codes_as_its_tensors_alone(kind):
             ("qsgd", "allreduce", True, "kernels"),
             ("nuqsgd", "allgather", None, "kernels"),
             ("terngrad", "sharded", True, "kernels"),
+            ("ef-sign", "allgather", True, "kernels"),
+            ("ef-sign:max_block_size=7", "sharded", True, "kernels"),
         ]
     results = run_parallel(_bucketed_and_alone, 2, kind, cases)
     assert results[0] == results[1]
@@ -201,6 +233,7 @@ def test_a_bucket_codes_as_its_tensors_alone(kind):
             "same": True,
             "finite": True,
             "saved by name": True,
+            "server saved by name": True,
             "resumed same": True,
         }, (case, result)
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from hvd_compress.codes import shard_length
+from hvd_compress.codes import SignCodes, shard_length
 from hvd_compress.pt import CODECS, seeding
 from hvd_compress.pt.packing import pack, unpack
 from hvd_compress.registry import resolve
@@ -138,9 +138,10 @@ def test_decodings_are_the_eager_decodings(spec, numel, device):
         _assert_same(got, want)
 
 
-def _bucket(codec, exchange, device):
-    """A gradient bucket of tensors of odd lengths, one of them a single element, and their
-    gradients and scales, each tensor's its own."""
+def _bucket(codec, exchange, device, world=2, rank=0):
+    """A gradient bucket of tensors of odd lengths, one of them a single element, among
+    ``world`` ranks as ``rank`` lays it out, and their gradients and scales, each tensor's
+    its own."""
     from hvd_compress.bucketing import gradient_buckets
     from hvd_compress.plan import plan_tensor
     from hvd_compress.pt.bucketing import BucketLayout
@@ -149,8 +150,8 @@ def _bucket(codec, exchange, device):
         plan_tensor(codec, f"t{i}", i, (n,), True, exchange, False)
         for i, n in enumerate((13, 1, 5001, 15))
     ]
-    [bucket] = gradient_buckets(plans, codec)
-    layout = BucketLayout(bucket, codec, device)
+    [bucket] = gradient_buckets(plans, codec, world)
+    layout = BucketLayout(bucket, codec, device, rank)
     grads = [_gradient(m.plan.numel, device) for m in bucket.members]
     scales = [_scales(codec, m.plan.numel, device) for m in bucket.members]
     for member, grad in zip(bucket.members, grads):
@@ -243,6 +244,97 @@ def test_a_bucket_codes_and_decodes_as_its_tensors_alone(spec, device):
         assert torch.equal(got.cpu()[padding], torch.zeros(int(padding.sum())))
 
 
+def _sign_rows(world, numel, device):
+    """``world`` rows of ``numel`` random signs, packed."""
+    generator = torch.Generator().manual_seed(numel + world)
+    signs = torch.randint(0, 2, (world, numel), generator=generator, dtype=torch.int8) * 2 - 1
+    return pack(signs, SignCodes()).to(device)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("spec", ["ef-sign", "ef-sign:max_block_size=7"])
+@pytest.mark.parametrize("exchange", ["allgather", "sharded"])
+def test_ef_sign_buckets_code_and_serve_as_the_eager_ops(spec, exchange, device, monkeypatch):
+    """ef-sign's gradient buckets: the worker's packed signs and residual, a server's
+    average, residual, codes or decode (the allgather's replicated server; rank 1's shard
+    of a bucket sharded member by member), and the decode of every server's message,
+    against the eager ops, with the residual ratio a number and a tensor."""
+    from hvd_compress.pt.exchange import Allgather, Meter
+    from hvd_compress.pt.memory import ErrorFeedback
+    from hvd_compress.server import ServerStep
+
+    monkeypatch.setattr(triton_fused, "ON_CPU", True)  # the exchange's kernels on CPU too
+    codec, world = resolve(f"{spec}:min_size=1", CODECS), 3
+    layout, _, _ = _bucket(codec, exchange, device, world, rank=1)
+    bucket, blocked, p = layout.bucket, layout.codec, layout.vector
+    scale = blocked.local_scale(p)
+    packed, residual, _ = triton_fused.signs(blocked, p, scale)
+    codes = blocked.encode(p, scale, None)
+    _assert_same(packed, pack(codes.reshape(1, -1), SignCodes()).reshape(-1))
+    _assert_same(residual, p - blocked.decode(blocked.values(codes), scale, 1))
+    shards = layout.shards
+    length = bucket.numel if shards is None else shards.length
+    bits = _sign_rows(world, length, device)
+    own = torch.stack([scale.roll(r) * (r + 1) for r in range(world)])
+    # A server residual, zero in the padding, as the pipeline keeps it.
+    kept = torch.randn(length, generator=torch.Generator().manual_seed(length)).to(device)
+    if shards is None:
+        members = [torch.ones(m.plan.numel, dtype=torch.bool) for m in bucket.members]
+        kept *= _placed(members, bucket.members, length).to(device)
+    else:
+        kept *= shards.worker_blocks >= 0
+    for ratio in (0.5, torch.tensor(0.25, dtype=torch.float64, device=device)):
+        memories = ErrorFeedback(), ErrorFeedback()
+        for memory in memories:
+            memory.residuals["b"] = kept
+        device_step, eager_step = (ServerStep(m, "b", ratio) for m in memories)
+        if shards is None:
+            messages = torch.cat([own.view(torch.uint8), bits], dim=1)
+            got = Allgather(blocked, length, world, Meter(), world, device_step)._serve(
+                messages, scale
+            )
+            with monkeypatch.context() as eager:
+                eager.setattr(triton_fused, "ENABLED", False)
+                exchange = Allgather(blocked, length, world, Meter(), world, eager_step)
+                want = exchange._serve(messages, scale)
+            _assert_same(got, want)
+            assert got.data_ptr() == blocked.bucket_length(length).decoded.data_ptr()
+        else:
+            got, got_scale = triton_fused.server_step(
+                device_step,
+                shards.server_codec,
+                bits,
+                own,
+                world,
+                length,
+                blocks=shards.worker_blocks,
+            )
+            signs = unpack(bits, SignCodes(), length)
+            average = shards.worker_average(signs, own, world)
+            codes, want_scale, _ = eager_step(shards.server_codec, average)
+            _assert_same(got_scale, want_scale)
+            _assert_same(got, pack(codes.reshape(1, -1), SignCodes()).reshape(-1))
+        _assert_same(memories[0].proposed["b"], memories[1].proposed["b"])
+    if shards is not None:  # every server's message decoded into the bucket
+        heads = torch.rand(world, shards.head, generator=torch.Generator().manual_seed(7))
+        heads[0, 0], heads[1, -1] = float("inf"), float("nan")
+        heads = heads.to(device)
+        # Signs +1 (bits 0) in the padding, as the servers pack them.
+        signs = unpack(bits, SignCodes(), length).reshape(-1)
+        signs[shards.server_blocks < 0] = 1
+        bits = pack(signs.reshape(world, length), SignCodes())
+        got = triton_fused.decoded_shards(
+            blocked,
+            bits,
+            heads.reshape(-1),
+            shards.server_blocks,
+            shards.order,
+            length,
+            bucket.numel,
+        )
+        _assert_same(got, shards.decoded(unpack(bits, SignCodes(), length), heads))
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("numel", LENGTHS)
 @pytest.mark.parametrize("spec", [s for s in SPECS if not s.startswith("nuqsgd")])
@@ -269,12 +361,15 @@ def test_half_precision_gradients_keep_the_eager_ops(device):
     assert triton_fused.applies(codec, torch.zeros(3, device=device))
     for dtype in (torch.float16, torch.bfloat16):
         assert not triton_fused.applies(codec, torch.zeros(3, dtype=dtype, device=device))
+    # ef-sign's kernels take gradient buckets only.
     assert not triton_fused.applies(resolve("ef-sign", CODECS), torch.zeros(3, device=device))
+    assert not triton_fused.signs_apply(resolve("ef-sign", CODECS), torch.zeros(3, device=device))
 
 
 # Every kernel, in each of its specializations that differ in code: each rounding mode,
 # packed at each width and as values, decoding each width under own and shared scales, for
-# a tensor and (SEGMENTED) for a gradient bucket.
+# a tensor and (SEGMENTED) for a gradient bucket; ef-sign's signs, server averages and
+# decode of a bucket's shards.
 _COMPILE = r"""
 import sys
 from triton.backends.compiler import GPUTarget
@@ -285,11 +380,13 @@ from hvd_compress.pt import triton_fused, triton_kernels as k
 # stream's 64-bit words, and 32-bit integers for the rest.
 TYPES = {"p": "*fp32", "scale": "*fp32", "residual": "*fp32", "total": "*i32",
          "scales": "*fp32", "rows": "*u8", "out": "*u8", "levels": "fp32", "divisor": "fp32",
-         "lo": "i64", "multiplier": "i64", "table": "*i64", "members": "*i64", "words": "*i64"}
+         "lo": "i64", "multiplier": "i64", "table": "*i64", "members": "*i64", "words": "*i64",
+         "decoded": "*fp32", "heads": "*fp32", "blocks": "*i64", "order": "*i64",
+         "ratio": "fp32"}
 # A tensor's kernels take no program tables.
 ALONE = dict(SEGMENTED=False, table=None, members=None)
 # Kernels whose ``out`` is float32, and the quantizer's when it writes values.
-FLOAT_OUT = (k.decode_totals, k.decode_rows, k.decode_segments)
+FLOAT_OUT = (k.decode_totals, k.decode_rows, k.decode_segments, k.average_signs, k.decode_shards)
 CASES = [
     (k.quantize, dict(MODE=k.ONE_LEVEL, WIDTH=2, PACKED=True, FEEDBACK=True, **ALONE, words=None)),
     (k.quantize, dict(MODE=k.UNIFORM, WIDTH=4, PACKED=True, FEEDBACK=False, **ALONE, words=None)),
@@ -304,6 +401,11 @@ CASES = [
     (k.decode_totals, dict(SEGMENTED=True)),
     (k.decode_rows, dict(WIDTH=4, NUQSGD=True, OWN_SCALES=True, SEGMENTED=True)),
     (k.decode_segments, dict(WIDTH=4, SEGMENTED=True)),
+    (k.signs, dict(PACKED=True, FEEDBACK=True, DECODED=False, SEGMENTED=True)),
+    (k.signs, dict(PACKED=False, FEEDBACK=True, DECODED=True, SEGMENTED=True)),
+    (k.average_signs, dict(BLOCK_INDEX=False, FEEDBACK=True, SEGMENTED=True)),
+    (k.average_signs, dict(BLOCK_INDEX=True, FEEDBACK=False, **ALONE)),
+    (k.decode_shards, {}),
 ]
 for capability in map(int, sys.argv[1:]):
     for kernel, constants in CASES:
@@ -340,7 +442,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.stdout.splitlines()) == 26, run.stdout
+    assert len(run.stdout.splitlines()) == 36, run.stdout
 
 
 def _device_and_eager_steps(cases, steps=2):
@@ -419,6 +521,8 @@ def test_the_device_path_trains_as_the_eager_ops():
         ("qsgd-inf", "allgather", None),
         ("nuqsgd", "allreduce", True),
         ("qsgd", "sharded", None),
+        ("ef-sign", "allgather", None),
+        ("ef-sign", "sharded", None),
     ]
     results = run_parallel(_device_and_eager_steps, 2, cases)
     assert results[0] == results[1]
