@@ -27,6 +27,7 @@ Rank 0 prints a Markdown table (and with ``--out``, writes it as JSON).
 """
 
 import argparse
+import gc
 import json
 
 import horovod.torch as hvd
@@ -73,6 +74,9 @@ def host_reads(events):
 def count(model_name, codec, device):
     """Top-level aten ops and host reads of one step on ``device`` past the codec's warm-up,
     the model's tensors and those compressed."""
+    # The last count's optimizer and pipeline refer to each other: collected before this
+    # one's model is built, as four ranks of a 25M model share the machine's memory.
+    gc.collect()
     work = workload(model_name, hvd.rank(), hvd.size())
     model = work.build().to(device)
     optimizer = hc.DistributedOptimizer(

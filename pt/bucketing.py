@@ -7,6 +7,7 @@ bucket's."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
@@ -148,20 +149,9 @@ class ShardLayout:
         shards = [bucket.shard_pieces(r) for r in range(bucket.shards)]
         self.shards = bucket.shards
         self.length = sum(piece.length for piece in shards[0])
-        # The bucket's element at each position of the shards laid end to end.
-        order = torch.cat(
-            [
-                torch.arange(p.member.offset + p.first, p.member.offset + p.first + p.length)
-                for pieces in shards
-                for p in pieces
-            ]
-        )
-        self.order = order.to(device)
+        self._shards, self._rank, self._device = shards, rank, device
         per_byte = codec.code_space.codes_per_byte
-        self._byte_order = (order[::per_byte] // per_byte).to(device)
-        # The bucket's elements of this rank's shard, in its order.
-        self.own = order[rank * self.length : (rank + 1) * self.length].to(device)
-        self._inverse = torch.argsort(order).to(device)
+        self._byte_order = _int32(self._order()[::per_byte] // per_byte, device)
         self.server_codec = _blocked(
             codec, _segments(codec, [(p.valid, p.length) for p in shards[rank]], device)
         )
@@ -187,9 +177,38 @@ class ShardLayout:
         # element of every shard among the servers' heads laid end to end; -1 for
         # padding, which takes the zero appended to the scales (``_scaled_signs``).
         # Attributes, as Triton's kernels read them too (``triton_fused``).
-        self.worker_blocks = torch.cat(worker_blocks).to(device)
-        self.server_blocks = torch.cat(server_blocks).to(device)
+        self.worker_blocks = _int32(torch.cat(worker_blocks), device)
+        self.server_blocks = _int32(torch.cat(server_blocks), device)
         self._head_slots = torch.cat(head_slots).to(device)
+
+    def _order(self) -> torch.Tensor:
+        """The bucket's element at each position of the shards laid end to end (int64, on
+        the CPU)."""
+        return torch.cat(
+            [
+                torch.arange(p.member.offset + p.first, p.member.offset + p.first + p.length)
+                for pieces in self._shards
+                for p in pieces
+            ]
+        )
+
+    # Each path's index of the bucket's elements, made when first needed: on the device
+    # the kernels scatter the shards' elements to the bucket (``order``), the eager ops
+    # gather them (``_inverse``); ``own`` only serves a per-element residual ratio.
+
+    @functools.cached_property
+    def order(self) -> torch.Tensor:
+        return _int32(self._order(), self._device)
+
+    @functools.cached_property
+    def _inverse(self) -> torch.Tensor:
+        return _int32(torch.argsort(self._order()), self._device)
+
+    @functools.cached_property
+    def own(self) -> torch.Tensor:
+        """The bucket's elements of this rank's shard, in its order."""
+        first = self._rank * self.length
+        return _int32(self._order()[first : first + self.length], self._device)
 
     def rows(self, packed: torch.Tensor) -> torch.Tensor:
         """The bucket's packed codes as one row per shard."""
@@ -209,6 +228,12 @@ class ShardLayout:
         its block scales (its head, a row each)."""
         values = _scaled_signs(signs.reshape(1, -1), heads.reshape(1, -1), self.server_blocks)
         return values.reshape(-1).index_select(0, self._inverse)
+
+
+def _int32(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``index`` as int32 on ``device``: a bucket's elements number below 2^31, and an
+    index per element is the size of the bucket's floats, not twice it."""
+    return index.to(device=device, dtype=torch.int32)
 
 
 def _scaled_signs(signs, scales, blocks):

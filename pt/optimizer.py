@@ -4,7 +4,9 @@ compresses gradients with any codec of ``hvd_compress``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+import weakref
 from typing import Any, Iterable
 
 import horovod.torch as hvd
@@ -29,6 +31,13 @@ from .momentum import WorkerMomentum
 from .pipeline import CompressionPipeline
 
 STATE_KEY = "hvd_compress"
+
+
+def _on_grad(optimizer, param):
+    """A parameter's gradient hook: ``optimizer`` (a weak reference) exchanges it."""
+    optimizer = optimizer()
+    if optimizer is not None:
+        optimizer._hvdc_on_grad(param)
 
 
 class _DistributedOptimizer:
@@ -68,8 +77,13 @@ class _DistributedOptimizer:
         self._hvdc_launched = set()
         self._hvdc_synchronized = False
         self._hvdc_should_synchronize = True
+        # The hooks hold the optimizer weakly: a parameter keeps its hooks in a dict that
+        # torch's C++ side holds, beyond the garbage collector's sight, so a hook holding
+        # the optimizer (which holds the parameters) kept both alive after the user
+        # dropped them.
+        on_grad = functools.partial(_on_grad, weakref.ref(self))
         self._hvdc_hooks = [
-            p.register_post_accumulate_grad_hook(self._hvdc_on_grad)
+            p.register_post_accumulate_grad_hook(on_grad)
             for p in pipeline.plans
             if p.requires_grad and pipeline.included
         ]

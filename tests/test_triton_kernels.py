@@ -381,7 +381,7 @@ from hvd_compress.pt import triton_fused, triton_kernels as k
 TYPES = {"p": "*fp32", "scale": "*fp32", "residual": "*fp32", "total": "*i32",
          "scales": "*fp32", "rows": "*u8", "out": "*u8", "levels": "fp32", "divisor": "fp32",
          "lo": "i64", "multiplier": "i64", "table": "*i64", "members": "*i64", "words": "*i64",
-         "decoded": "*fp32", "heads": "*fp32", "blocks": "*i64", "order": "*i64",
+         "decoded": "*fp32", "heads": "*fp32", "blocks": "*i32", "order": "*i32",
          "ratio": "fp32"}
 # A tensor's kernels take no program tables.
 ALONE = dict(SEGMENTED=False, table=None, members=None)
