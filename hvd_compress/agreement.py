@@ -9,15 +9,29 @@ raises the same error, naming what differs and on which ranks, before the first 
 
 def describe(codec, exchange, average, parameters, bucket_bytes=0):
     """A comparable description of one rank's configuration; ``parameters`` are
-    (name, shape, dtype) triples in the order the optimizer holds them, ``bucket_bytes``
-    the size of its gradient buckets (``bucketing``), which decides their collectives."""
+    (name, shape, dtype, reason) in the order the optimizer holds them, ``reason`` why the
+    tensor is sent whole or ``"compressed"`` (``plan.plan_tensor``: the ``uncompressed``
+    names, ``min_size``, the classifier decide it), ``bucket_bytes`` the size of its
+    gradient buckets (``bucketing``), which decides their collectives. The optimizer adds
+    its own modes (``modes``)."""
     return {
         "codec": repr(codec),
         "exchange": exchange,
         "average": average,
-        "parameters": [(name, tuple(shape), str(dtype)) for name, shape, dtype in parameters],
+        "parameters": [
+            (name, tuple(shape), str(dtype), reason) for name, shape, dtype, reason in parameters
+        ],
         "bucket_bytes": bucket_bytes,
     }
+
+
+def modes(**settings):
+    """The optimizer's settings every rank must share, as ``describe`` adds them: those
+    that decide when gradients are exchanged and how (``backward_passes_per_step``,
+    ``sparse_as_dense``) or what the workers compute around the exchange (the worker
+    momentum, compressed Adam), which a rank's own optimizer options can decide (a
+    rank whose SGD has no momentum takes no worker momentum)."""
+    return {"optimizer": dict(sorted(settings.items()))}
 
 
 def disagreement(descriptions):
@@ -44,7 +58,7 @@ def disagreement(descriptions):
     return (
         "hvd_compress: the ranks were given different compression configurations, and "
         "would hang or sum codes that mean different things. Build the optimizer with the "
-        "same compression, exchange, op and model on every rank. Differences:\n  "
+        "same compression, exchange, op, options and model on every rank. Differences:\n  "
         + "\n  ".join(problems)
     )
 

@@ -335,6 +335,14 @@ class GradientBuckets:
         for bucket in self.buckets:
             self._split(bucket)
 
+    def release_momentum(self) -> None:
+        """Keeps every bucket's momentum under its members' names (``WorkerMomentum.
+        expose``); the next step joins it again."""
+        if self.state.momentum is not None:
+            for bucket in self.buckets:
+                buffers = self.state.momentum.momentum
+                self.state.momentum.momentum = split_residuals(buffers, bucket, shaped=True)
+
     def _split(self, bucket: GradientBucket) -> None:
         """Keeps ``bucket``'s residuals and momentum under its members' names."""
         worker, server, momentum = self.state.worker, self.state.server, self.state.momentum

@@ -244,6 +244,45 @@ class WorkerMomentum:
             for group, mu, decay, nesterov in saved:
                 group.update(momentum=mu, weight_decay=decay, nesterov=nesterov)
 
+    # Where each parameter's m and w appear in the optimizer's ``state_dict()["state"]``:
+    # SGD's own name for m, and one for w.
+    TORCH_STATE = {"momentum": "momentum_buffer", "decay": "weight_decay_buffer"}
+
+    def _buffers(self, role):
+        return self.momentum if role == "momentum" else self.decay
+
+    def expose(self, torch_state: dict, ours: dict) -> None:
+        """Moves every parameter's m and w from the pipeline's part of a ``state_dict()``
+        (``ours``) into torch's ``state`` of it (``torch_state``, by parameter index), as
+        the tensors this mode steps (zeros where no step has made one yet, which the next
+        step takes as none). Every rank's ``state`` then has the same entries whatever its
+        options, and ``hvd.broadcast_optimizer_state``, which broadcasts each tensor of it
+        in place and the groups' options after them (but nothing at all for an empty
+        ``state``), brings rank 0's to every rank."""
+        self.pipeline.buckets.release_momentum()
+        index = 0
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    entry = torch_state.setdefault(index, {})
+                    name = self._name(param)
+                    for role, key in self.TORCH_STATE.items():
+                        buffers = self._buffers(role)
+                        if name not in buffers:
+                            buffers[name] = torch.zeros_like(param)
+                        entry[key] = buffers[name]
+                index += 1
+        for role in self.TORCH_STATE:
+            ours["momentum"].pop(role)
+
+    def adopt(self) -> None:
+        """Takes the m and w that ``load_state_dict`` put into the base optimizer's state
+        (``expose``'s entries) as this mode's."""
+        for param, entry in self.optimizer.state.items():
+            for role, key in self.TORCH_STATE.items():
+                if key in entry:
+                    self._buffers(role)[self._name(param)] = entry.pop(key)
+
     def state_dict(self):
         return {
             "momentum": {k: v.clone() for k, v in self.momentum.items()},
@@ -257,9 +296,11 @@ class WorkerMomentum:
         }
 
     def load_state_dict(self, state, placed):
-        """Restores ``state`` through ``placed``, which copies its tensors onto their devices."""
-        self.momentum = placed(state["momentum"])
-        self.decay = placed(state["decay"])
+        """Restores ``state`` through ``placed``, which copies its tensors onto their devices.
+        A ``state_dict()`` of the optimizer holds m and w in torch's ``state`` (``expose``,
+        ``adopt``), not here."""
+        self.momentum = placed(state.get("momentum", {}))
+        self.decay = placed(state.get("decay", {}))
         rates = state["learning_rate"]
         self.learning_rate = {}
         for index, group in enumerate(self.optimizer.param_groups):

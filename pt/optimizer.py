@@ -13,6 +13,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as horovod_optimizer
 import torch
 
+from hvd_compress import agreement
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.bucketing import BUCKET_BYTES
 from hvd_compress.registry import Compression, resolve
@@ -71,6 +72,16 @@ class _DistributedOptimizer:
             CompressedAdam(self, pipeline, compressed_adam)
             if compressed_adam and pipeline.included
             else None
+        )
+        # Settings that a rank's own options can decide, and that make ranks exchange at
+        # other times or compute other things: compared at the first step.
+        pipeline.agree_on(
+            agreement.modes(
+                backward_passes_per_step=backward_passes_per_step,
+                sparse_as_dense=sparse_as_dense,
+                worker_momentum=worker_momentum,
+                compressed_adam=compressed_adam if pipeline.included else None,
+            )
         )
         self._hvdc_passes = backward_passes_per_step
         self._hvdc_delay = {p: backward_passes_per_step for p in pipeline.plans}
@@ -202,6 +213,8 @@ class _DistributedOptimizer:
     def state_dict(self):
         state = self._hvdc_base.state_dict(self)
         state[STATE_KEY] = self._hvdc_pipeline.state_dict()
+        if self._hvdc_momentum is not None:
+            self._hvdc_momentum.expose(state["state"], state[STATE_KEY])
         return state
 
     def load_state_dict(self, state_dict):
@@ -212,6 +225,8 @@ class _DistributedOptimizer:
             self._hvdc_pipeline.load_state_dict(ours)
             if self._hvdc_adam is not None:
                 self._hvdc_adam.reload()
+        if self._hvdc_momentum is not None:
+            self._hvdc_momentum.adopt()
 
     def compression_stats(self) -> dict:
         """What the last step handed to Horovod, and how each tensor travels. ``"layers"``

@@ -241,12 +241,17 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             codec,
             exchange,
             average,
-            [(plan.name, p.shape, p.dtype) for p, plan in self.plans.items()],
+            [(plan.name, p.shape, p.dtype, plan.reason) for p, plan in self.plans.items()],
             self.bucket_bytes,
         )
         self._agreed = False
         self.last_tensor_bytes = collections.Counter()
         self.last_sent_elements = {}
+
+    def agree_on(self, settings: dict) -> None:
+        """Adds ``settings`` (``agreement.modes``) to what every rank must share, checked
+        at the first step (``_agree``)."""
+        self._description.update(settings)
 
     # ----- one step -----
 

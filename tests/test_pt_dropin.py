@@ -189,6 +189,77 @@ def _resume_on_rank0(case):
     return ([p.detach().clone() for p in model.parameters()], optimizer.compression_stats()["step"])
 
 
+# Horovod 0.28.1's test_broadcast_state_options: each rank's optimizer takes other options,
+# which the broadcast replaces by rank 0's; with every codec.
+OPTIONS = (
+    dict(
+        lr=0.1,
+        momentum=0.8,
+        weight_decay=0.2,
+        nesterov=True,
+        betas=(0.9, 0.999),
+        etas=(0.8, 2.4),
+        step_sizes=(1e-5, 100),
+    ),
+    dict(
+        lr=0.2,
+        momentum=0.9,
+        weight_decay=0.1,
+        nesterov=False,
+        betas=(0.8, 0.9),
+        etas=(0.25, 1.75),
+        step_sizes=(1e-7, 5),
+    ),
+)
+OPTIONS_CODECS = (
+    "none",
+    "fp16",
+    "terngrad",
+    "qsgd",
+    "qsgd-inf",
+    "nuqsgd",
+    "ef-sign",
+    "adacomp",
+    "clt-k",
+    "dgc",
+    "powersgd",
+)
+
+
+def _accepted(cls, options):
+    parameters = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in options.items() if k in parameters}
+
+
+def _options_run(cls, codec):
+    """A step with this rank's own options, the broadcast of rank 0's optimizer state, and
+    a step more; returns the options of the groups and the optimizer's ``state`` after the
+    broadcast, and whether the last step left the parameters finite."""
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.ReLU(), torch.nn.Linear(10, 10))
+    base = cls(model.parameters(), **_accepted(cls, OPTIONS[min(hvd.rank(), 1)]))
+    optimizer = hc.DistributedOptimizer(
+        base, model.named_parameters(), compression=f"{codec}:min_size=0"
+    )
+    x, y = torch.randn(64, 100), torch.randn(64, 10)
+
+    def step():
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y, reduction="sum").backward()
+        optimizer.step()
+
+    step()
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    state = _state(optimizer)["state"]
+    step()
+    return options, state, all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def _parameter_names():
     """Horovod's own test of unnamed parameters (two groups, no ``named_parameters``), and
     named ones; returns the names in parameter order and in the map's order."""
@@ -225,6 +296,10 @@ def _dropin_job():
             for cls, (index, options), codec in itertools.product(
                 _broadcast_optimizers(), enumerate(BROADCAST_OPTIONS), BROADCAST_CODECS
             )
+        },
+        "options": {
+            (cls.__name__, codec): _options_run(cls, codec)
+            for cls, codec in itertools.product(_broadcast_optimizers(), OPTIONS_CODECS)
         },
         "names": _parameter_names(),
         "resume": {case: _resume_on_rank0(case) for case in RESUME_CASES},
@@ -296,6 +371,22 @@ def test_broadcast_after_rank0_loads_leaves_the_loaded_state_everywhere(job):
             assert _equal(after, loaded), key
         # The broadcast's initialising step leaves rank 0's compression state alone.
         assert _equal(compression_after, compression), key
+
+
+def test_the_broadcast_gives_every_rank_rank_0s_options(job):
+    """Horovod's own test_broadcast_state_options, with every codec: ranks whose optimizers
+    took different options end the broadcast with rank 0's options, of the same types, and
+    its state (the worker momentum mode's m and w among it), and step on alike."""
+    for (name, codec), (options, state, finite) in job[0]["options"].items():
+        cls = getattr(torch.optim, name)
+        for group in options:
+            for key, want in _accepted(cls, OPTIONS[0]).items():
+                assert type(group[key]) is type(want), (name, codec, key)
+                assert group[key] == want, (name, codec, key, group[key])
+        assert finite, (name, codec)
+        for rank in job[1:]:
+            other_options, other_state, _ = rank["options"][name, codec]
+            assert other_options == options and _equal(other_state, state), (name, codec)
 
 
 def test_parameter_names_as_in_horovod(job):

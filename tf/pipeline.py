@@ -143,7 +143,7 @@ class CompressionPipeline(tf.Module):
                         exchange,
                         average,
                         [
-                            (plan.name, shape, dtype.name)
+                            (plan.name, shape, dtype.name, plan.reason)
                             for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
                         ],
                     ),
