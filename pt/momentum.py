@@ -94,7 +94,10 @@ class WorkerMomentum:
         group and step (a 0-d tensor once the rates are kept on the device)."""
         if index not in self._ratios:
             self.proposed_rates[index] = lr
-            self._ratios[index] = self.learning_rate.get(index, lr) / lr
+            previous = self.learning_rate.get(index, lr)
+            if isinstance(previous, torch.Tensor) and fused.host_reads(previous):
+                previous = float(previous)  # the CPU kernels take numbers
+            self._ratios[index] = previous / lr
         return self._ratios[index]
 
     def before_exchange(self, param, defer=False):
@@ -245,8 +248,10 @@ class WorkerMomentum:
                 group.update(momentum=mu, weight_decay=decay, nesterov=nesterov)
 
     # Where each parameter's m and w appear in the optimizer's ``state_dict()["state"]``:
-    # SGD's own name for m, and one for w.
+    # SGD's own name for m, and one for w; and its group's eta of the last exchange, which
+    # rescales the residuals (a replicated server's too, which must be alike everywhere).
     TORCH_STATE = {"momentum": "momentum_buffer", "decay": "weight_decay_buffer"}
+    LEARNING_RATE = "exchanged_lr"
 
     def _buffers(self, role):
         return self.momentum if role == "momentum" else self.decay
@@ -255,16 +260,21 @@ class WorkerMomentum:
         """Moves every parameter's m and w from the pipeline's part of a ``state_dict()``
         (``ours``) into torch's ``state`` of it (``torch_state``, by parameter index), as
         the tensors this mode steps (zeros where no step has made one yet, which the next
-        step takes as none). Every rank's ``state`` then has the same entries whatever its
-        options, and ``hvd.broadcast_optimizer_state``, which broadcasts each tensor of it
-        in place and the groups' options after them (but nothing at all for an empty
-        ``state``), brings rank 0's to every rank."""
+        step takes as none), with their group's eta of the last exchange. Every rank's
+        ``state`` then has the same entries whatever its options, and
+        ``hvd.broadcast_optimizer_state``, which broadcasts each tensor of it in place and
+        the groups' options after them (but nothing at all for an empty ``state``), brings
+        rank 0's to every rank."""
         self.pipeline.buckets.release_momentum()
         index = 0
-        for group in self.optimizer.param_groups:
+        for group_index, group in enumerate(self.optimizer.param_groups):
+            eta = None
             for param in group["params"]:
                 if param.requires_grad:
+                    if eta is None:
+                        eta = self._rate_tensor(group_index, group["lr"], param.device)
                     entry = torch_state.setdefault(index, {})
+                    entry[self.LEARNING_RATE] = eta
                     name = self._name(param)
                     for role, key in self.TORCH_STATE.items():
                         buffers = self._buffers(role)
@@ -275,13 +285,41 @@ class WorkerMomentum:
         for role in self.TORCH_STATE:
             ours["momentum"].pop(role)
 
-    def adopt(self) -> None:
-        """Takes the m and w that ``load_state_dict`` put into the base optimizer's state
-        (``expose``'s entries) as this mode's."""
-        for param, entry in self.optimizer.state.items():
+    def _rate_tensor(self, index, lr, device):
+        """Group ``index``'s eta of the last exchange as a float64 0-d tensor on ``device``,
+        kept as such so that a broadcast into it is this mode's (``lr``, the group's
+        rate, where no exchange has kept one: the same ratio of 1)."""
+        eta = self.learning_rate.get(index, lr)
+        if not isinstance(eta, torch.Tensor):
+            eta = torch.tensor(eta, dtype=torch.float64, device=device)
+        self.learning_rate[index] = eta
+        return eta
+
+    def extract(self, state_dict: dict) -> tuple[dict, dict]:
+        """(``state_dict`` without ``expose``'s entries, those entries by parameter index),
+        for ``adopt``: torch's ``load_state_dict`` would convert eta to the parameters'
+        dtype."""
+        keys = (*self.TORCH_STATE.values(), self.LEARNING_RATE)
+        rest, ours = {}, {}
+        for index, entry in state_dict["state"].items():
+            rest[index] = {k: v for k, v in entry.items() if k not in keys}
+            ours[index] = {k: v for k, v in entry.items() if k in keys}
+        return {**state_dict, "state": rest}, ours
+
+    def adopt(self, entries: dict) -> None:
+        """Takes the m, w and eta of a loaded ``state_dict()`` (``extract``'s entries, by
+        parameter index: ``expose``'s, or a stock SGD's ``momentum_buffer``) as this
+        mode's, each on its parameter's device."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for index, entry in entries.items():
+            param = params[index]
             for role, key in self.TORCH_STATE.items():
                 if key in entry:
-                    self._buffers(role)[self._name(param)] = entry.pop(key)
+                    buffer = entry[key].to(param.device, param.dtype, copy=True)
+                    self._buffers(role)[self._name(param)] = buffer
+            if self.LEARNING_RATE in entry:
+                eta = entry[self.LEARNING_RATE].to(param.device, torch.float64, copy=True)
+                self.learning_rate[self.group_index[param]] = eta
 
     def state_dict(self):
         return {

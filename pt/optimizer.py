@@ -220,13 +220,15 @@ class _DistributedOptimizer:
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
+        if self._hvdc_momentum is not None:
+            state_dict, momentum = self._hvdc_momentum.extract(state_dict)
         self._hvdc_base.load_state_dict(self, state_dict)
         if ours is not None:
             self._hvdc_pipeline.load_state_dict(ours)
             if self._hvdc_adam is not None:
                 self._hvdc_adam.reload()
         if self._hvdc_momentum is not None:
-            self._hvdc_momentum.adopt()
+            self._hvdc_momentum.adopt(momentum)
 
     def compression_stats(self) -> dict:
         """What the last step handed to Horovod, and how each tensor travels. ``"layers"``
