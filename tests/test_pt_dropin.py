@@ -11,6 +11,8 @@ import itertools
 import pytest
 import torch
 
+from hvd_compress.pt import CODECS
+
 from .harness import run_parallel
 
 pytestmark = pytest.mark.multiprocess
@@ -112,13 +114,12 @@ def _broadcast_run(cls, options, codec):
 
     import hvd_compress.pt as hc
 
-    accepted = inspect.signature(cls.__init__).parameters
     data = torch.Generator().manual_seed(hvd.rank())
 
     def build():
         torch.manual_seed(hvd.rank())  # different weights on every rank
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-        base = cls(model.parameters(), **{k: v for k, v in options.items() if k in accepted})
+        base = cls(model.parameters(), **_accepted(cls, options))
         return model, hc.DistributedOptimizer(base, model.named_parameters(), compression=codec)
 
     model, optimizer = build()
@@ -211,19 +212,8 @@ OPTIONS = (
         step_sizes=(1e-7, 5),
     ),
 )
-OPTIONS_CODECS = (
-    "none",
-    "fp16",
-    "terngrad",
-    "qsgd",
-    "qsgd-inf",
-    "nuqsgd",
-    "ef-sign",
-    "adacomp",
-    "clt-k",
-    "dgc",
-    "powersgd",
-)
+# Every codec of the PyTorch port, by name.
+OPTIONS_CODECS = tuple(CODECS)
 
 
 def _accepted(cls, options):
