@@ -338,18 +338,20 @@ class GradientBuckets:
     def release_momentum(self) -> None:
         """Keeps every bucket's momentum under its members' names (``WorkerMomentum.
         expose``); the next step joins it again."""
-        if self.state.momentum is not None:
-            for bucket in self.buckets:
-                buffers = self.state.momentum.momentum
-                self.state.momentum.momentum = split_residuals(buffers, bucket, shaped=True)
+        for bucket in self.buckets:
+            self._split_momentum(bucket)
 
     def _split(self, bucket: GradientBucket) -> None:
         """Keeps ``bucket``'s residuals and momentum under its members' names."""
-        worker, server, momentum = self.state.worker, self.state.server, self.state.momentum
+        worker, server = self.state.worker, self.state.server
         if worker is not None:
             worker.residuals = split_residuals(worker.residuals, bucket)
         if server is not None:
             server.residuals = split_residuals(server.residuals, bucket, self.rank)
+        self._split_momentum(bucket)
+
+    def _split_momentum(self, bucket: GradientBucket) -> None:
+        momentum = self.state.momentum
         if momentum is not None:
             momentum.momentum = split_residuals(momentum.momentum, bucket, shaped=True)
 

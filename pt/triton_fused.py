@@ -63,11 +63,16 @@ def applies(codec, tensor: torch.Tensor) -> bool:
     """Whether these kernels take ``codec``'s work on ``tensor``: float32 tensors of
     TernGrad and the QSGD family with fixed-width codes, on a CUDA device, or on the CPU
     under the interpreter."""
+    return _takes(tensor) and quantizes(codec)
+
+
+def _takes(tensor: torch.Tensor) -> bool:
+    """Whether these kernels run on ``tensor``: float32, on a CUDA device, or on the CPU
+    under the interpreter, with Triton on."""
     return (
         ENABLED
         and tensor.dtype == torch.float32
         and (tensor.device.type == "cuda" or (ON_CPU and tensor.device.type == "cpu"))
-        and quantizes(codec)
     )
 
 
@@ -310,9 +315,7 @@ def signs_apply(codec, tensor: torch.Tensor) -> bool:
     (its codec's blocks are ``Segments``): float32, on a CUDA device, or on the CPU under
     the interpreter. A tensor of its own takes the eager ops."""
     return (
-        ENABLED
-        and tensor.dtype == torch.float32
-        and (tensor.device.type == "cuda" or (ON_CPU and tensor.device.type == "cpu"))
+        _takes(tensor)
         and isinstance(codec, BlockSign)
         and isinstance(codec.bucket_length(tensor.numel()), Segments)
     )
