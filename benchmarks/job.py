@@ -160,12 +160,14 @@ class HorovodJob:
             PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
         )
 
-    def wait(self, timeout):
-        """Waits for every worker; kills them all after ``timeout`` seconds or as soon as
-        one fails. Returns the first nonzero exit code (0 if all succeeded)."""
+    def wait(self, timeout, stop_at_failure=True):
+        """Waits for every worker; kills them all after ``timeout`` seconds or, as
+        ``horovodrun`` does, as soon as one fails (unless not ``stop_at_failure``: then
+        the others run on, as under a launcher that leaves them). Returns the first nonzero
+        exit code (0 if all succeeded)."""
         deadline = time.monotonic() + timeout
         while any(process.poll() is None for process in self.processes):
-            if any(process.poll() for process in self.processes):
+            if stop_at_failure and any(process.poll() for process in self.processes):
                 break
             if time.monotonic() > deadline:
                 self.kill()
@@ -174,9 +176,9 @@ class HorovodJob:
         self.kill()
         return next((process.returncode for process in self.processes if process.returncode), 0)
 
-    def run(self, timeout):
+    def run(self, timeout, stop_at_failure=True):
         with self:
-            return self.wait(timeout)
+            return self.wait(timeout, stop_at_failure)
 
     def kill(self):
         """Kills every worker still running and stops the rendezvous server."""

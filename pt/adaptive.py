@@ -21,6 +21,7 @@ from hvd_compress.adaptive import (
     probe_sent,
 )
 
+from .exchange import allgather_async, allreduce_async_, wait
 from .world import max_over_ranks
 
 log = logging.getLogger("hvd_compress")
@@ -179,15 +180,16 @@ class AdaptiveSteps:
             tensor = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=device)
             collectives.append((collective, tensor, f"hvdc.adaptive.{carrier}.{nbytes}"))
         arrive = torch.zeros(1, device=device)
-        hvd.allreduce_(arrive, op=hvd.Sum, name="hvdc.adaptive.arrive", process_set=ranks)
+        wait(allreduce_async_(arrive, op=hvd.Sum, name="hvdc.adaptive.arrive", process_set=ranks))
         best = [float("inf")] * len(collectives)
         for _ in range(_PROBE_REPEATS):
             for i, (collective, tensor, name) in enumerate(collectives):
                 start = time.perf_counter()
                 if collective == "allgather":
-                    hvd.allgather(tensor, name=name, process_set=ranks)
+                    handle = allgather_async(tensor, name=name, process_set=ranks)
                 else:
-                    hvd.allreduce_(tensor, op=hvd.Sum, name=name, process_set=ranks)
+                    handle = allreduce_async_(tensor, op=hvd.Sum, name=name, process_set=ranks)
+                wait(handle, spin=True)
                 best[i] = min(best[i], time.perf_counter() - start)
         agreed = ".".join(f"{carrier}{nbytes}" for carrier, nbytes in probes)
         return max_over_ranks(best, f"hvdc.adaptive.seconds.{agreed}", ranks)

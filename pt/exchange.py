@@ -25,6 +25,7 @@ import time
 import horovod.torch as hvd
 import torch
 
+from hvd_compress import watchdog
 from hvd_compress.codes import shard_length
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
@@ -41,17 +42,86 @@ ALLREDUCE_DTYPES = frozenset(
 # latency hardly grows, long enough that a waiting rank leaves its core to the others.
 _FIRST_SLEEP, _LONGEST_SLEEP = 20e-6, 1e-3
 
+# handle -> (kind, name, process set id) of every collective started through
+# ``_watched`` and not yet waited for: what ``wait`` names when its bound runs out.
+_started = {}
+# process set id -> ``watchdog.Peers`` of its ranks, from the agreement (``meet``).
+_peers = {}
 
-def wait(handle):
-    """``hvd.synchronize(handle)`` without its busy wait. Horovod's synchronize polls in a
-    loop that only yields the core, so a rank waiting for the network keeps a core busy;
-    with more ranks than cores (4 on 2 in this project's benchmarks) the spinning ranks took
-    the CPU the encoding ranks and Horovod's background threads needed, and a step at N = 4
-    took 2.7x as long. Sleeps that double from 20 us to 1 ms free the core instead."""
+
+def _watched(collective):
+    """``collective`` (one of Horovod's ``*_async`` functions), recording what each handle
+    it returns is, for ``wait``."""
+    kind = collective.__name__.removesuffix("_").removesuffix("_async")
+
+    def start(*args, name, process_set=hvd.global_process_set, **kwargs):
+        handle = collective(*args, name=name, process_set=process_set, **kwargs)
+        _started[handle] = (kind, name, process_set.process_set_id)
+        return handle
+
+    return start
+
+
+allgather_async = _watched(hvd.allgather_async)
+allreduce_async = _watched(hvd.allreduce_async)
+allreduce_async_ = _watched(hvd.allreduce_async_)
+alltoall_async = _watched(hvd.alltoall_async)
+broadcast_async = _watched(hvd.broadcast_async)
+grouped_allreduce_async = _watched(hvd.grouped_allreduce_async)
+grouped_allreduce_async_ = _watched(hvd.grouped_allreduce_async_)
+reducescatter_async = _watched(hvd.reducescatter_async)
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=hvd.global_process_set):
+    """Horovod's ``sparse_allreduce_async`` (allgathers of the indices and the values),
+    whose result callable waits by ``wait``."""
+    indices = allgather_async(
+        tensor._indices().transpose(0, 1).contiguous(),
+        name=f"{name}.indices",
+        process_set=process_set,
+    )
+    values = allgather_async(tensor._values(), name=f"{name}.values", process_set=process_set)
+
+    def result():
+        gathered = wait(values)
+        if op == hvd.Average:
+            gathered = gathered / process_set.size()
+        return torch.sparse_coo_tensor(wait(indices).transpose(0, 1), gathered, tensor.size())
+
+    return result
+
+
+def meet(process_set, addresses, rank):
+    """Takes the watchdog addresses of ``process_set``'s ranks (gathered by the
+    agreement), which ``wait`` asks when its bound runs out."""
+    _peers[process_set.process_set_id] = watchdog.Peers(addresses, rank)
+
+
+def wait(handle, spin=False):
+    """``hvd.synchronize(handle)`` without its busy wait (but with ``spin``), and bounded.
+
+    Horovod's synchronize polls in a loop that only yields the core, so a rank waiting for
+    the network keeps a core busy; with more ranks than cores (4 on 2 in this project's
+    benchmarks) the spinning ranks took the CPU the encoding ranks and Horovod's background
+    threads needed, and a step at N = 4 took 2.7x as long. Sleeps that double from 20 us to
+    1 ms free the core instead; ``spin`` keeps polling, for timings of the link.
+
+    A wait longer than ``watchdog.timeout()`` raises ``watchdog.CollectiveTimeout`` naming
+    the collective and what every rank does, instead of hanging on a rank that failed."""
+    kind, name, process_set_id = _started.pop(handle, ("collective", "?", 0))
+    bound = watchdog.timeout()
     sleep = _FIRST_SLEEP
-    while not hvd.poll(handle):
-        time.sleep(sleep)
-        sleep = min(2 * sleep, _LONGEST_SLEEP)
+    if not hvd.poll(handle):
+        watchdog.WAITS.enter(kind, name)
+        start = time.monotonic()
+        while not hvd.poll(handle):
+            if bound is not None and time.monotonic() - start > bound:
+                watchdog.WAITS.leave(expired=True)
+                raise watchdog.expired(kind, name, bound, _peers.get(process_set_id))
+            if not spin:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, _LONGEST_SLEEP)
+        watchdog.WAITS.leave()
     return hvd.synchronize(handle)
 
 
@@ -68,7 +138,7 @@ def grouped_allreduce_in_place(tensors, op, name, meter):
     """Horovod's grouped allreduce of ``tensors`` into them, whatever their dtype and
     layout (through ``allreducible`` copies where needed); waits for it."""
     carried = [allreducible(t) for t in tensors]
-    wait(hvd.grouped_allreduce_async_([meter.hand(c) for c in carried], op=op, name=name))
+    wait(grouped_allreduce_async_([meter.hand(c) for c in carried], op=op, name=name))
     for tensor, result in zip(tensors, carried):
         if result is not tensor:
             tensor.copy_(result)
@@ -119,8 +189,8 @@ def _allgather_with_sizes(payload, name, meter, process_set):
     one to read the gathered lengths back)."""
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     return [
-        hvd.allgather_async(meter.hand(payload), name=name, process_set=process_set),
-        hvd.allgather_async(meter.hand(size), name=f"{name}.size", process_set=process_set),
+        allgather_async(meter.hand(payload), name=name, process_set=process_set),
+        allgather_async(meter.hand(size), name=f"{name}.size", process_set=process_set),
     ]
 
 
@@ -221,7 +291,7 @@ class Allreduce(_Exchange):
 
     def start_packed(self, payload, scale, name):
         """``start`` for values already in the carrier (``fused``)."""
-        handle = hvd.allreduce_async(
+        handle = allreduce_async(
             self.meter.hand(payload), op=hvd.Sum, name=name, process_set=self.process_set
         )
         return handle, scale
@@ -271,7 +341,7 @@ class Allgather(_Exchange):
             return _allgather_with_sizes(payload, name, self.meter, self.process_set), scale
         # Equal lengths: gathered as rows.
         payload = self.meter.hand(payload.view(1, -1))
-        return [hvd.allgather_async(payload, name=name, process_set=self.process_set)], scale
+        return [allgather_async(payload, name=name, process_set=self.process_set)], scale
 
     def _codes(self, gathered):
         """Each worker's codes and own scales, one worker at a time in rank order, from
@@ -389,7 +459,7 @@ class Sharded(_Exchange):
             values = self.codec.values(unpack(received, self.codec.code_space, self.length))
             payload = pack(_sum_rows(values), self.total_space)
         payload = self.meter.hand(payload.reshape(1, -1))
-        return hvd.allgather_async(payload, name=f"{name}.sum", process_set=self.process_set), scale
+        return allgather_async(payload, name=f"{name}.sum", process_set=self.process_set), scale
 
     def finish(self, pending):
         handle, scale = pending
@@ -471,7 +541,7 @@ class ShardedServer(_Exchange):
                 [padded_scale.view(torch.uint8), self._shards(packed, 1).reshape(-1)]
             ).reshape(1, -1)
         payload = self.meter.hand(payload)
-        handle = hvd.allgather_async(payload, name=f"{name}.server", process_set=self.process_set)
+        handle = allgather_async(payload, name=f"{name}.server", process_set=self.process_set)
         return handle, fuses
 
     def finish(self, pending):
@@ -557,7 +627,7 @@ class MemberShardedServer(ShardedServer):
             packed = self._packed(codes)
         head = self.shards.server_head(server_scale)
         payload = torch.cat([head.view(torch.uint8), packed]).reshape(1, -1)
-        handle = hvd.allgather_async(
+        handle = allgather_async(
             self.meter.hand(payload), name=f"{name}.server", process_set=self.process_set
         )
         return handle, on_device
@@ -645,7 +715,7 @@ class LeaderAllreduce(_Exchange):
         else:
             indices = torch.zeros(self.sent_elements, dtype=torch.int32, device=grad.device)
         # Horovod's broadcasts take the root's global rank, in a process set too.
-        handle = hvd.broadcast_async(
+        handle = broadcast_async(
             self.meter.hand(indices),
             root_rank=self.process_set.ranks[self.leader],
             name=f"{name}.indices",
@@ -658,7 +728,7 @@ class LeaderAllreduce(_Exchange):
         indices = wait(handle).to(torch.int64)
         values = compensated[indices]
         self.memory.update_unsent(self.key, compensated, indices, self.codec.beta)
-        handle = hvd.allreduce_async(
+        handle = allreduce_async(
             self.meter.hand(allreducible(values)),
             op=hvd.Sum,
             name=name,
@@ -699,7 +769,7 @@ class TopKAllgather(_Exchange):
         values = compensated[self.selected]
         self.memory.update_unsent(self.key, compensated, self.selected)
         return [
-            hvd.allgather_async(
+            allgather_async(
                 self.meter.hand(tensor), name=f"{name}.{part}", process_set=self.process_set
             )
             for part, tensor in (("indices", indices), ("values", values))
@@ -739,7 +809,7 @@ class LowRankAllreduce(_Exchange):
         self.sent_elements = codec.factor_elements(plan.shape)
 
     def _allreduce(self, factor, name):
-        return hvd.allreduce_async(
+        return allreduce_async(
             self.meter.hand(factor), op=hvd.Sum, name=name, process_set=self.process_set
         )
 

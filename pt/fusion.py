@@ -5,7 +5,7 @@ import torch
 
 from hvd_compress.fusion import FusionGroup
 
-from .exchange import wait
+from .exchange import alltoall_async, wait
 
 
 class AlltoallFusion(FusionGroup):
@@ -27,4 +27,4 @@ class AlltoallFusion(FusionGroup):
 
     def _alltoall(self, rows):
         rows = torch.cat(rows, dim=1)
-        self.handle = hvd.alltoall_async(rows, name=self.name, process_set=self.process_set)
+        self.handle = alltoall_async(rows, name=self.name, process_set=self.process_set)

@@ -30,7 +30,13 @@ from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import check_choice, check_float, check_int
 
 from . import CODECS
-from .exchange import Meter, allreducible, grouped_allreduce_in_place, wait
+from .exchange import (
+    Meter,
+    allreducible,
+    grouped_allreduce_async,
+    grouped_allreduce_in_place,
+    wait,
+)
 from .optimizer import STATE_KEY, _classifier_names, _named_parameters, wrap_in_subclass
 from .pipeline import CompressionPipeline
 
@@ -106,7 +112,7 @@ class _LocalClipSGD:
             for _, p in self._hvdc_named
         ]
         averaged = wait(
-            hvd.grouped_allreduce_async(grads, op=hvd.Average, name="hvdc.local_sgd.gradients")
+            grouped_allreduce_async(grads, op=hvd.Average, name="hvdc.local_sgd.gradients")
         )
         return float(torch.nn.utils.get_total_norm(averaged))
 

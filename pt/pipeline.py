@@ -30,7 +30,18 @@ from hvd_compress.validation import check_global_membership, check_two_level_pro
 from . import fused, seeding, triton_fused
 from .adaptive import AdaptiveSteps
 from .bucketing import BucketLayout, GradientBuckets
-from .exchange import Meter, allreducible, make_exchange, make_sparse_exchange, wait
+from .exchange import (
+    Meter,
+    allgather_async,
+    allreduce_async,
+    allreduce_async_,
+    allreducible,
+    make_exchange,
+    make_sparse_exchange,
+    reducescatter_async,
+    sparse_allreduce_async,
+    wait,
+)
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
@@ -484,7 +495,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             if not flight.fused and not flight.scale_in_encode:
                 flight.scale = codec.local_scale(flight.vector)
             if codec.shares_scale(exchange):
-                flight.handle = hvd.allreduce_async(
+                flight.handle = allreduce_async(
                     self.meter.hand(flight.scale),
                     op=hvd.Max,
                     name=f"hvdc.{plan.name}.scale",
@@ -502,7 +513,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             flight.vector = vector
             self._start_shard(flight)
             return flight
-        average = hvd.allreduce_async if self.node_allreduce else hvd.reducescatter_async
+        average = allreduce_async if self.node_allreduce else reducescatter_async
         flight.handle = average(
             self.meter.hand(self._padded(plan, vector)),
             name=f"hvdc.{plan.name}.node",
@@ -549,7 +560,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         if self.node_set is None:
             flight.handle = shard
             return
-        flight.handle = hvd.allgather_async(
+        flight.handle = allgather_async(
             self.meter.hand(shard.contiguous()),
             name=f"hvdc.{flight.plan.name}.gather",
             process_set=self.node_set,
@@ -591,12 +602,12 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         name = f"hvdc.{plan.name}"
         op = hvd.Average if self.average else hvd.Sum
         if grad.is_sparse:
-            return hvd.sparse_allreduce_async(grad, name=name, op=op, process_set=self.process_set)
+            return sparse_allreduce_async(grad, name=name, op=op, process_set=self.process_set)
         if self.state.worker is not None and plan.name in self.state.worker.residuals:
             grad = self.state.worker.flush(plan.name, grad.reshape(-1), ratio).view(grad.shape)
         grad = allreducible(grad.to(torch.float16) if half else grad)
         self.meter.hand(grad)
-        return hvd.allreduce_async_(
+        return allreduce_async_(
             grad,
             name=name,
             op=op,

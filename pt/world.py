@@ -10,20 +10,20 @@ changes.
 import horovod.torch as hvd
 import torch
 
-from hvd_compress import agreement, cost
+from hvd_compress import agreement, cost, watchdog
 from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.topology import averages_by_allreduce
 
 from . import topology
-from .exchange import allgather_object, make_exchange
+from .exchange import allgather_object, allreduce_async, make_exchange, meet, wait
 
 
 def max_over_ranks(values, name, process_set, dtype=torch.float64):
     """The element-wise largest of ``values`` (a list of numbers) over the ranks of
-    ``process_set``, by one blocking Max-allreduce of a CPU tensor: how the ranks agree on
-    what each measured."""
+    ``process_set``, by one Max-allreduce of a CPU tensor, waited for: how the ranks agree
+    on what each measured."""
     values = torch.tensor(values, dtype=dtype)
-    return hvd.allreduce(values, op=hvd.Max, name=name, process_set=process_set).tolist()
+    return wait(allreduce_async(values, op=hvd.Max, name=name, process_set=process_set)).tolist()
 
 
 class ElasticWorld:
@@ -66,10 +66,15 @@ class ElasticWorld:
         After rank 0 alone loaded a checkpoint and ``hvd.broadcast_optimizer_state`` shared
         the optimizer's state (which does not carry this pipeline's), or after a worker
         joined, the other ranks would count from 0; the counter chooses CLT-k's leader and
-        the adaptive mode's decision steps, which every rank must take alike or hang."""
-        problem = agreement.disagreement(
-            allgather_object(self._description, "hvdc.agreement", self.process_set)
+        the adaptive mode's decision steps, which every rank must take alike or hang.
+
+        The same gather tells every rank where the others' watchdogs answer
+        (``hvd_compress.watchdog``)."""
+        gathered = allgather_object(
+            (self._description, watchdog.address()), "hvdc.agreement", self.process_set
         )
+        meet(self.process_set, [address for _, address in gathered], self.rank)
+        problem = agreement.disagreement([description for description, _ in gathered])
         if problem:
             raise ValueError(problem)
         [self.state.step] = max_over_ranks(

@@ -50,15 +50,25 @@ BIN = os.path.dirname(sys.executable)
 
 
 def run_parallel(
-    body, np, *args, launcher="local", timeout=300, own_job=False, new_interpreter=False, **kwargs
+    body,
+    np,
+    *args,
+    launcher="local",
+    timeout=300,
+    own_job=False,
+    new_interpreter=False,
+    survivors=False,
+    **kwargs,
 ):
     """Runs ``body(*args, **kwargs)`` on ``np`` ranks; returns the results in rank order.
     ``launcher``: "local" (every rank on localhost, over Gloo), "MxL" (M hosts of L ranks,
     all on this machine) or "mpirun". Gloo bodies run in the test module's shared job of
     ``np`` ranks on ``launcher`` unless ``own_job``; ``timeout`` bounds this body alone.
     Gloo ranks are forked from the zygotes (``tests.zygote``) unless ``new_interpreter``
-    (which implies ``own_job``): for a body that must import what the zygotes have not."""
-    if launcher != "mpirun" and not (own_job or new_interpreter):
+    (which implies ``own_job``): for a body that must import what the zygotes have not.
+    With ``survivors`` (a Gloo job of its own), a rank that dies leaves the others running
+    and its result None, where ``horovodrun`` would kill them: for tests of what they do."""
+    if launcher != "mpirun" and not (own_job or new_interpreter or survivors):
         key = (body.__module__, np, launcher)
         return _shared_job(key).run(body, args, kwargs, timeout)
     close_shared_jobs()  # idle ranks would compete with this job's for the cores
@@ -72,9 +82,11 @@ def run_parallel(
         else:
             fork = [] if new_interpreter else ["--fork", _zygotes(np)]
             hosts = [_gloo_hosts(launcher, np), str(timeout)]
-            command = [sys.executable, "-m", "tests.nodes"] + fork + hosts + worker
-        run_job(command, f"{body.__qualname__} on {np} ranks", timeout)
-        return [_load(os.path.join(workdir, f"rank{rank}.pkl")) for rank in range(np)]
+            keep_going = ["--keep-going"] if survivors else []
+            command = [sys.executable, "-m", "tests.nodes"] + keep_going + fork + hosts + worker
+        run_job(command, f"{body.__qualname__} on {np} ranks", timeout, check=not survivors)
+        results = [os.path.join(workdir, f"rank{rank}.pkl") for rank in range(np)]
+        return [_load(p) if os.path.exists(p) or not survivors else None for p in results]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -109,11 +121,11 @@ def job_env():
     )
 
 
-def run_job(command, what, timeout, cwd=REPO, env=None):
+def run_job(command, what, timeout, cwd=REPO, env=None, check=True):
     """Runs ``command`` (a launcher and its processes) in its own process group with
     ``job_env()`` or ``env``; returns its output. A non-zero exit fails the test with the
-    output's error lines; a job still running after ``timeout`` seconds is killed, group and
-    all, and fails it as a hang."""
+    output's error lines (if ``check``); a job still running after ``timeout`` seconds is
+    killed, group and all, and fails it as a hang."""
     process = subprocess.Popen(
         command,
         cwd=cwd,
@@ -131,7 +143,7 @@ def run_job(command, what, timeout, cwd=REPO, env=None):
         raise AssertionError(
             f"{what} timed out after {timeout}s (a hang?):\n{output[-6000:]}"
         ) from None
-    if process.returncode != 0:
+    if check and process.returncode != 0:
         errors = [line for line in output.splitlines() if "Error" in line][:10]
         raise AssertionError(
             f"{what} failed (exit {process.returncode}):\n"

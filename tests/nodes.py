@@ -6,7 +6,8 @@ that a job on one machine sees the nodes of a cluster:
     python -m tests.nodes --fork ZYGOTES node0:2,node1:2 TIMEOUT python -m MODULE ARGS...
 
 With ``--fork``, rank r is forked by the zygote of slot r in the directory ZYGOTES
-(``tests.zygote``) instead of started as a new interpreter.
+(``tests.zygote``) instead of started as a new interpreter. With ``--keep-going`` (first),
+the other ranks run on when one fails, instead of being killed as ``horovodrun`` kills them.
 """
 
 import sys
@@ -32,6 +33,8 @@ class ForkedJob(HorovodJob):
 
 def main(*argv):
     zygotes = None
+    keep_going = argv[0] == "--keep-going"
+    argv = argv[keep_going:]
     if argv[0] == "--fork":
         zygotes, argv = argv[1], argv[2:]
     hosts, timeout, *command = argv
@@ -44,7 +47,7 @@ def main(*argv):
         job = HorovodJob(hosts, command, env=env)
     else:
         job = ForkedJob(zygotes, hosts, command, env=env)
-    return job.run(float(timeout))
+    return job.run(float(timeout), stop_at_failure=not keep_going)
 
 
 if __name__ == "__main__":

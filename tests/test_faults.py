@@ -1,0 +1,105 @@
+"""A rank that raises, dies or stalls in the middle of training: every other rank ends with
+an error naming the collective and the ranks that did not arrive within the watchdog's
+bound (``hvd_compress.watchdog``), or the job completes; none hangs. Ranks given different
+configurations fail at their first step (``tests/test_state.py``, ``tests/test_tf_state.py``).
+
+Each fault leaves Horovod's world broken, so each runs in a job of its own, with a bound of
+``BOUND`` seconds and a hard timeout far above it: a hang fails the test, not CI.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from .harness import run_parallel
+
+pytestmark = pytest.mark.multiprocess
+
+BOUND = 3  # seconds: HVD_COMPRESS_TIMEOUT of these jobs
+# How long a rank that raised stays alive, in its own code, before it leaves: past the
+# others' bound, so that they find it "in no collective" rather than gone.
+LINGER = BOUND + 3
+STEPS = 4
+FAULT_STEP = 2  # the step in which the last rank fails
+# A rank's step is this long; the slow rank takes SLOWER times as long.
+STEP_SECONDS, SLOWER = 0.05, 10
+JOB_TIMEOUT = 90
+
+
+def _pt_fault(codec, fault):
+    """Trains STEPS steps; at FAULT_STEP the last rank raises (and stays alive, in its own
+    code), is killed during its backward pass (collectives in flight), or sleeps SLOWER
+    steps' time before each step. Returns what ended each rank's training: None (all
+    steps), or the error's type and message, and the seconds from the fault to it."""
+    os.environ["HVD_COMPRESS_TIMEOUT"] = str(BOUND)
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model.named_parameters(),
+        compression=f"{codec}:min_size=0",
+    )
+    faulty = hvd.rank() == hvd.size() - 1
+    data = torch.Generator().manual_seed(hvd.rank())
+    faulted_at = None
+    try:
+        for step in range(STEPS):
+            time.sleep(STEP_SECONDS * (SLOWER if faulty and fault == "slow" else 1))
+            optimizer.zero_grad()
+            loss = model(torch.randn(16, 32, generator=data)).pow(2).mean()
+            if step == FAULT_STEP:
+                faulted_at = time.monotonic()
+                if faulty and fault == "raises":
+                    raise RuntimeError("the faulty rank's own error")
+                if faulty and fault == "killed":
+                    model[0].weight.register_hook(lambda _: os.kill(os.getpid(), signal.SIGKILL))
+            loss.backward()
+            optimizer.step()
+    except Exception as error:  # noqa: BLE001 - what ended training is the result
+        seconds = time.monotonic() - faulted_at
+        if faulty:
+            time.sleep(LINGER)
+        return type(error).__name__, str(error), seconds
+    return None, [p.detach().clone() for p in model.parameters()], time.monotonic() - faulted_at
+
+
+@pytest.mark.parametrize("codec, np", [("ef-sign", 2), ("terngrad", 4)])
+def test_a_rank_that_raises_ends_the_others_with_the_collective_and_the_absent_rank(codec, np):
+    results = run_parallel(_pt_fault, np, codec, "raises", own_job=True, timeout=JOB_TIMEOUT)
+    *others, (kind, message, _) = results
+    assert (kind, message) == ("RuntimeError", "the faulty rank's own error")
+    for kind, message, seconds in others:
+        assert kind == "CollectiveTimeout", message
+        assert BOUND <= seconds < BOUND + 10, seconds
+        assert "did not complete within 3 s (HVD_COMPRESS_TIMEOUT" in message
+        assert f"Ranks that did not arrive: {np - 1} (of {np}" in message, message
+        assert f"rank {np - 1}: in no collective of hvd_compress" in message, message
+        assert "'hvdc." in message
+
+
+def test_a_rank_killed_in_a_collective_ends_the_others():
+    """Horovod's Gloo connections see the killed rank go and shut Horovod down, which
+    ends the others' waits at once (``horovodrun`` and ``mpirun`` kill the others too)."""
+    *others, killed = run_parallel(
+        _pt_fault, 2, "ef-sign", "killed", survivors=True, timeout=JOB_TIMEOUT
+    )
+    assert killed is None
+    for kind, message, seconds in others:
+        assert kind in ("CollectiveTimeout", "HorovodInternalError"), message
+        assert seconds < BOUND + 10, seconds
+
+
+def test_a_rank_ten_times_slower_completes():
+    results = run_parallel(_pt_fault, 2, "terngrad", "slow", own_job=True, timeout=JOB_TIMEOUT)
+    for error, params, _ in results:
+        assert error is None, params
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
