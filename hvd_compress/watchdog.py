@@ -2,12 +2,18 @@
 rank of its process set was doing when the bound ran out.
 
 A rank that raised, died, hangs or took another path leaves the others waiting in a
-collective it never submits. Horovod's stall inspector only warns (on the coordinator) and
-shuts down when ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` is set. So every wait of a port's
-``exchange.wait`` is bounded (``timeout``); when the bound runs out the rank raises
-``CollectiveTimeout``, naming the collective, its tensor and the state of every rank of the
-process set: waiting in the same collective, in another one, not in one of the library's
-(computing, or gone elsewhere), or not answering (exited, killed or unreachable).
+collective it never submits. Horovod's stall inspector only warns (on the coordinator), and
+its shutdown (``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``) did not end such a wait of a
+TensorFlow step. So every wait of the PyTorch port (``exchange.wait``) is bounded
+(``timeout``); when the bound runs out the rank raises ``CollectiveTimeout``, naming the
+collective (``hvdc.<tensor>.<part>``) and the state of every rank of the process set:
+waiting in the same collective, in another one, not in one of the library's (computing, or
+gone elsewhere), or not answering (exited, killed or unreachable).
+
+TensorFlow runs its collectives inside the step's graph, where Python cannot poll them: the
+TensorFlow port marks where each step's exchange begins and ends, and a ``Monitor`` thread
+whose bound runs out logs the same error and shuts Horovod down, which ends the step with
+an error on every rank.
 
 Those states come from a side channel, not from Horovod, whose collectives cannot reach a
 rank that never arrives: every process answers, on a TCP port of its own, what it waits in
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import secrets
 import socket
@@ -210,3 +217,28 @@ def _describe(state):
             f"(computing, stopped, or gone on without the others; pid {state['pid']})"
         )
     return f"waiting in {state['kind']} {state['name']!r} for {state['seconds']:.1f} s"
+
+
+class Monitor:
+    """A thread that ends a wait no poll can bound (a TensorFlow step's collectives): every
+    ``period`` it looks at ``WAITS``, and once a wait has lasted ``timeout()`` seconds it
+    logs ``expired``'s error with ``peers()`` and calls ``stop`` (the port shuts Horovod
+    down, which fails the waiting collectives on every rank). ``error`` keeps that error."""
+
+    def __init__(self, peers, stop, period: float = 0.5):
+        self.peers, self.stop, self.period = peers, stop, period
+        self.error = None
+        threading.Thread(target=self._watch, name="hvd_compress.monitor", daemon=True).start()
+
+    def _watch(self):
+        while self.error is None:
+            time.sleep(self.period)
+            bound = timeout()
+            kind, name, since = WAITS.kind, WAITS.name, WAITS.since
+            if bound is None or name is None or WAITS.expired:
+                continue
+            if time.monotonic() - since > bound:
+                WAITS.leave(expired=True)
+                self.error = expired(kind, name, bound, self.peers())
+                logging.getLogger("hvd_compress").error("%s", self.error)
+                self.stop()

@@ -50,26 +50,26 @@ _peers = {}
 
 
 def _watched(collective):
-    """``collective`` (one of Horovod's ``*_async`` functions), recording what each handle
-    it returns is, for ``wait``."""
-    kind = collective.__name__.removesuffix("_").removesuffix("_async")
+    """Horovod's ``collective`` (the name of one of its ``*_async`` functions, looked up at
+    each call), recording what each handle it returns is, for ``wait``."""
+    kind = collective.removesuffix("_").removesuffix("_async")
 
     def start(*args, name, process_set=hvd.global_process_set, **kwargs):
-        handle = collective(*args, name=name, process_set=process_set, **kwargs)
+        handle = getattr(hvd, collective)(*args, name=name, process_set=process_set, **kwargs)
         _started[handle] = (kind, name, process_set.process_set_id)
         return handle
 
     return start
 
 
-allgather_async = _watched(hvd.allgather_async)
-allreduce_async = _watched(hvd.allreduce_async)
-allreduce_async_ = _watched(hvd.allreduce_async_)
-alltoall_async = _watched(hvd.alltoall_async)
-broadcast_async = _watched(hvd.broadcast_async)
-grouped_allreduce_async = _watched(hvd.grouped_allreduce_async)
-grouped_allreduce_async_ = _watched(hvd.grouped_allreduce_async_)
-reducescatter_async = _watched(hvd.reducescatter_async)
+allgather_async = _watched("allgather_async")
+allreduce_async = _watched("allreduce_async")
+allreduce_async_ = _watched("allreduce_async_")
+alltoall_async = _watched("alltoall_async")
+broadcast_async = _watched("broadcast_async")
+grouped_allreduce_async = _watched("grouped_allreduce_async")
+grouped_allreduce_async_ = _watched("grouped_allreduce_async_")
+reducescatter_async = _watched("reducescatter_async")
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=hvd.global_process_set):

@@ -164,8 +164,9 @@ def test_a_burst_of_noise_falls_on_every_carrier_alike(monkeypatch):
         else:
             collective()
 
-    monkeypatch.setattr(steps.hvd, "allreduce_", arrive)
-    monkeypatch.setattr(steps.hvd, "allgather", collective)
+    monkeypatch.setattr(steps, "allreduce_async_", arrive)
+    monkeypatch.setattr(steps, "allgather_async", collective)
+    monkeypatch.setattr(steps, "wait", lambda handle, spin=False: None)
     monkeypatch.setattr(steps.time, "perf_counter", lambda: clock["now"])
     monkeypatch.setattr(steps, "max_over_ranks", lambda values, name, ranks: values)
     probes = types.SimpleNamespace(process_set=None, world_size=2)

@@ -71,35 +71,103 @@ def _pt_fault(codec, fault):
     return None, [p.detach().clone() for p in model.parameters()], time.monotonic() - faulted_at
 
 
-@pytest.mark.parametrize("codec, np", [("ef-sign", 2), ("terngrad", 4)])
-def test_a_rank_that_raises_ends_the_others_with_the_collective_and_the_absent_rank(codec, np):
-    results = run_parallel(_pt_fault, np, codec, "raises", own_job=True, timeout=JOB_TIMEOUT)
+def _fault(framework):
+    return {"pytorch": _pt_fault, "tensorflow": _tf_fault}[framework]
+
+
+@pytest.mark.parametrize(
+    "framework, codec, np",
+    [("pytorch", "ef-sign", 2), ("pytorch", "terngrad", 4), ("tensorflow", "ef-sign", 2)],
+)
+def test_a_rank_that_raises_ends_the_others_with_the_collective_and_the_absent_rank(
+    framework, codec, np
+):
+    """The PyTorch port raises ``CollectiveTimeout``; the TensorFlow port's monitor logs
+    it and shuts Horovod down, which fails the step."""
+    results = run_parallel(
+        _fault(framework), np, codec, "raises", own_job=True, timeout=JOB_TIMEOUT
+    )
     *others, (kind, message, _) = results
     assert (kind, message) == ("RuntimeError", "the faulty rank's own error")
     for kind, message, seconds in others:
-        assert kind == "CollectiveTimeout", message
+        assert kind == ("CollectiveTimeout" if framework == "pytorch" else "UnknownError")
         assert BOUND <= seconds < BOUND + 10, seconds
-        assert "did not complete within 3 s (HVD_COMPRESS_TIMEOUT" in message
+        assert "did not complete within 3 s (HVD_COMPRESS_TIMEOUT" in message, message
         assert f"Ranks that did not arrive: {np - 1} (of {np}" in message, message
         assert f"rank {np - 1}: in no collective of hvd_compress" in message, message
         assert "'hvdc." in message
 
 
-def test_a_rank_killed_in_a_collective_ends_the_others():
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+def test_a_rank_killed_in_a_collective_ends_the_others(framework):
     """Horovod's Gloo connections see the killed rank go and shut Horovod down, which
     ends the others' waits at once (``horovodrun`` and ``mpirun`` kill the others too)."""
     *others, killed = run_parallel(
-        _pt_fault, 2, "ef-sign", "killed", survivors=True, timeout=JOB_TIMEOUT
+        _fault(framework), 2, "ef-sign", "killed", survivors=True, timeout=JOB_TIMEOUT
     )
     assert killed is None
     for kind, message, seconds in others:
-        assert kind in ("CollectiveTimeout", "HorovodInternalError"), message
+        assert kind in ("CollectiveTimeout", "HorovodInternalError", "UnknownError"), message
         assert seconds < BOUND + 10, seconds
 
 
-def test_a_rank_ten_times_slower_completes():
-    results = run_parallel(_pt_fault, 2, "terngrad", "slow", own_job=True, timeout=JOB_TIMEOUT)
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+def test_a_rank_ten_times_slower_completes(framework):
+    results = run_parallel(
+        _fault(framework), 2, "terngrad", "slow", own_job=True, timeout=JOB_TIMEOUT
+    )
     for error, params, _ in results:
         assert error is None, params
     for a, b in zip(results[0][1], results[1][1]):
-        assert torch.equal(a, b)
+        assert (a == b).all()
+
+
+def _tf_fault(codec, fault):
+    """``_pt_fault`` for a traced step of the TensorFlow tape; a rank whose monitor ended
+    the step also returns what the monitor logged."""
+    os.environ["HVD_COMPRESS_TIMEOUT"] = str(BOUND)
+    import logging
+
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    hvd.init()
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("hvd_compress").addHandler(handler)
+    tf.keras.utils.set_random_seed(0)  # the same weights on every rank
+    model = tf.keras.Sequential(
+        [tf.keras.Input((32,)), tf.keras.layers.Dense(64, "relu"), tf.keras.layers.Dense(4)]
+    )
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        tape = htf.DistributedGradientTape(tape, compression=f"{codec}:min_size=0")
+        grads = tape.gradient(loss, model.trainable_variables)
+        for v, g in zip(model.trainable_variables, grads):
+            v.assign_sub(0.1 * g)
+
+    faulty = hvd.rank() == hvd.size() - 1
+    data = tf.random.Generator.from_seed(hvd.rank())
+    faulted_at = None
+    try:
+        for s in range(STEPS):
+            time.sleep(STEP_SECONDS * (SLOWER if faulty and fault == "slow" else 1))
+            if s == FAULT_STEP:
+                faulted_at = time.monotonic()
+                if faulty and fault == "raises":
+                    raise RuntimeError("the faulty rank's own error")
+                if faulty and fault == "killed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+            step(data.normal((16, 32)))
+    except Exception as error:  # noqa: BLE001 - what ended training is the result
+        seconds = time.monotonic() - faulted_at
+        if faulty:
+            time.sleep(LINGER)
+        return type(error).__name__, "\n".join(logged) or str(error), seconds
+    return None, [v.numpy() for v in model.trainable_variables], time.monotonic() - faulted_at

@@ -1,8 +1,13 @@
-"""The PyTorch DistributedOptimizer where Horovod code relies on Horovod's optimizer: sparse
-embeddings with and without ``sparse_as_dense``, ``hvd.broadcast_optimizer_state`` after rank
-0 alone loaded a checkpoint (every ``torch.optim`` optimizer Horovod's own test broadcasts,
-with ``none``, TernGrad, QSGD-inf and ef-sign), and ``_parameter_names``. One 2-process job
-runs all three."""
+"""The PyTorch DistributedOptimizer where Horovod code relies on Horovod's optimizer, the
+behaviours Horovod 0.28.1's own optimizer tests check (its test files are not shipped, so
+these are the project's own): sparse embeddings with and without ``sparse_as_dense``;
+``hvd.broadcast_optimizer_state`` after rank 0 alone loaded a checkpoint, with a frozen
+parameter (every ``torch.optim`` optimizer Horovod's test broadcasts, with ``none``, TernGrad,
+QSGD-inf and ef-sign); the broadcast of ranks' different options, gradients on some ranks
+only, a dynamic ``requires_grad``, clipping between ``synchronize()`` and ``step()`` and the
+warning of a ``step()`` without ``skip_synchronize()``, with every codec and optimizer (at
+N = 4 with TernGrad and ef-sign too); ``_parameter_names``. One 2-process job runs them all,
+and one 4-process job its part."""
 
 import inspect
 import io
@@ -119,6 +124,7 @@ def _broadcast_run(cls, options, codec):
     def build():
         torch.manual_seed(hvd.rank())  # different weights on every rank
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+        model[0].bias.requires_grad_(False)  # Horovod's test_broadcast_state_no_grad
         base = cls(model.parameters(), **_accepted(cls, options))
         return model, hc.DistributedOptimizer(base, model.named_parameters(), compression=codec)
 
@@ -253,6 +259,70 @@ def _options_run(cls, codec):
     return options, state, [p.detach().clone() for p in model.parameters()]
 
 
+class _Branches(torch.nn.Module):
+    """Horovod's optimizer tests' model shapes in one: a trunk, two heads of which a rank may
+    use one only (gradients present on some ranks only), and a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(12, 16)
+        self.frozen = torch.nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.left, self.right = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x, heads):
+        h = self.frozen(torch.relu(self.trunk(x)))
+        return sum(getattr(self, head)(h) for head in heads)
+
+
+def _behaviours_run(cls, codec):
+    """Horovod's optimizer tests' behaviours with ``codec`` and optimizer ``cls``, one step
+    each: a head used by rank 0 only; a head whose ``requires_grad`` is switched off for a
+    step; clipping between ``synchronize()`` and a ``step()`` under ``skip_synchronize()``;
+    a ``step()`` after ``synchronize()`` without it. Returns the parameters after each
+    step and the warnings of the last."""
+    import warnings
+
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+
+    torch.manual_seed(0)
+    model = _Branches()
+    optimizer = hc.DistributedOptimizer(
+        cls(model.parameters(), **_accepted(cls, OPTIONS[0])),
+        model.named_parameters(),
+        compression=f"{codec}:min_size=0",
+    )
+    data = torch.Generator().manual_seed(hvd.rank())
+    after = []
+
+    def backward(heads):
+        optimizer.zero_grad()
+        model(torch.randn(8, 12, generator=data), heads).pow(2).mean().backward()
+
+    backward(("left", "right") if hvd.rank() == 0 else ("left",))
+    optimizer.step()
+    after.append([p.detach().clone() for p in model.parameters()])
+    model.right.requires_grad_(False)
+    backward(("left",))
+    optimizer.step()
+    model.right.requires_grad_(True)
+    after.append([p.detach().clone() for p in model.parameters()])
+    backward(("left", "right"))
+    optimizer.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    after.append([p.detach().clone() for p in model.parameters()])
+    backward(("left", "right"))
+    optimizer.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    return after, [str(w.message) for w in caught]
+
+
 def _parameter_names():
     """Horovod's own test of unnamed parameters (two groups, no ``named_parameters``), and
     named ones; returns the names in parameter order and in the map's order."""
@@ -278,6 +348,13 @@ def _parameter_names():
     }
 
 
+def _with_every_optimizer(run, codecs):
+    return {
+        (cls.__name__, codec): run(cls, codec)
+        for cls, codec in itertools.product(_broadcast_optimizers(), codecs)
+    }
+
+
 def _dropin_job():
     import horovod.torch as hvd
 
@@ -290,18 +367,41 @@ def _dropin_job():
                 _broadcast_optimizers(), enumerate(BROADCAST_OPTIONS), BROADCAST_CODECS
             )
         },
-        "options": {
-            (cls.__name__, codec): _options_run(cls, codec)
-            for cls, codec in itertools.product(_broadcast_optimizers(), OPTIONS_CODECS)
-        },
+        "options": _with_every_optimizer(_options_run, OPTIONS_CODECS),
+        "behaviours": _with_every_optimizer(_behaviours_run, OPTIONS_CODECS),
         "names": _parameter_names(),
         "resume": {case: _resume_on_rank0(case) for case in RESUME_CASES},
+    }
+
+
+# The codecs of the drop-in tests at N = 4 as well.
+FOUR_RANK_CODECS = ("terngrad", "ef-sign")
+
+
+def _four_rank_job():
+    import horovod.torch as hvd
+
+    hvd.init()
+    return {
+        "options": _with_every_optimizer(_options_run, FOUR_RANK_CODECS),
+        "behaviours": _with_every_optimizer(_behaviours_run, FOUR_RANK_CODECS),
     }
 
 
 @pytest.fixture(scope="module")
 def job():
     return run_parallel(_dropin_job, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_rank_job():
+    return run_parallel(_four_rank_job, 4, timeout=300)
+
+
+@pytest.fixture(params=[2, 4])
+def every_job(request):
+    """The 2-rank job (every codec) and the 4-rank one (``FOUR_RANK_CODECS``)."""
+    return request.getfixturevalue("job" if request.param == 2 else "four_rank_job")
 
 
 @pytest.mark.parametrize(
@@ -366,10 +466,12 @@ def test_broadcast_after_rank0_loads_leaves_the_loaded_state_everywhere(job):
         assert _equal(compression_after, compression), key
 
 
-def test_the_broadcast_gives_every_rank_rank_0s_options(job):
+def test_the_broadcast_gives_every_rank_rank_0s_options(every_job):
     """Horovod's own test_broadcast_state_options, with every codec: ranks whose optimizers
     took different options end the broadcast with rank 0's options, of the same types, and
     its state (the worker momentum mode's m and w among it), and step on alike."""
+    job = every_job
+    assert len(job[0]["options"]) >= len(_broadcast_optimizers()) * len(FOUR_RANK_CODECS)
     for (name, codec), (options, state, params) in job[0]["options"].items():
         cls = getattr(torch.optim, name)
         for group in options:
@@ -381,6 +483,23 @@ def test_the_broadcast_gives_every_rank_rank_0s_options(job):
             other_options, other_state, other_params = rank["options"][name, codec]
             assert other_options == options and _equal(other_state, state), (name, codec)
             assert _equal(other_params, params), (name, codec)
+
+
+def test_horovods_optimizer_behaviours_with_every_codec_and_optimizer(every_job):
+    """Gradients on some ranks only, a dynamic ``requires_grad``, clipping between
+    ``synchronize()`` and ``step()``, frozen parameters: the ranks step alike, the frozen
+    layer stays, and a ``step()`` after ``synchronize()`` warns, as in Horovod."""
+    job = every_job
+    torch.manual_seed(0)
+    frozen = [p.detach().clone() for p in _Branches().frozen.parameters()]
+    assert job[0]["behaviours"].keys() == job[0]["options"].keys()
+    for key, (after, caught) in job[0]["behaviours"].items():
+        for rank in job[1:]:
+            assert _equal(rank["behaviours"][key][0], after), key
+        for params in after:
+            assert all(torch.isfinite(p).all() for p in params), key
+            assert all(torch.equal(a, b) for a, b in zip(params[2:4], frozen)), key
+        assert any("skip_synchronize" in message for message in caught), (key, caught)
 
 
 def test_parameter_names_as_in_horovod(job):

@@ -25,6 +25,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from hvd_compress import watchdog
 from hvd_compress.codes import shard_length
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES
 
@@ -67,6 +68,57 @@ class Meter:
         total = tf.add_n(self.counts) if self.counts else tf.constant(0, tf.int64)
         self.counts, self.by_tensor = [], {}
         return total
+
+
+# process set id -> ``watchdog.Peers`` of its ranks, from the agreement (``meet``).
+_peers = {}
+# The thread that ends a step whose exchange outlasts the watchdog's bound, started by the
+# first exchange, and the process set of the exchange it watches.
+_monitor = None
+_watched_set = None
+
+
+def meet(process_set, addresses, rank):
+    """Takes the watchdog addresses of ``process_set``'s ranks (gathered by the
+    agreement), which the monitor asks when its bound runs out."""
+    _peers[process_set.process_set_id] = watchdog.Peers(addresses, rank)
+
+
+def waiting(kind, name, process_set):
+    """Marks this process as waiting in the collective ``name`` of ``process_set`` for the
+    watchdog's monitor (``watchdog.Monitor``), which shuts Horovod down, failing the wait
+    on every rank, if it outlasts ``watchdog.timeout()``. Eager: around a collective that
+    runs as it is called."""
+    global _monitor, _watched_set
+    _watched_set = process_set.process_set_id
+    watchdog.WAITS.enter(kind, name)
+    if _monitor is None:
+        _monitor = watchdog.Monitor(lambda: _peers.get(_watched_set), hvd.shutdown)
+
+
+def waited():
+    """Marks the end of ``waiting``'s wait."""
+    watchdog.WAITS.leave()
+
+
+def mark_exchange_start(step, process_set):
+    """An op that marks the start of step ``step``'s exchange for the watchdog: built
+    before the step's collectives, it has no input but the step, so a traced step runs it
+    as the step starts. A traced step's collectives run inside the graph, where Python
+    cannot poll them."""
+    tf.numpy_function(
+        lambda value: waiting("gradient exchange", f"hvdc.step.{value}", process_set),
+        [step],
+        [],
+        stateful=True,
+    )
+
+
+def mark_exchange_end(outputs):
+    """An op that marks the end of the exchange (``mark_exchange_start``) once every one
+    of ``outputs`` (its gradients) is ready."""
+    with tf.control_dependencies(tf.nest.flatten(outputs, expand_composites=True)):
+        tf.numpy_function(waited, [], [], stateful=True)
 
 
 def refuse_xla(owner):

@@ -12,7 +12,7 @@ import re
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvd_compress import accounting, agreement, cost, fusion
+from hvd_compress import accounting, agreement, cost, fusion, watchdog
 from hvd_compress.accounting import UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES, TWO_LEVEL
@@ -30,7 +30,17 @@ from hvd_compress.validation import (
 )
 
 from . import fused, seeding, topology
-from .exchange import Meter, make_exchange, make_sparse_exchange, refuse_xla
+from .exchange import (
+    Meter,
+    make_exchange,
+    make_sparse_exchange,
+    mark_exchange_end,
+    mark_exchange_start,
+    meet,
+    refuse_xla,
+    waited,
+    waiting,
+)
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
@@ -135,24 +145,31 @@ class CompressionPipeline(tf.Module):
         ]
         # Before any collective: ranks built differently would hang in them. Eagerly (the
         # pipeline may be built while a tf.function traces), as allgather_object needs.
-        with tf.init_scope():
-            problem = self.included and agreement.disagreement(
-                hvd.allgather_object(
-                    agreement.describe(
-                        codec,
-                        exchange,
-                        average,
-                        [
-                            (plan.name, shape, dtype.name, plan.reason)
-                            for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
-                        ],
+        # The same gather tells every rank where the others' watchdogs answer.
+        if self.included:
+            with tf.init_scope():
+                waiting("allgather", "hvdc.agreement", process_set)
+                gathered = hvd.allgather_object(
+                    (
+                        agreement.describe(
+                            codec,
+                            exchange,
+                            average,
+                            [
+                                (plan.name, shape, dtype.name, plan.reason)
+                                for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
+                            ],
+                        ),
+                        watchdog.address(),
                     ),
                     name="hvdc.agreement",
                     process_set=process_set,
                 )
-            )
-        if problem:
-            raise ValueError(problem)
+                waited()
+            meet(process_set, [address for _, address in gathered], self.rank)
+            problem = agreement.disagreement([description for description, _ in gathered])
+            if problem:
+                raise ValueError(problem)
         self._choose_exchanges()
         if exchange == TWO_LEVEL and self.included:
             self._join_nodes()
@@ -321,6 +338,7 @@ class CompressionPipeline(tf.Module):
         if not self.included:
             self.state.step.assign_add(1)
             return list(grads)
+        mark_exchange_start(self.state.step, self.process_set)
         grads = [
             tf.zeros(shape, dtype) if grad is None else grad
             for grad, shape, dtype in zip(grads, self.shapes, self.dtypes)
@@ -338,6 +356,7 @@ class CompressionPipeline(tf.Module):
                 lambda: self._exchange_whole(grads),
                 lambda: self._exchange(grads, ratio, momentum),
             )
+        mark_exchange_end(outputs)
         self.state.step.assign_add(1)
         return outputs
 
