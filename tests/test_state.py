@@ -347,20 +347,24 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace(
 
 
 def _mismatched(kind):
+    """The optimizer built with a different codec, codec parameter, exchange, model, bucket
+    size or worker momentum on rank 1: the message each rank raises at the first step."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
 
-    hvd.init()
-    model = Net() if kind != "parameters" or hvd.rank() == 0 else torch.nn.Linear(64, 10)
-    codec = "terngrad" if kind != "codec" or hvd.rank() == 0 else "qsgd-inf"
+    odd = hvd.rank() == 1
+    model = torch.nn.Linear(64, 10) if kind == "parameters" and odd else Net()
+    codec = {"codec": "qsgd-inf", "hyperparameters": "terngrad:clip=2.0"}.get(kind, "terngrad")
+    codec = codec if odd else "terngrad"
     # Gradient buckets of another size would start other collectives.
-    buckets = {} if kind != "bucket_bytes" or hvd.rank() == 0 else {"bucket_bytes": 0}
+    options = {"bucket_bytes": {"bucket_bytes": 0}, "exchange": {"exchange": "allgather"}}
+    momentum = 0.9 if kind == "optimizer" and odd else 0.0  # worker momentum for ef-sign
     optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
         model.named_parameters(),
-        compression=codec,
-        **buckets,
+        compression="ef-sign" if kind == "optimizer" else codec,
+        **(options.get(kind, {}) if odd else {}),
     )
     try:  # the ranks compare their configurations before the first exchange
         model(torch.randn(8, 64)).sum().backward()
@@ -370,11 +374,38 @@ def _mismatched(kind):
     return None
 
 
-@pytest.mark.parametrize("kind", ["codec", "parameters", "bucket_bytes"])
-def test_ranks_with_different_configurations_fail_at_the_first_step_on_every_rank(kind):
-    messages = run_parallel(_mismatched, 2, kind)
+# What differs on rank 1, and the key of the description that names it.
+MISMATCHES = {
+    "codec": "codec",
+    "hyperparameters": "codec",
+    "exchange": "exchange",
+    "parameters": "parameters",
+    "bucket_bytes": "bucket_bytes",
+    "optimizer": "optimizer",
+}
+
+
+def _mismatched_everywhere():
+    import horovod.torch as hvd
+
+    hvd.init()
+    return {kind: _mismatched(kind) for kind in MISMATCHES}
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    return run_parallel(_mismatched_everywhere, 2)
+
+
+@pytest.mark.parametrize("kind", MISMATCHES)
+def test_ranks_with_different_configurations_fail_at_the_first_step_on_every_rank(mismatched, kind):
+    messages = [rank[kind] for rank in mismatched]
     for message in messages:
         assert message is not None and "different compression configurations" in message
-        assert f"{kind}: rank 0: " in message and "rank 1: " in message
+        assert f"{MISMATCHES[kind]}: rank 0: " in message and "rank 1: " in message
     if kind == "codec":
         assert "TernGrad(" in messages[0] and "QSGDInf(" in messages[0]
+    if kind == "hyperparameters":
+        assert "clip=2.0" in messages[0]
+    if kind == "optimizer":
+        assert "'worker_momentum': True" in messages[0], messages[0]

@@ -121,23 +121,36 @@ def test_two_level_exchange_resumes_bitwise(tmp_path, monkeypatch):
             )
 
 
+# What differs on rank 1, and the key of the description that names it.
+MISMATCHES = {
+    "codec": "codec",
+    "hyperparameters": "codec",
+    "exchange": "exchange",
+    "parameters": "parameters",
+    "optimizer": "optimizer",
+}
+
+
 def _mismatched(kind):
-    """Each wrapper built with a different codec or model on rank 1: the message each rank
-    raises, per wrapper (None if it built)."""
+    """Each wrapper built with a different codec, codec parameter, exchange, model or
+    ``sparse_as_dense`` on rank 1: the message each rank raises, per wrapper (None if it
+    built)."""
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
 
     import hvd_compress.tf as htf
 
-    hvd.init()
     odd = hvd.rank() == 1
     inputs = 32 if kind == "parameters" and odd else 64
-    codec = "qsgd-inf" if kind == "codec" and odd else "terngrad"
+    codec = {"codec": "qsgd-inf", "hyperparameters": "terngrad:clip=2.0"}.get(kind, "terngrad")
+    codec = codec if odd else "terngrad"
+    options = {"exchange": {"exchange": "allgather"}, "optimizer": {"sparse_as_dense": True}}
+    options = options.get(kind, {}) if odd else {}
     model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(10)])
     messages = {}
     try:
-        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=codec).build(
+        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=codec, **options).build(
             model.trainable_variables
         )
         messages["optimizer"] = None
@@ -146,7 +159,7 @@ def _mismatched(kind):
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(model(tf.ones((2, inputs))))
     try:
-        htf.DistributedGradientTape(tape, compression=codec).gradient(
+        htf.DistributedGradientTape(tape, compression=codec, **options).gradient(
             loss, model.trainable_variables
         )
         messages["tape"] = None
@@ -155,16 +168,30 @@ def _mismatched(kind):
     return messages
 
 
-@pytest.mark.parametrize("kind", ["codec", "parameters"])
-def test_ranks_with_different_configurations_fail_fast_on_every_rank(kind):
+def _mismatched_everywhere():
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    return {kind: _mismatched(kind) for kind in MISMATCHES}
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    return run_parallel(_mismatched_everywhere, 2)
+
+
+@pytest.mark.parametrize("kind", MISMATCHES)
+def test_ranks_with_different_configurations_fail_fast_on_every_rank(mismatched, kind):
     """The PyTorch port's check (``tests/test_state.py``), with the same message."""
-    results = run_parallel(_mismatched, 2, kind)
+    results = [rank[kind] for rank in mismatched]
     for messages in results:
         for message in messages.values():
             assert message is not None and "different compression configurations" in message
-            assert f"{kind}: rank 0: " in message and "rank 1: " in message
+            assert f"{MISMATCHES[kind]}: rank 0: " in message and "rank 1: " in message
     if kind == "codec":
         assert "TernGrad(" in results[0]["tape"] and "QSGDInf(" in results[0]["tape"]
+    if kind == "hyperparameters":
+        assert "clip=2.0" in results[0]["tape"]
 
 
 # (label, codec, error_feedback, exchange): ef-sign's servers know their result's finiteness

@@ -19,6 +19,7 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
+from hvd_compress import agreement
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import Compression
 from hvd_compress.validation import check_compressed_adam_codec, check_horovod_defaults
@@ -43,6 +44,12 @@ class _DistributedOptimizer:
             self._hvdc_codec,
             self._hvdc_uncompressed,
             self._hvdc_options,
+            # Settings that a rank's own optimizer can decide: compared with the rest.
+            agreement.modes(
+                sparse_as_dense=self._hvdc_sparse_as_dense,
+                worker_momentum=self._hvdc_worker_momentum,
+                compressed_adam=self._hvdc_compressed_adam,
+            ),
         )
         # An attribute of the optimizer (set outside Keras's untracked build), the pipeline's
         # step counter and residuals are saved by tf.train.Checkpoint(optimizer=...).

@@ -85,6 +85,8 @@ class CompressionPipeline(tf.Module):
             collective, shard, scale and agreement check is theirs, and their world size and
             ranks are the set's. On a rank outside it ``reduce`` returns the gradients as
             they are (``included`` is False).
+        modes: the wrapper's settings every rank must share (``agreement.modes``), checked
+            with the rest of the configuration.
 
     What it carries from one step to the next is ``state`` (``PipelineState``).
     """
@@ -102,6 +104,7 @@ class CompressionPipeline(tf.Module):
         postscale_factor=1.0,
         error_feedback=False,
         process_set=hvd.global_process_set,
+        modes=None,
     ):
         super().__init__(name="hvd_compress")
         self.codec = codec
@@ -159,7 +162,8 @@ class CompressionPipeline(tf.Module):
                                 (plan.name, shape, dtype.name, plan.reason)
                                 for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
                             ],
-                        ),
+                        )
+                        | (modes or {}),
                         watchdog.address(),
                     ),
                     name="hvdc.agreement",
@@ -682,9 +686,10 @@ def check_options(
     )
 
 
-def make_pipeline(owner, named_variables, codec, uncompressed, options):
+def make_pipeline(owner, named_variables, codec, uncompressed, options, modes=None):
     """The ``CompressionPipeline`` of ``named_variables`` with ``check_options``'s
-    ``options``; ``uncompressed`` names variables sent whole."""
+    ``options``; ``uncompressed`` names variables sent whole; ``modes`` the wrapper's
+    settings every rank must share (``agreement.modes``)."""
     names = [name for name, _ in named_variables]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -695,7 +700,7 @@ def make_pipeline(owner, named_variables, codec, uncompressed, options):
         raise ValueError(f"{owner}: uncompressed names unknown variables: {sorted(unknown)}")
     if not codec.compress_classifier:
         whole |= _classifier_names(named_variables)
-    return CompressionPipeline(named_variables, codec, uncompressed=whole, **options)
+    return CompressionPipeline(named_variables, codec, uncompressed=whole, modes=modes, **options)
 
 
 def _classifier_names(named):

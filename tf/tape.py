@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvd_compress import agreement
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import Compression
 from hvd_compress.validation import check_horovod_defaults
@@ -141,7 +142,12 @@ class DistributedGradientTape:
         if entry is None:
             named = [(variable_name(v), v) for v in variables]
             pipeline = make_pipeline(
-                "DistributedGradientTape", named, self._codec, self._uncompressed, self._options
+                "DistributedGradientTape",
+                named,
+                self._codec,
+                self._uncompressed,
+                self._options,
+                agreement.modes(sparse_as_dense=self._sparse_as_dense),
             )
             # The variables are kept with their pipeline so that their ids are never reused.
             entry = _PIPELINES[key] = (variables, pipeline)
