@@ -186,7 +186,7 @@ def expired(kind: str, name: str, seconds: float, peers: Peers | None) -> Collec
     what every rank of ``peers`` does (unknown before the first agreement, which tells the
     ranks each other's addresses)."""
     lines = [
-        f"hvd_compress: the {kind} {name!r} did not complete within {seconds:.0f} s "
+        f"hvd_compress: the {kind} {name!r} did not complete within {seconds:g} s "
         f"({TIMEOUT_VARIABLE}; 0 waits without a bound)."
     ]
     if peers is None:

@@ -105,7 +105,10 @@ def mark_exchange_start(step, process_set):
     """An op that marks the start of step ``step``'s exchange for the watchdog: built
     before the step's collectives, it has no input but the step, so a traced step runs it
     as the step starts. A traced step's collectives run inside the graph, where Python
-    cannot poll them."""
+    cannot poll them. None where the watchdog is off (``HVD_COMPRESS_TIMEOUT=0`` when the
+    step is traced)."""
+    if watchdog.timeout() is None:
+        return
     tf.numpy_function(
         lambda value: waiting("gradient exchange", f"hvdc.step.{value}", process_set),
         [step],
@@ -116,7 +119,9 @@ def mark_exchange_start(step, process_set):
 
 def mark_exchange_end(outputs):
     """An op that marks the end of the exchange (``mark_exchange_start``) once every one
-    of ``outputs`` (its gradients) is ready."""
+    of ``outputs`` (its gradients) is ready; none where the watchdog is off."""
+    if watchdog.timeout() is None:
+        return
     with tf.control_dependencies(tf.nest.flatten(outputs, expand_composites=True)):
         tf.numpy_function(waited, [], [], stateful=True)
 
