@@ -87,6 +87,7 @@ class AdaComp(Codec):
     """
 
     name = "adacomp"
+    adam_remedy = True  # hvd_compress.remedies
     code_space = IntCodes(1)  # the ternary values sign(G) * scale / scale
     sparse = True
     message = "bins"

@@ -45,6 +45,7 @@ class BlockSign(Codec):
     scaled = True
     two_way = True
     worker_momentum_default = True
+    adam_remedy = True  # hvd_compress.remedies
     error_feedback_default = True
     default_min_size = 1024
 

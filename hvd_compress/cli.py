@@ -19,7 +19,8 @@ standard library's source (``lm``; the same in Keras with ``model.fit``, ``keras
 ``hvd_compress.corpus``). A codec may carry
 hyperparameters, as in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
 a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``), and a
-language model's the suffix ``+cadam`` for compressed Adam (``lm/2:ef-sign+cadam``).
+language model's the suffix ``+cadam`` for compressed Adam (``lm/2:nuqsgd+cadam``) and
+``+no-cadam`` for none where the wrappers would choose it (``lm/2:ef-sign+no-cadam``).
 """
 
 import argparse
@@ -79,8 +80,10 @@ def _gru_arguments(mode, optimizer, args):
 
 
 # A language model's codec with this suffix runs in the compressed-Adam mode, with the first
-# COMPRESSED_ADAM_WARMUP of the 600 steps uncompressed (T_w).
+# COMPRESSED_ADAM_WARMUP of the 600 steps uncompressed (T_w); with the other, without it,
+# where the wrappers would turn it on (``hvd_compress.remedies``).
 COMPRESSED_ADAM_SUFFIX = "+cadam"
+WITHOUT_COMPRESSED_ADAM_SUFFIX = "+no-cadam"
 COMPRESSED_ADAM_WARMUP = 200
 
 
@@ -90,11 +93,14 @@ def _lm_arguments(codec, optimizer, args):
             f"lm and keras-lm runs are <model>/workers:codec with the example's own AdamW; "
             f"got @{optimizer}"
         )
-    compressed_adam = codec.endswith(COMPRESSED_ADAM_SUFFIX)
     # The example's own schedule: 600 steps.
-    return ["--compression", codec.removesuffix(COMPRESSED_ADAM_SUFFIX)] + (
-        ["--compressed-adam", str(COMPRESSED_ADAM_WARMUP)] if compressed_adam else []
-    )
+    for suffix, warmup in (
+        (COMPRESSED_ADAM_SUFFIX, COMPRESSED_ADAM_WARMUP),
+        (WITHOUT_COMPRESSED_ADAM_SUFFIX, 0),
+    ):
+        if codec.endswith(suffix):
+            return ["--compression", codec.removesuffix(suffix), "--compressed-adam", str(warmup)]
+    return ["--compression", codec]
 
 
 EXAMPLES = {
@@ -151,14 +157,14 @@ FULL_RUNS = (
             "ef-sign",
             "adacomp",
             "clt-k",
-            "ef-sign+cadam",
-            "adacomp+cadam",
-            "clt-k+cadam",
+            "ef-sign+no-cadam",
+            "adacomp+no-cadam",
+            "clt-k+no-cadam",
             "nuqsgd+cadam",
         )
     ]
-    + [f"lm/4:{codec}" for codec in ("none", "terngrad", "ef-sign+cadam")]
-    + [f"keras-lm/2:{codec}" for codec in ("none", "terngrad", "qsgd-inf", "ef-sign+cadam")]
+    + [f"lm/4:{codec}" for codec in ("none", "terngrad", "ef-sign")]
+    + [f"keras-lm/2:{codec}" for codec in ("none", "terngrad", "qsgd-inf", "ef-sign")]
 )
 # What a newcomer waits for (~10 minutes): one codec of each kind (ternary, uniform 4-bit,
 # 1-bit with error feedback), each beside its baseline. The steps stay the full schedule's:

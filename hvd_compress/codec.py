@@ -87,6 +87,9 @@ class Codec:
         worker_momentum_default: whether the wrappers apply an SGD's momentum on the worker,
             before compression, unless the user says otherwise (dist-EF-blockSGDM, DGC's
             momentum correction).
+        adam_remedy: whether the codec trains worse under Adam and AdamW unless it
+            compresses Adam's momentum rather than its gradients, so that the wrappers turn
+            compressed Adam on for it (``hvd_compress.remedies``).
 
     Args:
         min_size (int): tensors with fewer elements than this are sent uncompressed by a
@@ -111,6 +114,7 @@ class Codec:
     message = None
     uncompressed_steps = 0
     worker_momentum_default = False
+    adam_remedy = False
 
     def __init__(
         self, *, min_size: int | None = None, compress_classifier: bool | None = None

@@ -55,7 +55,8 @@ def lm_parser(description):
         type=int,
         metavar="T_W",
         help="1-bit Adam's mode: T_W uncompressed warm-up steps, then the variance frozen "
-        "and the momentum compressed (DistributedOptimizer(compressed_adam=T_W))",
+        "and the momentum compressed (DistributedOptimizer(compressed_adam=T_W)); 0: off. "
+        "Default: the library's choice (on, T_W = 200, for ef-sign, adacomp and clt-k)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results of rank 0 as JSON here")

@@ -55,6 +55,7 @@ class CyclicLocalTopK(Codec):
     """
 
     name = "clt-k"
+    adam_remedy = True  # hvd_compress.remedies
     code_space = FloatCodes("float32")
     summable = True  # every worker's values sit at the same indices
     sparse = True

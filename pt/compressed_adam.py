@@ -52,19 +52,24 @@ class CompressedAdam:
         self.follow()
 
     @staticmethod
-    def check(optimizer, warmup_steps):
-        """Returns T_w if ``optimizer`` and ``warmup_steps`` suit the mode; raises otherwise."""
+    def refusal(optimizer):
+        """Why the mode cannot run with ``optimizer`` (as the end of "compressed_adam
+        ..."), or None."""
         if not isinstance(optimizer, torch.optim.Adam):
-            raise TypeError(
-                f"DistributedOptimizer: compressed_adam needs a torch.optim.Adam or AdamW, "
-                f"got {type(optimizer).__name__}"
-            )
+            return f"needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}"
         for group in optimizer.param_groups:
             for option in ("amsgrad", "maximize", "differentiable"):
                 if group.get(option):
-                    raise ValueError(
-                        f"DistributedOptimizer: compressed_adam does not support {option}=True"
-                    )
+                    return f"does not support {option}=True"
+        return None
+
+    @staticmethod
+    def check(optimizer, warmup_steps):
+        """Returns T_w if ``optimizer`` and ``warmup_steps`` suit the mode; raises otherwise."""
+        refusal = CompressedAdam.refusal(optimizer)
+        if refusal is not None:
+            error = TypeError if not isinstance(optimizer, torch.optim.Adam) else ValueError
+            raise error(f"DistributedOptimizer: compressed_adam {refusal}")
         # Adam's variance is frozen after the warm-up: it must have seen gradients.
         return check_int("DistributedOptimizer", "compressed_adam", warmup_steps, low=1)
 

@@ -13,7 +13,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as horovod_optimizer
 import torch
 
-from hvd_compress import agreement
+from hvd_compress import agreement, remedies
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.bucketing import BUCKET_BYTES
 from hvd_compress.registry import Compression, resolve
@@ -244,6 +244,16 @@ class _DistributedOptimizer:
         return stats
 
 
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """``optimizer`` as ``hvd_compress.remedies`` knows it: ``"adam"`` (Adam, AdamW),
+    ``"sgd"`` or ``"other"``."""
+    if isinstance(optimizer, torch.optim.Adam):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    return "other"
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -333,7 +343,9 @@ def DistributedOptimizer(
             variance is frozen and each worker's momentum, not its gradient, goes through
             the codec (``CompressedAdam``). The remedy for codecs that lean on error
             feedback (ef-sign, AdaComp, CLT-k), which disturb Adam's variance when they
-            compress its gradients. None (default): the gradients go through the codec.
+            compress its gradients. None (default): on, with T_w = 200, for those codecs
+            under Adam and AdamW (logged once; ``hvd_compress.remedies``), off otherwise;
+            0: off, the gradients go through the codec.
         bucket_bytes: off the CPU kernels (eager ops on a GPU, or with
             ``HVD_COMPRESS_KERNELS=0``), TernGrad's and the QSGD family's tensors that
             travel by one exchange are laid out in gradient buckets of this many float32
@@ -367,6 +379,15 @@ def DistributedOptimizer(
         )
     if worker_momentum:
         WorkerMomentum.check(optimizer)
+    compressed_adam = remedies.compressed_adam(
+        "DistributedOptimizer",
+        codec,
+        optimizer_kind(optimizer),
+        type(optimizer).__name__,
+        compressed_adam,
+        refusal=CompressedAdam.refusal(optimizer)
+        or ("does not combine with adaptive" if adaptive is not None else None),
+    )
     if compressed_adam is not None:
         compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
         check_compressed_adam_codec("DistributedOptimizer", codec)

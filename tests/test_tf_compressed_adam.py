@@ -173,7 +173,7 @@ def _refusals():
     hvd.init()
     refused = []
     for optimizer, value in (
-        (keras.optimizers.AdamW(), 0),
+        (keras.optimizers.AdamW(), -1),
         (keras.optimizers.AdamW(), True),
         (keras.optimizers.SGD(0.1), 5),
         (keras.optimizers.Adam(amsgrad=True), 5),
@@ -192,3 +192,55 @@ def test_bad_compressed_adam_is_refused():
     assert refused[1].startswith("TypeError") and "compressed_adam" in refused[1]
     assert "compressed_adam needs a keras.optimizers.Adam" in refused[2]
     assert "compressed_adam does not support amsgrad" in refused[3]
+
+
+def _remedies():
+    """The T_w each Keras optimizer's wrapper chose for ef-sign and TernGrad, and what the
+    wrappers logged."""
+    import logging
+
+    import horovod.tensorflow as hvd
+    import keras
+
+    import hvd_compress.tf as htf
+
+    hvd.init()
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("hvd_compress").addHandler(handler)
+    chosen = {}
+    for name, make in (
+        ("AdamW", keras.optimizers.AdamW),
+        ("Adam", keras.optimizers.Adam),
+        ("SGD", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+        ("RMSprop", keras.optimizers.RMSprop),
+    ):
+        for codec in ("ef-sign", "terngrad"):
+            wrapped = htf.DistributedOptimizer(make(), compression=codec)
+            chosen[name, codec] = wrapped._hvdc_compressed_adam
+    explicit = htf.DistributedOptimizer(
+        keras.optimizers.AdamW(), compression="adacomp", compressed_adam=0
+    )
+    chosen["AdamW", "adacomp:0"] = explicit._hvdc_compressed_adam
+    return chosen, logged
+
+
+def test_keras_adam_gets_compressed_adam_for_error_feedback_codecs():
+    """``hvd_compress.remedies`` in the Keras wrapper, as ``tests/test_remedies.py`` checks
+    it in PyTorch's."""
+    ((chosen, logged),) = run_parallel(_remedies, 1)
+    assert chosen == {
+        ("AdamW", "ef-sign"): 200,
+        ("AdamW", "terngrad"): None,
+        ("Adam", "ef-sign"): 200,
+        ("Adam", "terngrad"): None,
+        ("SGD", "ef-sign"): None,
+        ("SGD", "terngrad"): None,
+        ("RMSprop", "ef-sign"): None,
+        ("RMSprop", "terngrad"): None,
+        ("AdamW", "adacomp:0"): None,
+    }
+    assert any("turned compressed Adam on for ef-sign with AdamW" in m for m in logged), logged
+    assert any("RMSprop is not one the wrappers know" in m for m in logged), logged
+    assert len(logged) == 3, logged  # Adam's, AdamW's and RMSprop's with ef-sign only

@@ -45,15 +45,24 @@ class CompressedAdam:
             }
 
     @staticmethod
-    def check(optimizer, warmup_steps):
-        """Returns T_w if ``optimizer`` and ``warmup_steps`` suit the mode; raises otherwise."""
+    def refusal(optimizer):
+        """Why the mode cannot run with ``optimizer`` (as the end of "compressed_adam
+        ..."), or None."""
         if not isinstance(optimizer, keras.optimizers.Adam):
-            raise TypeError(
-                f"DistributedOptimizer: compressed_adam needs a keras.optimizers.Adam or "
-                f"AdamW (Keras 3), got {type(optimizer).__name__}"
+            return (
+                f"needs a keras.optimizers.Adam or AdamW (Keras 3), got {type(optimizer).__name__}"
             )
         if optimizer.amsgrad:
-            raise ValueError("DistributedOptimizer: compressed_adam does not support amsgrad=True")
+            return "does not support amsgrad=True"
+        return None
+
+    @staticmethod
+    def check(optimizer, warmup_steps):
+        """Returns T_w if ``optimizer`` and ``warmup_steps`` suit the mode; raises otherwise."""
+        refusal = CompressedAdam.refusal(optimizer)
+        if refusal is not None:
+            error = TypeError if not isinstance(optimizer, keras.optimizers.Adam) else ValueError
+            raise error(f"DistributedOptimizer: compressed_adam {refusal}")
         # Adam's variance is frozen after the warm-up: it must have seen gradients.
         return check_int("DistributedOptimizer", "compressed_adam", warmup_steps, low=1)
 

@@ -19,7 +19,7 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
-from hvd_compress import agreement
+from hvd_compress import agreement, remedies
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import Compression
 from hvd_compress.validation import check_compressed_adam_codec, check_horovod_defaults
@@ -147,6 +147,17 @@ class _Keras2:
             return self._hvdc_base.apply_gradients(self, zip(grads, variables), *args, **kwargs)
 
 
+def optimizer_kind(optimizer) -> str:
+    """``optimizer`` as ``hvd_compress.remedies`` knows it: ``"adam"`` (Keras's Adam and
+    AdamW, of Keras 3 or 2), ``"sgd"`` or ``"other"``."""
+    adams = [keras.optimizers.Adam] + [keras2_class(name) for name in ("Adam", "AdamW")]
+    if isinstance(optimizer, tuple(cls for cls in adams if cls is not None)):
+        return "adam"
+    if WorkerMomentum.is_sgd(optimizer):
+        return "sgd"
+    return "other"
+
+
 def DistributedOptimizer(
     optimizer: keras.optimizers.Optimizer,
     compression: Compression = "none",
@@ -224,8 +235,10 @@ def DistributedOptimizer(
             allreduces; then Adam's variance is frozen and each worker's momentum, not its
             gradient, goes through the codec (``CompressedAdam``). The remedy for codecs
             that lean on error feedback (ef-sign, AdaComp, CLT-k), which disturb Adam's
-            variance when they compress its gradients. None (default): the gradients go
-            through the codec.
+            variance when they compress its gradients. None (default): on, with
+            T_w = 200, for those codecs under Adam and AdamW (logged once;
+            ``hvd_compress.remedies``), off otherwise; 0: off, the gradients go through
+            the codec.
         name, device_dense, device_sparse, backward_passes_per_step,
             average_aggregated_gradients, num_groups, groups, scale_local_gradients:
             Horovod's, taken at their defaults only (``validation.HOROVOD_DEFAULTS`` says
@@ -273,6 +286,14 @@ def DistributedOptimizer(
         worker_momentum = codec.worker_momentum_default and WorkerMomentum.takes(optimizer)
     if worker_momentum:
         WorkerMomentum.check(optimizer)
+    compressed_adam = remedies.compressed_adam(
+        "DistributedOptimizer",
+        codec,
+        optimizer_kind(optimizer),
+        type(optimizer).__name__,
+        compressed_adam,
+        refusal=CompressedAdam.refusal(optimizer),
+    )
     if compressed_adam is not None:
         compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
         check_compressed_adam_codec("DistributedOptimizer", codec)
