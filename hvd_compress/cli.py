@@ -1,7 +1,7 @@
 """The ``hvd-compress`` command.
 
-    hvd-compress demo [--full | --runs 2:none,2:terngrad,...,gru/4:sync,gru/4:local]
-                      [--steps 3000] [--optimizer sgd] [--seed 0]
+    hvd-compress demo [--full | --defaults | --runs 2:none,2:terngrad,...,gru/4:local]
+                      [--steps 3000] [--optimizer sgd] [--seed 0 | --seeds 0,1,2]
     hvd-compress bench [--workers 2,4] [--rates 10G,1G,100M] ...   (see benchmarks/bench.py)
 
 ``demo`` is the main job: it trains under ``horovodrun`` (Gloo, localhost) once per run,
@@ -10,14 +10,15 @@ and prints a table of test accuracy on MNIST-1D or a language model's validation
 (against the baseline run of the same model, worker count and optimizer), bytes handed to
 Horovod per worker per step, compression ratio and median step time. By default it runs
 ``DEFAULT_RUNS``, a representative subset (about 10 minutes on 2 cores); ``--full`` runs
-every model and codec, ``FULL_RUNS`` (about 80 minutes). The models are the examples'
-scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default), the same CNN in Keras with
-``model.fit`` (``keras``), the GRU of the CELGC example (``gru``), whose "codecs" are
-``sync`` (clipped synchronous SGD, its baseline) and ``local`` (``LocalClipSGD``, averaging
-every 8 steps), and a byte-level transformer language model trained with AdamW on the Python
-standard library's source (``lm``; the same in Keras with ``model.fit``, ``keras-lm``;
-``hvd_compress.corpus``). A codec may carry
-hyperparameters, as in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
+every model and codec, ``FULL_RUNS`` (about 80 minutes); ``--defaults`` every codec by its
+name alone, ``DEFAULTS_RUNS``, and ``--seeds`` repeats the runs per seed. The models are
+the examples' scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default), the same CNN
+in Keras with ``model.fit`` (``keras``), the GRU of the CELGC example (``gru``), whose
+"codecs" are ``sync`` (clipped synchronous SGD, its baseline) and ``local``
+(``LocalClipSGD``, averaging every 8 steps), and a byte-level transformer language model
+trained with AdamW on the Python standard library's source (``lm``; the same in Keras with
+``model.fit``, ``keras-lm``; ``hvd_compress.corpus``). A codec may carry hyperparameters, as
+in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
 a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``), and a
 language model's the suffix ``+cadam`` for compressed Adam (``lm/2:nuqsgd+cadam``) and
 ``+no-cadam`` for none where the wrappers would choose it (``lm/2:ef-sign+no-cadam``).
@@ -31,6 +32,7 @@ import sys
 import tempfile
 
 from hvd_compress import corpus, examples
+from hvd_compress.registry import CODECS
 
 # The source checkout, when running from one: the benchmark harness (benchmarks/) is not
 # installed with the package.
@@ -172,6 +174,12 @@ FULL_RUNS = (
 # (docs/benchmarks.md), which would make the table misleading.
 DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:none@nesterov", f"2:{EF_SIGN}"]
 OPTIMIZERS = ("sgd", "nesterov", "adam")
+# Every codec by its name alone, as a user turns it on (--defaults): the CNN under heavy-ball
+# and Nesterov momentum and the LM under AdamW, at 2 workers, each beside its baseline; about
+# an hour a seed on 2 cores. The measure of the defaults (hvd_compress.remedies).
+DEFAULTS_RUNS = [
+    f"2:{codec}@{optimizer}" for optimizer in ("sgd", "nesterov") for codec in CODECS
+] + [f"lm/2:{codec}" for codec in CODECS]
 
 
 class Run:
@@ -212,8 +220,20 @@ def _parse_runs(text):
     return runs
 
 
+def _parse_seeds(text):
+    try:
+        seeds = [int(item) for item in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(
+            f"--seeds takes distinct integers >= 0 separated by commas, such as 0,1,2; got {text!r}"
+        )
+    return seeds
+
+
 def _run_example(run, args, outdir, log):
-    out = os.path.join(outdir, f"{run}.json".replace("/", "-"))
+    out = os.path.join(outdir, f"{run}-seed{args.seed}.json".replace("/", "-"))
     example = EXAMPLES[run.model]
     optimizer = None if example.optimizer else run.optimizer or args.optimizer
     command = [
@@ -251,16 +271,18 @@ def _run_example(run, args, outdir, log):
         )
 
 
+def _configuration(result):
+    """What a run is, its seed apart."""
+    return result["model"], result["workers"], result["optimizer"], result["label"]
+
+
 def baseline_result(results, result):
-    """The baseline run with the model, workers and optimizer of ``result``, or None."""
-    baseline = EXAMPLES[result["model"]].baseline
+    """The baseline run with the model, workers, optimizer and seed of ``result``, or
+    None."""
+    model, workers, optimizer, _ = _configuration(result)
+    wanted = (model, workers, optimizer, EXAMPLES[model].baseline)
     return next(
-        (
-            r
-            for r in results
-            if (r["model"], r["workers"], r["optimizer"], r["label"])
-            == (result["model"], result["workers"], result["optimizer"], baseline)
-        ),
+        (r for r in results if _configuration(r) == wanted and r.get("seed") == result.get("seed")),
         None,
     )
 
@@ -307,23 +329,61 @@ def format_table(results):
     return "\n".join(lines)
 
 
+def _gap(result, base):
+    """``result``'s difference to its baseline: points of test accuracy, or bits per byte
+    of a language model's validation loss."""
+    if "validation_bits_per_byte" in result:
+        return result["validation_bits_per_byte"] - base["validation_bits_per_byte"]
+    return 100 * (result["test_accuracy"] - base["test_accuracy"])
+
+
+def format_seeds_table(results, seeds):
+    """A Markdown table of runs repeated over ``seeds``: each configuration's gap to the
+    baseline of its seed (points of accuracy, or bits per byte), their mean and spread."""
+    rows = {}
+    for r in results:
+        base = baseline_result(results, r)
+        if base is not None and base is not r:
+            rows.setdefault(_configuration(r), {})[r["seed"]] = _gap(r, base)
+    lines = [
+        "| model | workers | optimizer | codec | "
+        + " | ".join(f"seed {seed}" for seed in seeds)
+        + " | mean gap | spread |",
+        "|---|---|---|---|" + "---|" * (len(seeds) + 2),
+    ]
+    for (model, workers, optimizer, label), gaps in rows.items():
+        values = [gaps[seed] for seed in seeds if seed in gaps]
+        cells = [f"{gaps[seed]:+.3f}" if seed in gaps else "-" for seed in seeds]
+        lines.append(
+            f"| {EXAMPLES[model].title} | {workers} | {optimizer} | {label} | "
+            + " | ".join(cells)
+            + f" | {sum(values) / len(values):+.3f} | {max(values) - min(values):.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def demo(args):
     if args.runs is None:
-        args.runs = _parse_runs(",".join(FULL_RUNS if args.full else DEFAULT_RUNS))
+        chosen = FULL_RUNS if args.full else DEFAULTS_RUNS if args.defaults else DEFAULT_RUNS
+        args.runs = _parse_runs(",".join(chosen))
+    seeds = args.seeds or [args.seed]
     # Imported here: tqdm comes with the demo's extra (``data``), which bench does not need.
     # The bar and the commands above it (tqdm.write) go to stderr, so stdout keeps the table.
     from tqdm import tqdm
 
+    runs = [(seed, run) for seed in seeds for run in args.runs]
     with (
         tempfile.TemporaryDirectory() as outdir,
-        tqdm(args.runs, desc="demo", unit="run", file=sys.stderr) as bar,
+        tqdm(runs, desc="demo", unit="run", file=sys.stderr) as bar,
     ):
         results = []
-        for run in bar:
-            bar.set_postfix_str(str(run))
-            results.append(_run_example(run, args, outdir, log=bar.write))
+        for seed, run in bar:
+            bar.set_postfix_str(f"{run}, seed {seed}")
+            args.seed = seed
+            results.append(dict(_run_example(run, args, outdir, log=bar.write), seed=seed))
     models = {run.model for run in args.runs}
-    settings = [f"Horovod workers over Gloo, seed {args.seed} and the same data for every run."]
+    seeded = f"seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    settings = [f"Horovod workers over Gloo, {seeded} and the same data for every run."]
     if models & {"cnn", "keras", "gru"}:
         settings.append("MNIST-1D.")
     if models & {"cnn", "keras"}:
@@ -341,7 +401,7 @@ def demo(args):
             f"1), global batch 16 x 64 bytes."
         )
     print("\n" + " ".join(settings) + "\n")
-    print(format_table(results))
+    print(format_table(results) if len(seeds) == 1 else format_seeds_table(results, seeds))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -378,6 +438,12 @@ def main(argv=None):
         action="store_true",
         help=f"every model and codec (~80 minutes on 2 cores): {','.join(FULL_RUNS)}",
     )
+    which.add_argument(
+        "--defaults",
+        action="store_true",
+        help="every codec by its name alone: the CNN under heavy-ball and Nesterov "
+        "momentum, the LM under AdamW, at 2 workers (~1 hour a seed on 2 cores)",
+    )
     run.add_argument(
         "--steps",
         type=int,
@@ -399,6 +465,12 @@ def main(argv=None):
         default=0,
         help="every run's seed: its initialization, batches and codec draws "
         "(default 0; the data stay the same)",
+    )
+    run.add_argument(
+        "--seeds",
+        type=_parse_seeds,
+        help="comma-separated seeds: every run once per seed, and a table of each "
+        "configuration's gap to its baseline per seed, its mean and spread",
     )
     run.add_argument("--timeout", type=int, default=1200, help="seconds per training run")
     run.add_argument("--out", help="also write the results as JSON here")
