@@ -46,6 +46,7 @@ class BlockSign(Codec):
     two_way = True
     worker_momentum_default = True
     adam_remedy = True  # hvd_compress.remedies
+    nesterov_remedy = True
     error_feedback_default = True
     default_min_size = 1024
 

@@ -90,6 +90,8 @@ class Codec:
         adam_remedy: whether the codec trains worse under Adam and AdamW unless it
             compresses Adam's momentum rather than its gradients, so that the wrappers turn
             compressed Adam on for it (``hvd_compress.remedies``).
+        nesterov_remedy: whether the codec trains worse under SGD with heavy-ball
+            momentum than with Nesterov's, so that the wrappers warn (``remedies``).
 
     Args:
         min_size (int): tensors with fewer elements than this are sent uncompressed by a
@@ -115,6 +117,7 @@ class Codec:
     uncompressed_steps = 0
     worker_momentum_default = False
     adam_remedy = False
+    nesterov_remedy = False
 
     def __init__(
         self, *, min_size: int | None = None, compress_classifier: bool | None = None

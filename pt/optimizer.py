@@ -379,6 +379,12 @@ def DistributedOptimizer(
         )
     if worker_momentum:
         WorkerMomentum.check(optimizer)
+    remedies.heavy_ball(
+        "DistributedOptimizer",
+        codec,
+        isinstance(optimizer, torch.optim.SGD)
+        and any(g["momentum"] > 0 and not g["nesterov"] for g in optimizer.param_groups),
+    )
     compressed_adam = remedies.compressed_adam(
         "DistributedOptimizer",
         codec,

@@ -17,6 +17,7 @@ OPTIMIZERS = {
     "Adam": lambda params: torch.optim.Adam(params),
     "AdamW": lambda params: torch.optim.AdamW(params),
     "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "SGD(nesterov)": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
     "RMSprop": lambda params: torch.optim.RMSprop(params),
     "Adam(amsgrad)": lambda params: torch.optim.Adam(params, amsgrad=True),
 }
@@ -82,10 +83,21 @@ def test_error_feedback_codecs_under_adam_get_compressed_adam_logged_once(choice
     assert choices["again"] == (remedies.COMPRESSED_ADAM_WARMUP, [])
 
 
-def test_codecs_without_a_remedy_and_sgd_log_nothing(choices):
+def test_codecs_without_a_remedy_log_nothing(choices):
     for (optimizer, codec), (_, logged) in choices["defaults"].items():
-        if codec not in ("ef-sign", "adacomp", "clt-k") or optimizer == "SGD":
+        if codec not in ("ef-sign", "adacomp", "clt-k") or optimizer == "SGD(nesterov)":
             assert logged == [], (optimizer, codec)
+        if optimizer == "SGD" and codec != "ef-sign":
+            assert logged == [], (optimizer, codec)
+
+
+def test_ef_sign_with_heavy_ball_momentum_is_warned_with_the_setting_that_closes_the_gap(
+    choices,
+):
+    warmup, [message] = choices["defaults"]["SGD", "ef-sign"]
+    assert warmup is None
+    assert "ef-sign with heavy-ball momentum ended 2.1-3.4 points below" in message
+    assert "nesterov=True" in message and "ef-sign:max_block_size=256" in message
 
 
 def test_an_explicit_setting_wins(choices):

@@ -243,4 +243,5 @@ def test_keras_adam_gets_compressed_adam_for_error_feedback_codecs():
     }
     assert any("turned compressed Adam on for ef-sign with AdamW" in m for m in logged), logged
     assert any("RMSprop is not one the wrappers know" in m for m in logged), logged
-    assert len(logged) == 3, logged  # Adam's, AdamW's and RMSprop's with ef-sign only
+    assert any("ef-sign with heavy-ball momentum ended" in m for m in logged), logged
+    assert len(logged) == 4, logged  # Adam's, AdamW's, SGD's and RMSprop's with ef-sign only

@@ -286,6 +286,11 @@ def DistributedOptimizer(
         worker_momentum = codec.worker_momentum_default and WorkerMomentum.takes(optimizer)
     if worker_momentum:
         WorkerMomentum.check(optimizer)
+    remedies.heavy_ball(
+        "DistributedOptimizer",
+        codec,
+        WorkerMomentum.takes(optimizer) and not optimizer.nesterov,
+    )
     compressed_adam = remedies.compressed_adam(
         "DistributedOptimizer",
         codec,
