@@ -15,7 +15,14 @@ from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.topology import averages_by_allreduce
 
 from . import topology
-from .exchange import allgather_object, allreduce_async, make_exchange, meet, wait
+from .exchange import (
+    allgather_object,
+    allreduce_async,
+    make_exchange,
+    meet,
+    reducescatter_async,
+    wait,
+)
 
 
 def max_over_ranks(values, name, process_set, dtype=torch.float64):
@@ -207,11 +214,13 @@ class ElasticWorld:
         for name, (plan, whole) in carried.items():
             residual = self._padded(plan, whole)
             if self.node_set is not None:
-                residual = hvd.reducescatter(
-                    residual,
-                    name=f"hvdc.{name}.relayout",
-                    op=hvd.Average if self.average else hvd.Sum,
-                    process_set=self.node_set,
+                residual = wait(
+                    reducescatter_async(
+                        residual,
+                        name=f"hvdc.{name}.relayout",
+                        op=hvd.Average if self.average else hvd.Sum,
+                        process_set=self.node_set,
+                    )
                 )
             self.state.worker.residuals[name] = residual
 
