@@ -63,7 +63,7 @@ def language_model_result(record, stats, args, workers, nats):
     compressed Adam, whose warm-up steps go whole, bytes per step are the run's mean."""
     return record.result(
         stats,
-        varying=args.compressed_adam is not None,
+        varying=stats.get("compressed_adam") is not None,
         compression=args.compression,
         workers=workers,
         steps=args.steps,

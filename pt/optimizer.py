@@ -236,11 +236,13 @@ class _DistributedOptimizer:
         with the density: the fraction of elements this worker sent (below 1 only for
         sparse codecs). With ``adaptive``, ``"adaptive"`` holds the last decision: the
         measured links, each tensor's path and the predicted exchange seconds per step of
-        the chosen paths and of every unpinned tensor on one path (``Planner.report``)."""
+        the chosen paths and of every unpinned tensor on one path (``Planner.report``).
+        ``"compressed_adam"`` is compressed Adam's T_w, chosen or given, or None."""
         pipeline = self._hvdc_pipeline
         stats = pipeline.compression_stats()
         if pipeline.state.planner is not None:
             stats["adaptive"] = pipeline.state.planner.report()
+        stats["compressed_adam"] = None if self._hvdc_adam is None else self._hvdc_adam.warmup_steps
         return stats
 
 

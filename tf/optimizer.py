@@ -95,8 +95,11 @@ class _DistributedOptimizer:
         return self._hvdc_momentum.applied_by_worker(self)
 
     def compression_stats(self) -> dict:
-        """What the last step handed to Horovod, and how each tensor travels."""
-        return self._hvdc_pipeline.compression_stats()
+        """What the last step handed to Horovod, and how each tensor travels;
+        ``"compressed_adam"`` is compressed Adam's T_w, chosen or given, or None."""
+        stats = self._hvdc_pipeline.compression_stats()
+        stats["compressed_adam"] = self._hvdc_compressed_adam
+        return stats
 
     @property
     def compression_variables(self):
