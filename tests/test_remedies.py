@@ -54,7 +54,11 @@ def _choices():
             **options,
         )
         adam = wrapped._hvdc_adam
-        return (None if adam is None else adam.warmup_steps), list(logged)
+        warmup = None if adam is None else adam.warmup_steps
+        # What the wrapper chose is what its statistics report (the examples' bytes per
+        # step are the run's mean under compressed Adam).
+        assert wrapped.compression_stats()["compressed_adam"] == warmup
+        return warmup, list(logged)
 
     return {
         "defaults": {(o, c): build(o, c, {}) for o in OPTIMIZERS for c in CODECS},
