@@ -3,7 +3,8 @@ authors' code), as an optimizer mode of ``DistributedOptimizer`` over ``torch.op
 
 Per parameter, with mu = the group's momentum and eta_t its learning rate:
 
-    before the exchange:  m = mu m + g;  u = g + mu m  (Nesterov; u = m without it)
+    before the exchange:  m = mu m + g;  u = g + mu m  (Nesterov's form, the groups' or
+                          the mode's; u = m in heavy-ball's)
                           the residuals enter as u + (eta_{t-1} / eta_t) e
     after the exchange:   Delta~ = the decoded server message (gradient units)
                           w = mu w + wd x;  x -= eta_t (Delta~ + wd x + mu w)
@@ -39,9 +40,11 @@ class WorkerMomentum:
         nesterov: bool
         out: torch.Tensor
 
-    def __init__(self, optimizer, pipeline):
+    def __init__(self, optimizer, pipeline, nesterov=False):
         self.optimizer = optimizer
         self.pipeline = pipeline
+        # Nesterov's form in every group, whatever the groups say (worker_momentum="nesterov")
+        self.nesterov = nesterov
         # Group positions, not the group dicts: load_state_dict replaces the dicts, and the
         # learning rate must be read from the live ones that schedulers set.
         self.group_index = {
@@ -81,6 +84,9 @@ class WorkerMomentum:
             if group.get("dampening", 0) != 0:
                 raise ValueError("worker_momentum needs SGD with dampening=0")
 
+    def _nesterov(self, group):
+        return self.nesterov or group["nesterov"]
+
     def _name(self, param):
         return self.pipeline.plans[param].name
 
@@ -119,12 +125,12 @@ class WorkerMomentum:
         buffer = self.momentum.get(name)
         # New tensors for m: the old one stays until ``commit``.
         if buffer is not None and defer:
-            deferred = self.Deferred(buffer, mu, group["nesterov"], torch.empty_like(grad))
+            deferred = self.Deferred(buffer, mu, self._nesterov(group), torch.empty_like(grad))
             buffer = deferred.out
         elif buffer is not None and grad.is_contiguous() and self.pipeline.on_kernels(grad):
-            buffer = fused.momentum(grad, buffer, mu, group["nesterov"])
+            buffer = fused.momentum(grad, buffer, mu, self._nesterov(group))
         else:
-            buffer = self._step(grad, buffer, mu, group["nesterov"])
+            buffer = self._step(grad, buffer, mu, self._nesterov(group))
         self.proposed[name] = buffer
         return ratio, deferred
 
@@ -143,7 +149,7 @@ class WorkerMomentum:
         gradients ``vector`` holds (``members``: their views of it): one step of the whole
         vector where its members' groups share their momentum, else one per member."""
         groups = [self.optimizer.param_groups[self.group_index[p]] for p in params]
-        settings = {(g["momentum"], g["nesterov"]) for g in groups}
+        settings = {(g["momentum"], self._nesterov(g)) for g in groups}
         if len(settings) == 1:
             mu, nesterov = settings.pop()
             if mu > 0:
@@ -159,7 +165,7 @@ class WorkerMomentum:
             if group["momentum"] > 0:
                 part = None if old is None else old[member.offset : member.stop]
                 buffer[member.offset : member.stop] = self._step(
-                    view, part, group["momentum"], group["nesterov"]
+                    view, part, group["momentum"], self._nesterov(group)
                 )
         self.proposed[bucket.name] = buffer
 
@@ -197,7 +203,7 @@ class WorkerMomentum:
             buffers = [self.momentum.get(n) for n in names]
             buffers = [torch.zeros_like(g) if m is None else m for g, m in zip(grads, buffers)]
             buffers = torch._foreach_add(grads, buffers, alpha=mu)
-            if group["nesterov"]:
+            if self._nesterov(group):
                 torch._foreach_add_(grads, buffers, alpha=mu)
             else:
                 torch._foreach_copy_(grads, buffers)

@@ -66,8 +66,12 @@ class _DistributedOptimizer:
         self._hvdc_sparse_as_dense = sparse_as_dense
         self._hvdc_densified = {}  # parameter -> sparse_dim of the gradient it densified
         # A rank outside the process set steps on its own gradients, momentum and all.
-        worker_momentum = worker_momentum and pipeline.included
-        self._hvdc_momentum = WorkerMomentum(self, pipeline) if worker_momentum else None
+        worker_momentum = worker_momentum if pipeline.included else None
+        self._hvdc_momentum = (
+            WorkerMomentum(self, pipeline, nesterov=worker_momentum == "nesterov")
+            if worker_momentum
+            else None
+        )
         self._hvdc_adam = (
             CompressedAdam(self, pipeline, compressed_adam)
             if compressed_adam and pipeline.included
@@ -272,7 +276,7 @@ def DistributedOptimizer(
     seed: int = 0,
     uncompressed: Iterable[str] = (),
     error_feedback: bool | None = None,
-    worker_momentum: bool | None = None,
+    worker_momentum: bool | str | None = None,
     adaptive: bool | Adaptive = False,
     compressed_adam: int | None = None,
     bucket_bytes: int = BUCKET_BYTES,
@@ -327,11 +331,14 @@ def DistributedOptimizer(
             always on for the sparse codecs ``adacomp``, ``clt-k``, ``dgc`` and
             ``powersgd``).
         worker_momentum: dist-EF-blockSGDM's optimizer mode, for ``torch.optim.SGD``: the
-            (Nesterov) momentum is applied on each worker *before* compression, residuals are
-            rescaled by eta_{t-1} / eta_t when the learning rate changes, and after the
-            exchange the step adds weight decay with its own momentum buffer, so no momentum
-            is applied twice (``WorkerMomentum``); it is DGC's momentum correction. None: on
-            for ``ef-sign`` and ``dgc`` with an SGD that has momentum.
+            momentum is applied on each worker *before* compression, residuals are rescaled
+            by eta_{t-1} / eta_t when the learning rate changes, and after the exchange the
+            step adds weight decay with its own momentum buffer, so no momentum is applied
+            twice (``WorkerMomentum``); it is DGC's momentum correction. True: in the SGD's
+            form of momentum (heavy-ball or Nesterov's); ``"nesterov"``: in Nesterov's form
+            whatever the SGD's. None (default): on for ``ef-sign`` and ``dgc`` with an SGD
+            that has momentum, ef-sign's in Nesterov's form, as dist-EF-blockSGDM's
+            (``hvd_compress.remedies``; logged once where the SGD's is heavy-ball).
         adaptive: ``True`` or an ``hvd_compress.Adaptive``: every tensor the codec
             compresses goes by the codec, an fp16 allreduce or a plain allreduce, whichever
             a model of the step predicts fastest from the link, codec and backward times
@@ -373,20 +380,19 @@ def DistributedOptimizer(
     bucket_bytes = check_int("DistributedOptimizer", "bucket_bytes", bucket_bytes, low=0)
     adaptive = Adaptive.of(adaptive)
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)
-    if worker_momentum is None:
-        worker_momentum = (
-            codec.worker_momentum_default
-            and isinstance(optimizer, torch.optim.SGD)
-            and any(group["momentum"] > 0 for group in optimizer.param_groups)
-        )
-    if worker_momentum:
-        WorkerMomentum.check(optimizer)
-    remedies.heavy_ball(
+    sgd_momentum = isinstance(optimizer, torch.optim.SGD) and any(
+        group["momentum"] > 0 for group in optimizer.param_groups
+    )
+    worker_momentum = remedies.worker_momentum(
         "DistributedOptimizer",
         codec,
-        isinstance(optimizer, torch.optim.SGD)
+        worker_momentum,
+        sgd_momentum=sgd_momentum,
+        heavy_ball=sgd_momentum
         and any(g["momentum"] > 0 and not g["nesterov"] for g in optimizer.param_groups),
     )
+    if worker_momentum:
+        WorkerMomentum.check(optimizer)
     compressed_adam = remedies.compressed_adam(
         "DistributedOptimizer",
         codec,
@@ -440,7 +446,7 @@ def DistributedOptimizer(
         optimizer.__class__,
         pipeline,
         passes,
-        bool(worker_momentum),
+        worker_momentum,
         bool(sparse_as_dense),
         compressed_adam,
     )

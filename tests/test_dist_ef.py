@@ -199,7 +199,8 @@ def _identity_against_sgd(steps=10):
 
     hvd.init()
     torch.manual_seed(0)
-    ours, theirs = Net(), Net()
+    ours, forced, theirs = Net(), Net(), Net()
+    forced.load_state_dict(ours.state_dict())
     theirs.load_state_dict(ours.state_dict())
     settings = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
     opt_ours = hc.DistributedOptimizer(
@@ -208,18 +209,28 @@ def _identity_against_sgd(steps=10):
         compression="none",
         worker_momentum=True,
     )
+    # A heavy-ball SGD whose worker momentum takes Nesterov's form (ef-sign's default there)
+    opt_forced = hc.DistributedOptimizer(
+        torch.optim.SGD(forced.parameters(), **{**settings, "nesterov": False}),
+        forced.named_parameters(),
+        compression="none",
+        worker_momentum="nesterov",
+    )
     opt_theirs = torch.optim.SGD(theirs.parameters(), **settings)
-    return train_side_by_side([(ours, opt_ours), (theirs, opt_theirs)], steps, 0)
+    return train_side_by_side(
+        [(ours, opt_ours), (forced, opt_forced), (theirs, opt_theirs)], steps, 0
+    )
 
 
 @pytest.mark.multiprocess
 def test_identity_codec_at_one_worker_is_nesterov_sgd():
-    ((ours, theirs),) = run_parallel(_identity_against_sgd, 1)
+    ((ours, forced, theirs),) = run_parallel(_identity_against_sgd, 1)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(forced, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_bytes_stay_flat_from_two_to_four_workers():
-    codec = hvd_compress.BlockSign()
+    codec = hvd_compress.BlockSign(max_block_size=None)
     n = 10_000_000
     sent = {world: cost.compressed_traffic(codec, n, world, "sharded").sent for world in (2, 4, 8)}
     one_way = n / 8

@@ -1,7 +1,8 @@
 """The settings the PyTorch wrapper chooses for a codec turned on by its name
 (``hvd_compress.remedies``): compressed Adam for the error-feedback codecs under Adam and
-AdamW, logged once; an explicit setting winning; a warning where the remedy cannot run or
-the optimizer is unknown. The Keras wrapper's: ``tests/test_tf_compressed_adam.py``. One
+AdamW, and ef-sign's worker momentum in Nesterov's form under a heavy-ball SGD, each logged
+once; an explicit setting winning; a warning where the remedy cannot run or the optimizer
+is unknown. The Keras wrapper's: ``tests/test_tf_compressed_adam.py``. One
 1-process Horovod job (the wrapper needs ``hvd.init()``) builds them all."""
 
 import pytest
@@ -28,12 +29,16 @@ EXPLICIT = [
     ("AdamW", "ef-sign", {"compressed_adam": 50}),
     ("AdamW", "nuqsgd", {"compressed_adam": 50}),
     ("AdamW", "ef-sign", {"adaptive": True}),
+    ("SGD", "ef-sign", {"worker_momentum": True}),
+    ("SGD", "dgc", {"worker_momentum": "nesterov"}),
+    ("SGD", "ef-sign", {"worker_momentum": False}),
 ]
 
 
 def _choices():
-    """T_w as each wrapper chose it (None: off) and the messages logged while building,
-    per (optimizer, codec) and per ``EXPLICIT`` case."""
+    """T_w and the worker momentum's form as each wrapper chose them (None: off) and the
+    messages logged while building, per (optimizer, codec) and per ``EXPLICIT`` case; and
+    the error of a ``worker_momentum`` no wrapper takes."""
     import logging
 
     import horovod.torch as hvd
@@ -58,12 +63,20 @@ def _choices():
         # What the wrapper chose is what its statistics report (the examples' bytes per
         # step are the run's mean under compressed Adam).
         assert wrapped.compression_stats()["compressed_adam"] == warmup
-        return warmup, list(logged)
+        momentum = wrapped._hvdc_momentum
+        form = None if momentum is None else "nesterov" if momentum.nesterov else "optimizer"
+        return warmup, form, list(logged)
 
+    try:
+        build("SGD", "ef-sign", {"worker_momentum": "heavy-ball"})
+    except ValueError as error:
+        refused = str(error)
     return {
         "defaults": {(o, c): build(o, c, {}) for o in OPTIMIZERS for c in CODECS},
         "again": build("AdamW", "ef-sign", {}),  # logged once per process
+        "again_sgd": build("SGD", "ef-sign", {}),
         "explicit": [build(o, c, options) for o, c, options in EXPLICIT],
+        "refused": refused,
     }
 
 
@@ -74,7 +87,7 @@ def choices():
 
 
 def test_error_feedback_codecs_under_adam_get_compressed_adam_logged_once(choices):
-    for (optimizer, codec), (warmup, logged) in choices["defaults"].items():
+    for (optimizer, codec), (warmup, _, logged) in choices["defaults"].items():
         remedied = optimizer in ("Adam", "AdamW") and codec in ("ef-sign", "adacomp", "clt-k")
         assert warmup == (remedies.COMPRESSED_ADAM_WARMUP if remedied else None), (
             optimizer,
@@ -84,36 +97,52 @@ def test_error_feedback_codecs_under_adam_get_compressed_adam_logged_once(choice
             [message] = logged
             assert f"turned compressed Adam on for {codec} with {optimizer}" in message
             assert "compressed_adam=0" in message and "compressed_adam=T_w" in message
-    assert choices["again"] == (remedies.COMPRESSED_ADAM_WARMUP, [])
+    assert choices["again"] == (remedies.COMPRESSED_ADAM_WARMUP, None, [])
 
 
 def test_codecs_without_a_remedy_log_nothing(choices):
-    for (optimizer, codec), (_, logged) in choices["defaults"].items():
+    for (optimizer, codec), (_, _, logged) in choices["defaults"].items():
         if codec not in ("ef-sign", "adacomp", "clt-k") or optimizer == "SGD(nesterov)":
             assert logged == [], (optimizer, codec)
         if optimizer == "SGD" and codec != "ef-sign":
             assert logged == [], (optimizer, codec)
 
 
-def test_ef_sign_with_heavy_ball_momentum_is_warned_with_the_setting_that_closes_the_gap(
-    choices,
-):
-    warmup, [message] = choices["defaults"]["SGD", "ef-sign"]
-    assert warmup is None
-    assert "ef-sign with heavy-ball momentum ended 2.1-3.4 points below" in message
-    assert "nesterov=True" in message and "ef-sign:max_block_size=256" in message
+def test_worker_momentum_is_on_for_ef_sign_and_dgc_under_sgd_with_momentum(choices):
+    for (optimizer, codec), (_, form, _) in choices["defaults"].items():
+        if optimizer.startswith("SGD") and codec in ("ef-sign", "dgc"):
+            nesterov = codec == "ef-sign" and optimizer == "SGD"
+            assert form == ("nesterov" if nesterov else "optimizer"), (optimizer, codec)
+        else:
+            assert form is None, (optimizer, codec)
+
+
+def test_ef_sign_under_heavy_ball_takes_nesterovs_form_logged_once(choices):
+    warmup, form, [message] = choices["defaults"]["SGD", "ef-sign"]
+    assert (warmup, form) == (None, "nesterov")
+    assert "ef-sign's worker momentum in Nesterov's form" in message
+    assert remedies.HEAVY_BALL_GAP in message and "worker_momentum=True" in message
+    assert choices["again_sgd"] == (None, "nesterov", [])
 
 
 def test_an_explicit_setting_wins(choices):
-    (off, off_logged), (fifty, _), (nuqsgd, _), _ = choices["explicit"]
-    assert (off, off_logged, fifty, nuqsgd) == (None, [], 50, 50)
+    off, fifty, nuqsgd, _, heavy_ball, dgc, no_momentum = choices["explicit"]
+    assert (off, fifty[0], nuqsgd[0]) == ((None, None, []), 50, 50)
+    assert heavy_ball == (None, "optimizer", [])
+    assert dgc == (None, "nesterov", [])
+    assert no_momentum == (None, None, [])
+
+
+def test_a_worker_momentum_no_wrapper_takes_is_refused_naming_the_values(choices):
+    assert "worker_momentum must be None" in choices["refused"]
+    assert "'nesterov', got 'heavy-ball'" in choices["refused"]
 
 
 def test_where_the_remedy_cannot_run_the_wrapper_warns(choices):
-    warmup, [message] = choices["defaults"]["Adam(amsgrad)", "ef-sign"]
+    warmup, _, [message] = choices["defaults"]["Adam(amsgrad)", "ef-sign"]
     assert warmup is None
     assert "the remedy, cannot run here (does not support amsgrad=True)" in message
-    warmup, [message] = choices["explicit"][3]
+    warmup, _, [message] = choices["explicit"][3]
     assert warmup is None and "(does not combine with adaptive)" in message
-    warmup, [message] = choices["defaults"]["RMSprop", "ef-sign"]
+    warmup, _, [message] = choices["defaults"]["RMSprop", "ef-sign"]
     assert warmup is None and "RMSprop is not one the wrappers know" in message

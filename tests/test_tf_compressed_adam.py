@@ -195,8 +195,8 @@ def test_bad_compressed_adam_is_refused():
 
 
 def _remedies():
-    """The T_w each Keras optimizer's wrapper chose for ef-sign and TernGrad, and what the
-    wrappers logged."""
+    """The T_w and the worker momentum's form each Keras optimizer's wrapper chose for
+    ef-sign and TernGrad, and what the wrappers logged."""
     import logging
 
     import horovod.tensorflow as hvd
@@ -218,11 +218,20 @@ def _remedies():
     ):
         for codec in ("ef-sign", "terngrad"):
             wrapped = htf.DistributedOptimizer(make(), compression=codec)
-            chosen[name, codec] = wrapped._hvdc_compressed_adam
+            chosen[name, codec] = wrapped._hvdc_compressed_adam, wrapped._hvdc_worker_momentum
     explicit = htf.DistributedOptimizer(
         keras.optimizers.AdamW(), compression="adacomp", compressed_adam=0
     )
-    chosen["AdamW", "adacomp:0"] = explicit._hvdc_compressed_adam
+    chosen["AdamW", "adacomp:0"] = explicit._hvdc_compressed_adam, None
+    heavy_ball = htf.DistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), compression="ef-sign", worker_momentum=True
+    )
+    chosen["SGD", "ef-sign:True"] = None, heavy_ball._hvdc_worker_momentum
+    nesterov = keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)
+    chosen["SGD(nesterov)", "ef-sign"] = (
+        None,
+        htf.DistributedOptimizer(nesterov, compression="ef-sign")._hvdc_worker_momentum,
+    )
     return chosen, logged
 
 
@@ -231,17 +240,19 @@ def test_keras_adam_gets_compressed_adam_for_error_feedback_codecs():
     it in PyTorch's."""
     ((chosen, logged),) = run_parallel(_remedies, 1)
     assert chosen == {
-        ("AdamW", "ef-sign"): 200,
-        ("AdamW", "terngrad"): None,
-        ("Adam", "ef-sign"): 200,
-        ("Adam", "terngrad"): None,
-        ("SGD", "ef-sign"): None,
-        ("SGD", "terngrad"): None,
-        ("RMSprop", "ef-sign"): None,
-        ("RMSprop", "terngrad"): None,
-        ("AdamW", "adacomp:0"): None,
+        ("AdamW", "ef-sign"): (200, None),
+        ("AdamW", "terngrad"): (None, None),
+        ("Adam", "ef-sign"): (200, None),
+        ("Adam", "terngrad"): (None, None),
+        ("SGD", "ef-sign"): (None, "nesterov"),
+        ("SGD", "terngrad"): (None, None),
+        ("RMSprop", "ef-sign"): (None, None),
+        ("RMSprop", "terngrad"): (None, None),
+        ("AdamW", "adacomp:0"): (None, None),
+        ("SGD", "ef-sign:True"): (None, "optimizer"),
+        ("SGD(nesterov)", "ef-sign"): (None, "optimizer"),
     }
     assert any("turned compressed Adam on for ef-sign with AdamW" in m for m in logged), logged
     assert any("RMSprop is not one the wrappers know" in m for m in logged), logged
-    assert any("ef-sign with heavy-ball momentum ended" in m for m in logged), logged
+    assert any("ef-sign's worker momentum in Nesterov's form" in m for m in logged), logged
     assert len(logged) == 4, logged  # Adam's, AdamW's, SGD's and RMSprop's with ef-sign only

@@ -152,7 +152,8 @@ def test_worker_momentum_invariant_across_lr_drop_and_rank_consistency(world):
 
 def _identity_against_sgd(steps=10):
     """The identity codec with worker momentum against Keras SGD(momentum, nesterov=True,
-    weight_decay) in ``model.fit``, on the same data from the same weights."""
+    weight_decay) in ``model.fit``, on the same data from the same weights; and with worker
+    momentum in Nesterov's form over a heavy-ball SGD (ef-sign's default there)."""
     import os
     import tempfile
 
@@ -167,13 +168,13 @@ def _identity_against_sgd(steps=10):
     x = np.concatenate([_batch(0, t)[0] for t in range(steps)])
     y = np.concatenate([_batch(0, t)[1] for t in range(steps)])
     weights = []
-    for wrap in (True, False):
+    for mode in (True, "nesterov", None):
         keras.utils.set_random_seed(0)
         model = _model(keras)
-        optimizer = keras.optimizers.SGD(**settings)
-        if wrap:
+        optimizer = keras.optimizers.SGD(**{**settings, "nesterov": mode != "nesterov"})
+        if mode is not None:
             optimizer = htf.DistributedOptimizer(
-                optimizer, compression="none", worker_momentum=True
+                optimizer, compression="none", worker_momentum=mode
             )
             ours = optimizer
         model.compile(
@@ -194,7 +195,8 @@ def _identity_against_sgd(steps=10):
         error = str(e)
     return {
         "ours": weights[0],
-        "theirs": weights[1],
+        "forced": weights[1],
+        "theirs": weights[2],
         "saved": saved,
         "error": error,
         "default": htf.DistributedOptimizer(
@@ -210,10 +212,11 @@ def _identity_against_sgd(steps=10):
 def test_identity_codec_at_one_worker_is_keras_nesterov_sgd_with_weight_decay():
     (r,) = run_parallel(_identity_against_sgd, 1, timeout=500)
     np.testing.assert_allclose(r["ours"], r["theirs"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r["forced"], r["theirs"], rtol=1e-5, atol=1e-6)
     assert any(
         name.startswith("optimizer/_hvdc_momentum/momentum/") and "hidden.Skernel" in name
         for name in r["saved"]
     ), r["saved"]
     assert any(name.startswith("optimizer/_hvdc_momentum/learning_rate") for name in r["saved"])
     assert r["error"] == "worker_momentum needs a keras.optimizers.SGD, got Adam"
-    assert r["default"] is True and r["plain"] is False
+    assert r["default"] == "nesterov" and r["plain"] is None

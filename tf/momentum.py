@@ -4,7 +4,8 @@ authors' code), as an optimizer mode of ``DistributedOptimizer`` over
 
 Per variable, with mu = the optimizer's momentum and eta_t its learning rate:
 
-    before the exchange:  m = mu m + g;  u = g + mu m  (Nesterov; u = m without it)
+    before the exchange:  m = mu m + g;  u = g + mu m  (Nesterov's form, the optimizer's or
+                          the mode's; u = m in heavy-ball's)
                           the residuals enter as u + (eta_{t-1} / eta_t) e
     after the exchange:   Delta~ = the decoded server message (gradient units)
                           x -= eta_t wd x;  x -= eta_t Delta~
@@ -48,8 +49,10 @@ class WorkerMomentum(tf.Module):
         nesterov: bool
         out: tf.Tensor = None
 
-    def __init__(self, pipeline):
+    def __init__(self, pipeline, nesterov=False):
         super().__init__(name="worker_momentum")
+        # Nesterov's form whatever the optimizer says (worker_momentum="nesterov")
+        self.nesterov = nesterov
         with tf.init_scope():
             self.momentum = {
                 plan.name: tf.Variable(tf.zeros(shape, dtype), trainable=False, name="momentum")
@@ -103,6 +106,7 @@ class WorkerMomentum(tf.Module):
         pipeline's fused compensation: the direction is the gradient itself and its
         ``Deferred`` carries the step."""
         mu, rate = optimizer.momentum, tf.cast(optimizer.learning_rate, tf.float32)
+        nesterov = self.nesterov or optimizer.nesterov
         defer = defer or [False] * len(grads)
         directions, buffers, deferred = [], {}, []
         for name, grad, later in zip(self.names, grads, defer):
@@ -111,11 +115,11 @@ class WorkerMomentum(tf.Module):
                 grad = tf.convert_to_tensor(grad)
                 if later:
                     step = buffers[name] = self.Deferred(
-                        tf.convert_to_tensor(self.momentum[name]), mu, optimizer.nesterov
+                        tf.convert_to_tensor(self.momentum[name]), mu, nesterov
                     )
                 else:
                     buffer = buffers[name] = self.momentum[name] * mu + grad
-                    grad = grad + buffer * mu if optimizer.nesterov else buffer
+                    grad = grad + buffer * mu if nesterov else buffer
             directions.append(grad)
             deferred.append(step)
         self.proposed = {"momentum": buffers, "learning_rate": rate}

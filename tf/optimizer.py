@@ -54,8 +54,12 @@ class _DistributedOptimizer:
         # An attribute of the optimizer (set outside Keras's untracked build), the pipeline's
         # step counter and residuals are saved by tf.train.Checkpoint(optimizer=...).
         # A rank outside the process set steps on its own gradients, momentum and all.
-        worker_momentum = self._hvdc_worker_momentum and self._hvdc_pipeline.included
-        self._hvdc_momentum = WorkerMomentum(self._hvdc_pipeline) if worker_momentum else None
+        worker_momentum = self._hvdc_worker_momentum if self._hvdc_pipeline.included else None
+        self._hvdc_momentum = (
+            WorkerMomentum(self._hvdc_pipeline, nesterov=worker_momentum == "nesterov")
+            if worker_momentum
+            else None
+        )
         self._hvdc_adam = (
             CompressedAdam(self, self._hvdc_pipeline, variables, self._hvdc_compressed_adam)
             if self._hvdc_compressed_adam and self._hvdc_pipeline.included
@@ -173,7 +177,7 @@ def DistributedOptimizer(
     seed: int = 0,
     uncompressed: Iterable[str] = (),
     error_feedback: bool | None = None,
-    worker_momentum: bool | None = None,
+    worker_momentum: bool | str | None = None,
     adaptive: bool | Adaptive = False,
     compressed_adam: int | None = None,
     name: str | None = None,
@@ -224,12 +228,15 @@ def DistributedOptimizer(
             always on for the sparse codecs ``adacomp``, ``clt-k``, ``dgc`` and
             ``powersgd``).
         worker_momentum: dist-EF-blockSGDM's optimizer mode, for ``keras.optimizers.SGD``:
-            the (Nesterov) momentum is applied on each worker *before* compression, residuals
-            are rescaled by eta_{t-1} / eta_t when the learning rate changes, and the base
-            step runs as plain SGD on the exchanged direction (with Keras's decoupled weight
+            the momentum is applied on each worker *before* compression, residuals are
+            rescaled by eta_{t-1} / eta_t when the learning rate changes, and the base step
+            runs as plain SGD on the exchanged direction (with Keras's decoupled weight
             decay, outside compression), so no momentum is applied twice
-            (``WorkerMomentum``); it is DGC's momentum correction. None: on for ``ef-sign``
-            and ``dgc`` with an SGD that has momentum.
+            (``WorkerMomentum``); it is DGC's momentum correction. True: in the SGD's form
+            of momentum (heavy-ball or Nesterov's); ``"nesterov"``: in Nesterov's form
+            whatever the SGD's. None (default): on for ``ef-sign`` and ``dgc`` with an SGD
+            that has momentum, ef-sign's in Nesterov's form, as dist-EF-blockSGDM's
+            (``hvd_compress.remedies``; logged once where the SGD's is heavy-ball).
         adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
             here (``docs/adaptive.md``). Default False.
         compressed_adam: 1-bit Adam's mode for ``keras.optimizers.Adam`` and ``AdamW``
@@ -285,15 +292,16 @@ def DistributedOptimizer(
         error_feedback=error_feedback,
         adaptive=adaptive,
     )
-    if worker_momentum is None:
-        worker_momentum = codec.worker_momentum_default and WorkerMomentum.takes(optimizer)
-    if worker_momentum:
-        WorkerMomentum.check(optimizer)
-    remedies.heavy_ball(
+    sgd_momentum = WorkerMomentum.takes(optimizer)
+    worker_momentum = remedies.worker_momentum(
         "DistributedOptimizer",
         codec,
-        WorkerMomentum.takes(optimizer) and not optimizer.nesterov,
+        worker_momentum,
+        sgd_momentum=sgd_momentum,
+        heavy_ball=sgd_momentum and not optimizer.nesterov,
     )
+    if worker_momentum:
+        WorkerMomentum.check(optimizer)
     compressed_adam = remedies.compressed_adam(
         "DistributedOptimizer",
         codec,
@@ -312,7 +320,7 @@ def DistributedOptimizer(
         _hvdc_options=options,
         _hvdc_uncompressed=frozenset(uncompressed),
         _hvdc_sparse_as_dense=sparse_as_dense,
-        _hvdc_worker_momentum=bool(worker_momentum),
+        _hvdc_worker_momentum=worker_momentum,
         _hvdc_compressed_adam=compressed_adam,
     )
     if methods is _Keras3 and optimizer.built:
