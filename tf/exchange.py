@@ -21,6 +21,8 @@ what its memory keeps, so they run compensate -> compress -> update on the worke
 (passed in, not kept) around their collectives.
 """
 
+import contextlib
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
@@ -99,6 +101,17 @@ def waiting(kind, name, process_set):
 def waited():
     """Marks the end of ``waiting``'s wait."""
     watchdog.WAITS.leave()
+
+
+@contextlib.contextmanager
+def watched(kind, name, process_set):
+    """``waiting`` around an eager collective of ``process_set``, ``waited`` when it
+    returns or raises."""
+    waiting(kind, name, process_set)
+    try:
+        yield
+    finally:
+        waited()
 
 
 def mark_exchange_start(step, process_set):

@@ -38,8 +38,7 @@ from .exchange import (
     mark_exchange_start,
     meet,
     refuse_xla,
-    waited,
-    waiting,
+    watched,
 )
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
@@ -150,8 +149,7 @@ class CompressionPipeline(tf.Module):
         # pipeline may be built while a tf.function traces), as allgather_object needs.
         # The same gather tells every rank where the others' watchdogs answer.
         if self.included:
-            with tf.init_scope():
-                waiting("allgather", "hvdc.agreement", process_set)
+            with tf.init_scope(), watched("allgather", "hvdc.agreement", process_set):
                 gathered = hvd.allgather_object(
                     (
                         agreement.describe(
@@ -169,7 +167,6 @@ class CompressionPipeline(tf.Module):
                     name="hvdc.agreement",
                     process_set=process_set,
                 )
-                waited()
             meet(process_set, [address for _, address in gathered], self.rank)
             problem = agreement.disagreement([description for description, _ in gathered])
             if problem:

@@ -6,12 +6,14 @@ import tensorflow as tf
 from hvd_compress import topology
 from hvd_compress.topology import Nodes
 
+from .exchange import watched
+
 
 def current_nodes() -> Nodes:
     """Where the ranks of this job sit: each rank's node as ``hvd.cross_rank()`` numbers
     it (``horovodrun -H nodeA:4,nodeB:4`` and ``mpirun`` alike), gathered from every rank
     (eagerly, also while a ``tf.function`` traces)."""
-    with tf.init_scope():
+    with tf.init_scope(), watched("allgather_object", "hvdc.topology", hvd.global_process_set):
         placement = hvd.allgather_object(
             hvd.cross_rank(), name="hvdc.topology", process_set=hvd.global_process_set
         )
@@ -26,4 +28,5 @@ def join(nodes: Nodes) -> tuple:
 
 def _barrier():
     """A barrier of all ranks: horovod.tensorflow has no ``barrier``, an allreduce is one."""
-    hvd.allreduce(tf.zeros([]), name="hvdc.barrier", process_set=hvd.global_process_set)
+    with watched("allreduce", "hvdc.barrier", hvd.global_process_set):
+        hvd.allreduce(tf.zeros([]), name="hvdc.barrier", process_set=hvd.global_process_set)
