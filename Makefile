@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` (the main job, a representative subset, ~10
+# The two commands of the README: `make demo` (the main job, a representative subset, ~5
 # minutes; `make demo-full` runs every model and codec, ~80 minutes) and `make test` (every
 # test and the lint, what CI runs); `make lint` runs ruff alone; `make test-fast` runs the unit tests only (no Horovod processes, no
 # convergence training) for the edit-test loop; `make bench` runs the bandwidth-limited

@@ -5,8 +5,8 @@ NeurIPS 2019):
     C(p)|_b = (||p_b||_1 / |G_b|) * sign(p_b),   sign(0) = +1
 
 per block b of the flattened tensor (blocks of 256 elements by default; one block per
-tensor in the authors' CIFAR code). ||C(p) - p||^2 = ||p||^2 - sum_b ||p_b||_1^2 / |G_b| exactly, so it is
-delta-contractive with delta >= 1 / max_b |G_b|, and ||C(p)_b||_1 = ||p_b||_1.
+tensor in the authors' CIFAR code). ||C(p) - p||^2 = ||p||^2 - sum_b ||p_b||_1^2 / |G_b|
+exactly, so it is delta-contractive with delta >= 1 / max_b |G_b|, and ||C(p)_b||_1 = ||p_b||_1.
 
 C is biased, so it is only used with error feedback, on the workers (each keeps what its
 message did not carry) and on the server (which compresses the average again before sending

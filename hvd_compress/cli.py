@@ -9,7 +9,7 @@
 and prints a table of test accuracy on MNIST-1D or a language model's validation loss
 (against the baseline run of the same model, worker count and optimizer), bytes handed to
 Horovod per worker per step, compression ratio and median step time. By default it runs
-``DEFAULT_RUNS``, a representative subset (about 10 minutes on 2 cores); ``--full`` runs
+``DEFAULT_RUNS``, a representative subset (about 5 minutes on 2 cores); ``--full`` runs
 every model and codec, ``FULL_RUNS`` (about 80 minutes); ``--defaults`` every codec by its
 name alone, ``DEFAULTS_RUNS``, and ``--seeds`` repeats the runs per seed. The models are
 the examples' scripts (``EXAMPLES``): the PyTorch CNN (``cnn``, the default), the same CNN
@@ -168,11 +168,11 @@ FULL_RUNS = (
     + [f"lm/4:{codec}" for codec in ("none", "terngrad", "ef-sign")]
     + [f"keras-lm/2:{codec}" for codec in ("none", "terngrad", "qsgd-inf", "ef-sign")]
 )
-# What a newcomer waits for (~10 minutes): one codec of each kind (ternary, uniform 4-bit,
-# 1-bit with error feedback), each beside its baseline. The steps stay the full schedule's:
-# at half of it TernGrad ended 2.4 points below its baseline on seed 0
+# What a newcomer waits for (~5 minutes): one codec of each kind (ternary, uniform 4-bit,
+# 1-bit with error feedback) by its name alone, beside the baseline. The steps stay the full
+# schedule's: at half of it TernGrad ended 2.4 points below its baseline on seed 0
 # (docs/benchmarks.md), which would make the table misleading.
-DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:none@nesterov", f"2:{EF_SIGN}"]
+DEFAULT_RUNS = ["2:none", "2:terngrad", "2:qsgd-inf", "2:ef-sign"]
 OPTIMIZERS = ("sgd", "nesterov", "adam")
 # Every codec by its name alone, as a user turns it on (--defaults): the CNN under heavy-ball
 # and Nesterov momentum and the LM under AdamW, at 2 workers, each beside its baseline; about
@@ -431,7 +431,7 @@ def main(argv=None):
         "--runs",
         type=_parse_runs,
         help="comma-separated [model/]workers:codec runs, in order (default "
-        f"{','.join(DEFAULT_RUNS)}: ~10 minutes on 2 cores)",
+        f"{','.join(DEFAULT_RUNS)}: ~5 minutes on 2 cores)",
     )
     which.add_argument(
         "--full",

@@ -15,7 +15,9 @@ The velocity u is the wrapper's worker momentum (``worker_momentum``, on by defa
 this codec with an SGD that has momentum: the base optimizer then steps as plain SGD, so no
 momentum is applied twice), v is the worker's error-feedback residual, and the exchange
 masks both at the indices it sends. Without momentum (another optimizer, or
-``worker_momentum=False``) this is top-k with error feedback.
+``worker_momentum=False``) this is top-k with error feedback; under Adam and AdamW the
+wrappers send Adam's momentum through it instead of the gradient (compressed Adam,
+``hvd_compress.remedies``).
 
 density_t is ``ratio`` after the warm-up. During the first ``warmup_steps`` it falls
 exponentially in ``WARMUP_STAGES`` equal stages, 25%, 6.25%, 1.5625%, 0.390625% (the
@@ -69,6 +71,7 @@ class DGC(Codec):
     message = "own_indices"
     error_feedback_default = True
     worker_momentum_default = True
+    adam_remedy = True  # hvd_compress.remedies
     default_min_size = 1024
 
     def __init__(

@@ -351,7 +351,7 @@ def DistributedOptimizer(
             are the base optimizer's on gradients averaged by fp32 allreduces; then Adam's
             variance is frozen and each worker's momentum, not its gradient, goes through
             the codec (``CompressedAdam``). The remedy for codecs that lean on error
-            feedback (ef-sign, AdaComp, CLT-k), which disturb Adam's variance when they
+            feedback (ef-sign, AdaComp, CLT-k, DGC), which disturb Adam's variance when they
             compress its gradients. None (default): on, with T_w = 200, for those codecs
             under Adam and AdamW (logged once; ``hvd_compress.remedies``), off otherwise;
             0: off, the gradients go through the codec.

@@ -156,13 +156,13 @@ def _numpy(results):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_ef_sign_momentum_ranks_agree_and_nothing_is_lost(world):
+@pytest.mark.parametrize("world, codec", [(2, "ef-sign"), (4, "ef-sign"), (2, "dgc")])
+def test_momentum_ranks_agree_and_nothing_is_lost(world, codec):
     # Resumed at N = 2 only: with more ranks, a sum's order in Horovod's ring allreduce
     # depends on where each tensor lands in its fusion buffer, which varies between runs
     # (not between ranks), so uncompressed tensors are not bitwise reproducible.
     resume_at = STEPS - 3 if world == 2 else None
-    results = run_parallel(_compressed_adam_job, world, "ef-sign", "auto", resume_at)
+    results = run_parallel(_compressed_adam_job, world, codec, "auto", resume_at)
     first = results[0]
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["params"], first["params"]))
@@ -170,7 +170,7 @@ def test_ef_sign_momentum_ranks_agree_and_nothing_is_lost(world):
         if resume_at is not None:
             resumed = r["resumed"]["params"]
             assert all(torch.equal(a, b) for a, b in zip(resumed, r["params"][resume_at:]))
-        # Uncompressed during the warm-up, ef-sign's signs after it.
+        # Uncompressed during the warm-up, the codec's messages after it.
         assert r["handed"][:WARMUP] == [r["uncompressed"]] * WARMUP
         assert max(r["handed"][WARMUP:]) < r["uncompressed"] / 8
     for v in first["v"][WARMUP:]:  # frozen at the warm-up's

@@ -8,7 +8,7 @@ is unknown. The Keras wrapper's: ``tests/test_tf_compressed_adam.py``. One
 import pytest
 import torch
 
-from hvd_compress import remedies
+from hvd_compress import registry, remedies
 
 from .harness import run_parallel
 
@@ -22,7 +22,9 @@ OPTIMIZERS = {
     "RMSprop": lambda params: torch.optim.RMSprop(params),
     "Adam(amsgrad)": lambda params: torch.optim.Adam(params, amsgrad=True),
 }
-CODECS = ("none", "fp16", "terngrad", "qsgd-inf", "nuqsgd", "dgc", "ef-sign", "adacomp", "clt-k")
+CODECS = tuple(registry.CODECS)
+# The codecs that compressed Adam is chosen for under Adam and AdamW.
+ERROR_FEEDBACK = ("ef-sign", "adacomp", "clt-k", "dgc")
 # (optimizer, codec, options): explicit settings and the adaptive mode.
 EXPLICIT = [
     ("AdamW", "ef-sign", {"compressed_adam": 0}),
@@ -32,6 +34,8 @@ EXPLICIT = [
     ("SGD", "ef-sign", {"worker_momentum": True}),
     ("SGD", "dgc", {"worker_momentum": "nesterov"}),
     ("SGD", "ef-sign", {"worker_momentum": False}),
+    ("AdamW", "qsgd:bits=8", {}),
+    ("AdamW", "dgc", {"compressed_adam": 0}),
 ]
 
 
@@ -88,13 +92,13 @@ def choices():
 
 def test_error_feedback_codecs_under_adam_get_compressed_adam_logged_once(choices):
     for (optimizer, codec), (warmup, _, logged) in choices["defaults"].items():
-        remedied = optimizer in ("Adam", "AdamW") and codec in ("ef-sign", "adacomp", "clt-k")
+        remedied = optimizer in ("Adam", "AdamW") and codec in ERROR_FEEDBACK
         assert warmup == (remedies.COMPRESSED_ADAM_WARMUP if remedied else None), (
             optimizer,
             codec,
         )
         if remedied:
-            [message] = logged
+            [message] = [m for m in logged if "turned compressed Adam on" in m]
             assert f"turned compressed Adam on for {codec} with {optimizer}" in message
             assert "compressed_adam=0" in message and "compressed_adam=T_w" in message
     assert choices["again"] == (remedies.COMPRESSED_ADAM_WARMUP, None, [])
@@ -102,10 +106,23 @@ def test_error_feedback_codecs_under_adam_get_compressed_adam_logged_once(choice
 
 def test_codecs_without_a_remedy_log_nothing(choices):
     for (optimizer, codec), (_, _, logged) in choices["defaults"].items():
-        if codec not in ("ef-sign", "adacomp", "clt-k") or optimizer == "SGD(nesterov)":
+        known = set(ERROR_FEEDBACK) | set(remedies.ADAM_GAPS)
+        if codec not in known or optimizer == "SGD(nesterov)":
             assert logged == [], (optimizer, codec)
         if optimizer == "SGD" and codec != "ef-sign":
             assert logged == [], (optimizer, codec)
+
+
+def test_codecs_behind_adamw_by_name_are_warned_with_the_gap_and_what_closes_it(choices):
+    for codec, (gap, closer) in remedies.ADAM_GAPS.items():
+        for optimizer in ("Adam", "AdamW"):
+            _, _, logged = choices["defaults"][optimizer, codec]
+            [message] = [m for m in logged if "with its defaults" in m]
+            assert f"{codec} with its defaults under {optimizer} ended {gap}" in message
+            assert closer in message
+    # Not the configurations measured: other hyperparameters, compressed Adam turned off.
+    *_, other_bits, dgc_without = choices["explicit"]
+    assert other_bits[2] == [] and dgc_without == (None, None, [])
 
 
 def test_worker_momentum_is_on_for_ef_sign_and_dgc_under_sgd_with_momentum(choices):
@@ -126,7 +143,7 @@ def test_ef_sign_under_heavy_ball_takes_nesterovs_form_logged_once(choices):
 
 
 def test_an_explicit_setting_wins(choices):
-    off, fifty, nuqsgd, _, heavy_ball, dgc, no_momentum = choices["explicit"]
+    off, fifty, nuqsgd, _, heavy_ball, dgc, no_momentum, *_ = choices["explicit"]
     assert (off, fifty[0], nuqsgd[0]) == ((None, None, []), 50, 50)
     assert heavy_ball == (None, "optimizer", [])
     assert dgc == (None, "nesterov", [])

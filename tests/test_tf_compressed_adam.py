@@ -143,19 +143,19 @@ def test_identity_codec_is_keras_adamw_until_the_freeze_then_frozen_variance_ada
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [2, 4])
-def test_ef_sign_momentum_ranks_agree_and_nothing_is_lost(world, tmp_path):
+@pytest.mark.parametrize("world, codec", [(2, "ef-sign"), (4, "ef-sign"), (2, "dgc")])
+def test_momentum_ranks_agree_and_nothing_is_lost(world, codec, tmp_path):
     # Resumed at N = 2 only: with more ranks a sum's order in Horovod's ring allreduce
     # depends on where each tensor lands in its fusion buffer, which varies between runs.
     resume_at = STEPS - 3 if world == 2 else None
-    results = run_parallel(_compressed_adam_job, world, "ef-sign", str(tmp_path), resume_at)
+    results = run_parallel(_compressed_adam_job, world, codec, str(tmp_path), resume_at)
     first = results[0]
     for r in results[1:]:
         np.testing.assert_array_equal(np.stack(r["params"]), np.stack(first["params"]))
     for r in results:
         if resume_at is not None:
             np.testing.assert_array_equal(np.stack(r["resumed"]), np.stack(r["params"][resume_at:]))
-        # Uncompressed during the warm-up, ef-sign's signs after it.
+        # Uncompressed during the warm-up, the codec's messages after it.
         assert r["handed"][:WARMUP] == [r["uncompressed"]] * WARMUP
         assert max(r["handed"][WARMUP:]) < r["uncompressed"] / 8
     for v in first["v"][WARMUP:]:  # frozen at the warm-up's
@@ -255,4 +255,6 @@ def test_keras_adam_gets_compressed_adam_for_error_feedback_codecs():
     assert any("turned compressed Adam on for ef-sign with AdamW" in m for m in logged), logged
     assert any("RMSprop is not one the wrappers know" in m for m in logged), logged
     assert any("ef-sign's worker momentum in Nesterov's form" in m for m in logged), logged
-    assert len(logged) == 4, logged  # Adam's, AdamW's, SGD's and RMSprop's with ef-sign only
+    assert any("ef-sign with its defaults under AdamW ended" in m for m in logged), logged
+    # Adam's and AdamW's choice and gap, SGD's and RMSprop's, with ef-sign only
+    assert len(logged) == 6, logged
