@@ -4,9 +4,9 @@ NeurIPS 2019):
 
     C(p)|_b = (||p_b||_1 / |G_b|) * sign(p_b),   sign(0) = +1
 
-per block b of the flattened tensor (blocks of 256 elements by default; one block per
-tensor in the authors' CIFAR code). ||C(p) - p||^2 = ||p||^2 - sum_b ||p_b||_1^2 / |G_b|
-exactly, so it is delta-contractive with delta >= 1 / max_b |G_b|, and ||C(p)_b||_1 = ||p_b||_1.
+per block b of the flattened tensor (one block per tensor by default, as in the authors'
+CIFAR code). ||C(p) - p||^2 = ||p||^2 - sum_b ||p_b||_1^2 / |G_b| exactly, so it is
+delta-contractive with delta >= 1 / max_b |G_b|, and ||C(p)_b||_1 = ||p_b||_1.
 
 C is biased, so it is only used with error feedback, on the workers (each keeps what its
 message did not carry) and on the server (which compresses the average again before sending
@@ -28,13 +28,10 @@ class BlockSign(Codec):
     """Scaled sign of each block, with worker and server error feedback.
 
     Args:
-        max_block_size (int or None): |G_b|, the largest block. Default 256: on the
-            MNIST-1D CNN (2 workers, Nesterov momentum, two seeds) ef-sign ended 0.35
-            points above uncompressed SGD with blocks of 256 and 0.90 below with one block
-            per tensor, for 32 bits more per 256 elements (1.125 bits per element instead
-            of 1; docs/benchmarks.md, "ef-sign and the kind of momentum"). None makes
-            every parameter tensor one block, the paper's CIFAR setting; its ImageNet code
-            uses ~50 MB fused blocks.
+        max_block_size (int or None): |G_b|, the largest block. None (default) makes every
+            parameter tensor one block, the paper's CIFAR setting; its ImageNet code uses
+            ~50 MB fused blocks. Smaller blocks keep more magnitude information for 32 bits
+            each.
         min_size (int): tensors with fewer elements are sent whole. Default 1024: biases
             and other small tensors. The authors' code compresses every tensor, but one
             magnitude for a whole bias vector throws away most of it for a negligible
@@ -55,7 +52,7 @@ class BlockSign(Codec):
 
     def __init__(
         self,
-        max_block_size: int | None = 256,
+        max_block_size: int | None = None,
         *,
         min_size: int | None = None,
         compress_classifier: bool | None = None,

@@ -83,7 +83,9 @@ class _DistributedOptimizer:
             agreement.modes(
                 backward_passes_per_step=backward_passes_per_step,
                 sparse_as_dense=sparse_as_dense,
-                worker_momentum=worker_momentum,
+                # Whether, not in which form: the form follows the groups' Nesterov
+                # option, which hvd.broadcast_optimizer_state makes alike after this.
+                worker_momentum=worker_momentum is not None,
                 compressed_adam=compressed_adam if pipeline.included else None,
             )
         )

@@ -37,7 +37,7 @@ def test_auto_picks_the_fewest_bytes_counting_the_alltoall_latency():
 
 
 def test_auto_shards_tensors_together_once_their_savings_pay_for_the_alltoall():
-    codec = hvd_compress.BlockSign(max_block_size=None)
+    codec = hvd_compress.BlockSign()
     n = 75_000
 
     def sent(exchange):
@@ -56,7 +56,7 @@ def test_auto_shards_tensors_together_once_their_savings_pay_for_the_alltoall():
 
 
 def test_at_two_workers_a_two_way_codec_shards_the_tensors_whose_server_work_pays():
-    codec = hvd_compress.BlockSign(max_block_size=None)
+    codec = hvd_compress.BlockSign()
 
     def sent(numel, exchange):
         return cost.compressed_traffic(codec, numel, 2, exchange).sent

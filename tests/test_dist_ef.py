@@ -230,7 +230,7 @@ def test_identity_codec_at_one_worker_is_nesterov_sgd():
 
 
 def test_sharded_bytes_stay_flat_from_two_to_four_workers():
-    codec = hvd_compress.BlockSign(max_block_size=None)
+    codec = hvd_compress.BlockSign()
     n = 10_000_000
     sent = {world: cost.compressed_traffic(codec, n, world, "sharded").sent for world in (2, 4, 8)}
     one_way = n / 8

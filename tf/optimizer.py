@@ -47,7 +47,8 @@ class _DistributedOptimizer:
             # Settings that a rank's own optimizer can decide: compared with the rest.
             agreement.modes(
                 sparse_as_dense=self._hvdc_sparse_as_dense,
-                worker_momentum=self._hvdc_worker_momentum,
+                # Whether, not in which form, as in PyTorch's.
+                worker_momentum=self._hvdc_worker_momentum is not None,
                 compressed_adam=self._hvdc_compressed_adam,
             ),
         )
