@@ -5,7 +5,7 @@ is refused with a clear error; and summed codes never overflow their carrier."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import hvd_compress
@@ -150,6 +150,9 @@ def test_adacomp_messages_round_trip(
     codec, reference = hc.AdaComp(min_size=0), hvd_compress.AdaComp(min_size=0)
     grad = _tensor(shape, dtype, magnitude, transpose, seed, device)
     compensated = grad + _tensor(shape, dtype, magnitude, transpose, seed + 1, device)
+    # A float16 sum of two values near 1e4 may overflow: a non-finite residue makes the whole
+    # message NaN by design (test_adacomp.py, test_non_finite_residue_decodes_to_nan_everywhere).
+    assume(bool(torch.isfinite(compensated).all()))
     if zero_bins:
         keep = torch.arange(compensated.numel(), device=device) >= 2 * bin_length
         compensated = torch.where(keep.reshape(compensated.shape), compensated, 0)
