@@ -24,6 +24,13 @@ def check_float(owner, name, value, *, low=None, high=None):
     return float(value)
 
 
+def check_bool(owner, name, value):
+    """Returns ``value`` if it is True or False; raises otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
+    return value
+
+
 def check_choice(owner, name, value, choices):
     if value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
@@ -150,11 +157,6 @@ HOROVOD_DEFAULTS = {
         False,
         "it applies to backward_passes_per_step > 1 only",
         "leave it False",
-    ),
-    "scale_local_gradients": (
-        True,
-        "local variables (register_local_var) are not supported",
-        "leave it True",
     ),
     "name": (
         None,

@@ -27,7 +27,7 @@ import horovod.torch as hvd
 import torch
 
 from hvd_compress.registry import Compression, resolve
-from hvd_compress.validation import check_choice, check_float, check_int
+from hvd_compress.validation import check_bool, check_choice, check_float, check_int
 
 from . import CODECS
 from .exchange import (
@@ -301,8 +301,7 @@ def LocalClipSGD(
         raise ValueError(f"{owner}: clip (gamma) must be > 0, got {clip!r}")
     sync_every = check_int(owner, "sync_every", sync_every, low=1)
     check_choice(owner, "clipping", clipping, CLIPPINGS)
-    if not isinstance(average_buffers, bool):
-        raise TypeError(f"{owner}: average_buffers must be True or False, got {average_buffers!r}")
+    check_bool(owner, "average_buffers", average_buffers)
     codec = resolve(compression, CODECS)
     seed = check_int(owner, "seed", seed, low=0)
     for index, group in enumerate(optimizer.param_groups):

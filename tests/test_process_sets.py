@@ -21,7 +21,12 @@ from .test_adacomp import train as train_sparse
 from .test_dist_ef import _train_ef, _virtual_iterate_gap
 from .test_pt_distributed import TERNGRAD, _check_consistent_and_exact, _train
 from .test_scalecom import _check_against_reference
-from .test_tf_distributed import _check
+from .test_tf_distributed import (
+    _check,
+    check_tape_sources,
+    check_tape_sources_outside,
+    tape_sources,
+)
 from .test_tf_distributed import _tape_loop as tape_loop
 from .test_tf_sparse import _assert_ranks_agree, _check_clt_k
 from .test_tf_sparse import _tape_loop as tape_loop_sparse
@@ -55,15 +60,19 @@ def _pt_job():
 
 
 def _tf_job():
-    """TernGrad, ef-sign (replicated and sharded server) and CLT-k through the tape, in this
-    rank's set of each layout."""
+    """TernGrad, ef-sign (replicated and sharded server) and CLT-k through the tape, and the
+    tape's watched tensors and local sources, in this rank's set of each layout."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
     results = {}
     for layout, sets in LAYOUTS.items():
         runs = tape_loop(TF_CONFIGS, layout=sets)
-        results[layout] = {"runs": runs, "clt-k": tape_loop_sparse(CLT_K, 4, True, layout=sets)}
+        results[layout] = {
+            "runs": runs,
+            "clt-k": tape_loop_sparse(CLT_K, 4, True, layout=sets),
+            "sources": tape_sources(layout=sets),
+        }
     hvd.allreduce(tf.zeros(1), name="test.end")
     return results
 
@@ -89,6 +98,7 @@ def _check_tf_set(results):
     sparse = [r["clt-k"] for r in results]
     _assert_ranks_agree(sparse)
     _check_clt_k(sparse)
+    check_tape_sources([r["sources"] for r in results])
 
 
 def _pt_outside(result):
@@ -109,6 +119,7 @@ def _tf_outside(result):
         assert record["bytes"] == 0
         for name, grad in record["exchanged"].items():
             np.testing.assert_array_equal(grad, record["local"][name])
+    check_tape_sources_outside(result["sources"])
 
 
 def _last_params(result, port):

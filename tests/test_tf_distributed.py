@@ -178,3 +178,144 @@ def test_both_horovod_modules_in_one_process_are_refused():
     not in it); it refuses instead, saying why."""
     for message in run_parallel(_both_horovod_modules, 2, own_job=True):
         assert message is not None and "horovod.torch and horovod.tensorflow" in message
+
+
+def tape_sources(layout=None):
+    """A tape's sources beyond variables, in this rank's process set of ``layout``: a
+    watched tensor, a variable and a variable registered with ``register_local_source``,
+    eagerly and traced, with local gradients scaled and not (codec ``none``); two eager steps
+    of TernGrad on the watched tensor; and a Keras ``DistributedOptimizer`` with one kernel
+    registered by ``register_local_var``. Records local and returned gradients."""
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    process_set = process_sets.join(hvd, layout)
+    data = np.random.default_rng(200 + hvd.rank())
+    x = tf.constant(data.standard_normal(3000).astype(np.float32))
+    shared = tf.Variable(np.linspace(-1, 1, 3000, dtype=np.float32), name="shared")
+    own = tf.Variable(np.linspace(2, 1, 3000, dtype=np.float32), name="own")
+
+    def step(x, compression="none", scale=True):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(x * shared * own) + tf.reduce_sum(x * x * shared)
+        sources = [x, shared, own]
+        local = tape.gradient(loss, sources)
+        distributed = htf.DistributedGradientTape(
+            tape, compression=compression, process_set=process_set, scale_local_gradients=scale
+        )
+        distributed.register_local_source(own)
+        returned = distributed.gradient(loss, sources)
+        pipelines.append(distributed.pipeline)
+        return local, returned
+
+    pipelines = []
+    traced = tf.function(step, input_signature=[tf.TensorSpec([3000], tf.float32)])
+    runs = {}
+    for name, run in (
+        ("eager", lambda: step(x)),
+        ("unscaled", lambda: step(x, scale=False)),
+        ("traced", lambda: traced(x)),
+    ):
+        local, returned = run()
+        runs[name] = ([g.numpy() for g in local], [g.numpy() for g in returned])
+    terngrad = htf.TernGrad(min_size=1000)
+    for _ in range(2):
+        local, returned = step(x, terngrad)
+    runs["terngrad"] = ([g.numpy() for g in local], [g.numpy() for g in returned])
+    terngrad = {
+        "steps": int(pipelines[-1].state.step.numpy()),
+        "plans": [p.name for p in pipelines[-1].plans],
+    }
+
+    inputs = data.standard_normal((16, 8)).astype(np.float32)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(3)])
+    model.set_weights(
+        [np.full(w.shape, 0.1 * (i + 1), np.float32) for i, w in enumerate(model.get_weights())]
+    )
+    optimizer = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=process_set)
+    optimizer.register_local_var(model.layers[0].kernel)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(inputs) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    before = [v.numpy() for v in model.trainable_variables]
+    optimizer.apply(grads, model.trainable_variables)
+    keras_run = {
+        "local": [g.numpy() for g in grads],
+        "steps": [b - v.numpy() for b, v in zip(before, model.trainable_variables)],
+    }
+    refusals = []
+    try:
+        optimizer.register_local_var(model.layers[1].kernel)
+    except ValueError as error:
+        refusals.append(str(error))
+    momentum = htf.DistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), compression="ef-sign", process_set=process_set
+    )
+    try:
+        momentum.register_local_var(model.layers[0].kernel)
+    except ValueError as error:
+        refusals.append(str(error))
+    return {
+        "runs": runs,
+        "terngrad": terngrad,
+        "keras": keras_run,
+        "refusals": refusals,
+        "size": process_set.size(),
+        "included": bool(process_set.included()),
+    }
+
+
+def check_tape_sources(results):
+    """The records of ``tape_sources`` of the ranks of one set (in set order): the watched
+    tensor and the variable averaged over the set, the local source this rank's own gradient
+    (divided by the set's size unless unscaled); the Keras kernel registered local stepped on
+    its rank's own gradient."""
+    size = results[0]["size"]
+    assert size == len(results)
+    for name in ("eager", "unscaled", "traced", "terngrad"):
+        for index in (0, 1):  # the watched tensor and the shared variable
+            mean = np.mean([r["runs"][name][0][index] for r in results], axis=0)
+            for r in results:
+                returned = r["runs"][name][1][index]
+                np.testing.assert_array_equal(returned, results[0]["runs"][name][1][index])
+                if name != "terngrad":
+                    np.testing.assert_allclose(returned, mean, rtol=1e-5, atol=1e-6)
+        for r in results:
+            local, returned = r["runs"][name][0][2], r["runs"][name][1][2]
+            expected = local if name == "unscaled" else local / size
+            np.testing.assert_allclose(returned, expected, rtol=1e-6)
+    for r in results:
+        # One pipeline over both steps: the watched tensor is known by its place.
+        assert r["terngrad"] == {"steps": 2, "plans": ["source_0", "shared:0"]}
+        lr = 0.1
+        local_kernel = lr * r["keras"]["local"][0] / size
+        np.testing.assert_allclose(r["keras"]["steps"][0], local_kernel, rtol=1e-5, atol=1e-7)
+        for index in (1, 2, 3):
+            mean = np.mean([s["keras"]["local"][index] for s in results], axis=0)
+            np.testing.assert_allclose(r["keras"]["steps"][index], lr * mean, rtol=1e-5, atol=1e-7)
+        after_step, with_momentum = r["refusals"]
+        assert "register_local_var after the first step" in after_step
+        assert (
+            "worker_momentum='nesterov'" in with_momentum
+            and "worker_momentum=False" in with_momentum
+        )
+
+
+def check_tape_sources_outside(result):
+    """The records of ``tape_sources`` of a rank outside its set: every gradient its own,
+    the local source's divided by the set's size unless unscaled."""
+    assert not result["included"]
+    for name, (local, returned) in result["runs"].items():
+        np.testing.assert_array_equal(returned[0], local[0])
+        np.testing.assert_array_equal(returned[1], local[1])
+        scale = 1 if name == "unscaled" else result["size"]
+        np.testing.assert_allclose(returned[2], local[2] / scale, rtol=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_tape_takes_watched_tensors_and_local_sources_and_keras_local_variables():
+    check_tape_sources(run_parallel(tape_sources, 2, timeout=500))

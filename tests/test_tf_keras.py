@@ -262,12 +262,11 @@ def _traced_wrappers():
                 "average_aggregated_gradients",
                 "num_groups",
                 "groups",
-                "scale_local_gradients",
             ),
         ),
         (
             lambda **k: htf.DistributedGradientTape(tf.GradientTape(), **k),
-            ("device_dense", "device_sparse", "num_groups", "groups", "scale_local_gradients"),
+            ("device_dense", "device_sparse", "num_groups", "groups"),
         ),
     ):
         wrapper()  # every default accepted
@@ -324,7 +323,6 @@ def test_horovod_keywords_other_than_their_defaults_are_refused(tf_wrappers):
         "average_aggregated_gradients",
         "num_groups",
         "groups",
-        "scale_local_gradients",
     }
     for keyword, error in refusals.items():
         assert f": {keyword}=" in error and "is not supported" in error

@@ -10,6 +10,7 @@ import hvd_compress.pt as hc
 from hvd_compress.registry import resolve
 from hvd_compress.validation import (
     HOROVOD_DEFAULTS,
+    check_bool,
     check_horovod_defaults,
     check_two_level_process_set,
 )
@@ -61,6 +62,13 @@ def test_negative_min_size():
         hc.TernGrad(min_size=1.5)
 
 
+def test_a_flag_must_be_a_bool():
+    assert check_bool("Wrapper", "scale_local_gradients", False) is False
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError, match=r"^Wrapper: scale_local_gradients must be True or"):
+            check_bool("Wrapper", "scale_local_gradients", value)
+
+
 def test_wrapping_something_that_is_not_an_optimizer():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
@@ -104,7 +112,6 @@ NOT_DEFAULT = {
     "device_sparse": "/cpu:0",
     "backward_passes_per_step": 2,
     "average_aggregated_gradients": True,
-    "scale_local_gradients": False,
     "name": "mine",
 }
 

@@ -34,7 +34,7 @@ import keras
 import tensorflow as tf
 
 from hvd_compress.registry import Compression, resolve
-from hvd_compress.validation import check_choice, check_float, check_int
+from hvd_compress.validation import check_bool, check_choice, check_float, check_int
 
 from . import CODECS
 from .exchange import Meter, refuse_xla
@@ -378,8 +378,7 @@ def LocalClipSGD(
         raise ValueError(f"{owner}: clip (gamma) must be > 0, got {clip!r}")
     sync_every = check_int(owner, "sync_every", sync_every, low=1)
     check_choice(owner, "clipping", clipping, CLIPPINGS)
-    if not isinstance(average_buffers, bool):
-        raise TypeError(f"{owner}: average_buffers must be True or False, got {average_buffers!r}")
+    check_bool(owner, "average_buffers", average_buffers)
     codec = resolve(compression, CODECS)
     seed = check_int(owner, "seed", seed, low=0)
     rate = float(optimizer.learning_rate)

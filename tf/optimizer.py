@@ -26,6 +26,7 @@ from hvd_compress.validation import check_compressed_adam_codec, check_horovod_d
 
 from . import CODECS
 from .compressed_adam import CompressedAdam
+from .local_variables import LocalVariables
 from .momentum import WorkerMomentum, keras2_class
 from .pipeline import check_options, make_pipeline, variable_name
 
@@ -37,6 +38,8 @@ class _DistributedOptimizer:
     class built at run time."""
 
     def _hvdc_attach(self, variables):
+        self._hvdc_variables = list(variables)
+        variables = [v for v in variables if v not in self._hvdc_local]
         named = [(variable_name(v), v) for v in variables]
         self._hvdc_pipeline = make_pipeline(
             "DistributedOptimizer",
@@ -68,6 +71,32 @@ class _DistributedOptimizer:
         )
         self._hvdc_keys = [self._var_key(v) for v in variables]
 
+    def register_local_var(self, var: Any) -> None:
+        """As Horovod's: ``var``'s gradient is not exchanged; the base optimizer steps on
+        this rank's own (divided by the process set's size if ``scale_local_gradients``).
+        Every rank registers the same variables before the first step."""
+        for name, value, off in (
+            ("worker_momentum", self._hvdc_worker_momentum, "worker_momentum=False"),
+            ("compressed_adam", self._hvdc_compressed_adam, "compressed_adam=0"),
+        ):
+            if value:
+                # Both change the base optimizer's step for every variable, the local
+                # ones included, which would then step without their momentum or variance.
+                raise ValueError(
+                    f"DistributedOptimizer: register_local_var is not available with "
+                    f"{name}={value!r} (chosen or given), which replaces the base optimizer's "
+                    f"step for every variable; pass {off} to keep local variables"
+                )
+        pipeline = getattr(self, "_hvdc_pipeline", None)
+        if pipeline is not None and int(pipeline.state.step.numpy()) > 0:
+            raise ValueError(
+                "DistributedOptimizer: register_local_var after the first step; register "
+                "local variables before training"
+            )
+        self._hvdc_local.register(var)
+        if pipeline is not None:  # planned when Keras built the optimizer: plan again
+            self._hvdc_attach(self._hvdc_variables)
+
     def _hvdc_exchange(self, grads, variables):
         """The averaged ``grads`` of ``variables`` (None stays None)."""
         grads = list(grads)
@@ -90,7 +119,13 @@ class _DistributedOptimizer:
         if self._hvdc_adam is not None:
             reduced = self._hvdc_adam.after_exchange(reduced)
         reduced = dict(zip(self._hvdc_keys, reduced))
-        return [None if g is None else reduced[self._var_key(v)] for v, g in zip(variables, grads)]
+
+        def returned(variable, grad):
+            if variable in self._hvdc_local:
+                return self._hvdc_local.gradient(grad, self._hvdc_pipeline.world_size)
+            return None if grad is None else reduced[self._var_key(variable)]
+
+        return [returned(v, g) for v, g in zip(variables, grads)]
 
     def _hvdc_base_step(self):
         """The context of the base optimizer's step: without its momentum where the worker
@@ -250,10 +285,12 @@ def DistributedOptimizer(
             T_w = 200, for those codecs under Adam and AdamW (logged once;
             ``hvd_compress.remedies``), off otherwise; 0: off, the gradients go through
             the codec.
+        scale_local_gradients: as in Horovod, divide the gradients of the variables
+            registered with ``register_local_var`` by the process set's size (default
+            True).
         name, device_dense, device_sparse, backward_passes_per_step,
-            average_aggregated_gradients, num_groups, groups, scale_local_gradients:
-            Horovod's, taken at their defaults only (``validation.HOROVOD_DEFAULTS`` says
-            why).
+            average_aggregated_gradients, num_groups, groups: Horovod's, taken at their
+            defaults only (``validation.HOROVOD_DEFAULTS`` says why).
     """
     check_horovod_defaults(
         "DistributedOptimizer",
@@ -264,8 +301,8 @@ def DistributedOptimizer(
         average_aggregated_gradients=average_aggregated_gradients,
         num_groups=num_groups,
         groups=groups,
-        scale_local_gradients=scale_local_gradients,
     )
+    local = LocalVariables("DistributedOptimizer", scale_local_gradients)
     keras2 = keras2_class("Optimizer")
     if keras2 is not None and isinstance(optimizer, keras2):
         methods = _Keras2
@@ -323,6 +360,7 @@ def DistributedOptimizer(
         _hvdc_sparse_as_dense=sparse_as_dense,
         _hvdc_worker_momentum=worker_momentum,
         _hvdc_compressed_adam=compressed_adam,
+        _hvdc_local=local,
     )
     if methods is _Keras3 and optimizer.built:
         wrapped._hvdc_attach(optimizer._trainable_variables)

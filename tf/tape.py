@@ -14,12 +14,35 @@ from hvd_compress.registry import Compression
 from hvd_compress.validation import check_horovod_defaults
 
 from . import CODECS
+from .local_variables import LocalVariables
 from .pipeline import check_options, make_pipeline, variable_name
 
-# The compression state of every set of differentiated variables, by the tape's settings:
-# a training loop makes a new tape every step, and the step counter (which positions the
+# The compression state of every set of differentiated sources, by the tape's settings: a
+# training loop makes a new tape every step, and the step counter (which positions the
 # random streams) and the error-feedback residuals must carry over.
 _PIPELINES = {}
+
+
+def _source_key(index, source):
+    """What identifies a source across steps: a variable itself; a watched tensor, new at
+    every step, by its place among the sources, shape and dtype."""
+    if isinstance(source, tf.Tensor):
+        return ("tensor", index, tuple(source.shape.as_list()), source.dtype.name)
+    return id(source)
+
+
+def _source_name(owner, index, source):
+    """A variable's name (``variable_name``); ``"source_<index>"`` for a watched tensor,
+    which has no name in eager mode."""
+    if not isinstance(source, tf.Tensor):
+        return variable_name(source)
+    if not source.shape.is_fully_defined():
+        raise ValueError(
+            f"{owner}: source {index} is a tensor of shape {source.shape}; the exchange plans "
+            f"each tensor by its full static shape (give the tf.function an input_signature "
+            f"with fixed shapes, or differentiate with respect to a tf.Variable)"
+        )
+    return f"source_{index}"
 
 
 class DistributedGradientTape:
@@ -27,8 +50,9 @@ class DistributedGradientTape:
     exchanged across all Horovod ranks and averaged.
 
     The signature follows ``horovod.tensorflow.DistributedGradientTape``; it works eagerly
-    and inside ``tf.function``, and also runs the exchange with a single process. Every
-    other attribute is the wrapped tape's.
+    and inside ``tf.function``, and also runs the exchange with a single process. The
+    sources may be variables or tensors the tape watches (named ``"source_<index>"`` by
+    their place among the sources). Every other attribute is the wrapped tape's.
 
     The compression state (the step counter that positions the random streams, and the
     error-feedback residuals) is a ``CompressionPipeline``, made at the first ``gradient()``
@@ -62,8 +86,17 @@ class DistributedGradientTape:
             it to the next gradient. None: the codec's default (on for ``ef-sign``).
         adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
             here (``docs/adaptive.md``). Default False.
-        device_dense, device_sparse, num_groups, groups, scale_local_gradients: Horovod's,
-            taken at their defaults only (``validation.HOROVOD_DEFAULTS`` says why).
+        scale_local_gradients: as in Horovod, divide the gradients of the sources
+            registered with ``register_local_source`` by the process set's size (default
+            True).
+        device_dense, device_sparse, num_groups, groups: Horovod's, taken at their defaults
+            only (``validation.HOROVOD_DEFAULTS`` says why).
+
+    The tape has no ``worker_momentum`` or ``compressed_adam``: both change the optimizer's
+    own step (its momentum is switched off where the worker applied it; Adam's variance is
+    frozen), and the tape never sees the optimizer. In a custom loop, differentiate with a
+    plain ``tf.GradientTape`` and apply with the Keras ``DistributedOptimizer``, which has
+    both.
     """
 
     def __init__(
@@ -92,9 +125,9 @@ class DistributedGradientTape:
             device_sparse=device_sparse,
             num_groups=num_groups,
             groups=groups,
-            scale_local_gradients=scale_local_gradients,
         )
         self._tape = gradtape
+        self._local = LocalVariables("DistributedGradientTape", scale_local_gradients)
         self._sparse_as_dense = sparse_as_dense
         self._codec, self._options = check_options(
             "DistributedGradientTape",
@@ -111,6 +144,12 @@ class DistributedGradientTape:
         self._uncompressed = frozenset(uncompressed)
         self.pipeline = None
 
+    def register_local_source(self, source: tf.Variable | tf.Tensor) -> None:
+        """As Horovod's: ``source``'s gradient is not exchanged; ``gradient`` returns this
+        rank's own (divided by the process set's size if ``scale_local_gradients``). Every
+        rank registers the same sources before their first ``gradient``."""
+        self._local.register(source)
+
     # Called in a user's tf.function, autograph would convert the library's code, which
     # needs no conversion (its tensor-dependent control flow is in explicit tf.cond calls)
     # and whose conversion costs most of the time of tracing a step.
@@ -123,33 +162,47 @@ class DistributedGradientTape:
         unconnected_gradients=tf.UnconnectedGradients.NONE,
     ):
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
-        variables = tf.nest.flatten(sources)
+        flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads)
         if self._sparse_as_dense:
             flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in flat]
-        self.pipeline = self._pipeline(variables)
-        reduced = self.pipeline.reduce(self.pipeline.clip_locally(flat))
-        return tf.nest.pack_sequence_as(grads, reduced)
+        shared = [i for i, source in enumerate(flat_sources) if source not in self._local]
+        self.pipeline = None
+        if shared:
+            self.pipeline = self._pipeline([(i, flat_sources[i]) for i in shared])
+            reduced = self.pipeline.reduce(self.pipeline.clip_locally([flat[i] for i in shared]))
+            for i, g in zip(shared, reduced):
+                flat[i] = g
+        if self._local:
+            world_size = self._options["process_set"].size()
+            flat = [
+                self._local.gradient(g, world_size) if source in self._local else g
+                for source, g in zip(flat_sources, flat)
+            ]
+        return tf.nest.pack_sequence_as(grads, flat)
 
-    def _pipeline(self, variables):
+    def _pipeline(self, indexed_sources):
         key = (
-            tuple(id(v) for v in variables),
+            tuple(_source_key(i, source) for i, source in indexed_sources),
             self._codec,
             self._uncompressed,
             tuple(sorted(self._options.items())),
         )
         entry = _PIPELINES.get(key)
         if entry is None:
-            named = [(variable_name(v), v) for v in variables]
+            owner = "DistributedGradientTape"
+            named = [(_source_name(owner, i, source), source) for i, source in indexed_sources]
             pipeline = make_pipeline(
-                "DistributedGradientTape",
+                owner,
                 named,
                 self._codec,
                 self._uncompressed,
                 self._options,
                 agreement.modes(sparse_as_dense=self._sparse_as_dense),
             )
-            # The variables are kept with their pipeline so that their ids are never reused.
+            # The variables are kept with their pipeline so that their ids are never reused;
+            # watched tensors are not, being keyed by place.
+            variables = [s for _, s in indexed_sources if not isinstance(s, tf.Tensor)]
             entry = _PIPELINES[key] = (variables, pipeline)
         return entry[1]
 
