@@ -96,7 +96,6 @@ def main(argv=None):
     )
     model.compile(
         optimizer=optimizer,
-        jit_compile=False,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
 

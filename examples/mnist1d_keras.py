@@ -97,7 +97,6 @@ def main(argv=None):
     model = cnn()
     model.compile(
         optimizer=optimizer,
-        jit_compile=False,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     recorder = StepRecorder()

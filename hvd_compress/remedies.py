@@ -71,7 +71,8 @@ ADAM_GAPS = {
 _logged = set()
 
 
-def _log_once(message):
+def log_once(message: str) -> None:
+    """Logs ``message`` as a warning of the ``hvd_compress`` logger, once per process."""
     if message not in _logged:
         _logged.add(message)
         logging.getLogger("hvd_compress").warning("%s", message)
@@ -102,7 +103,7 @@ def compressed_adam(
         f"on this project's language model"
     )
     if kind == "adam" and refusal is None:
-        _log_once(
+        log_once(
             f"hvd_compress: {owner} turned compressed Adam on for {codec.name} with "
             f"{optimizer_name} (compressed_adam={COMPRESSED_ADAM_WARMUP}: uncompressed "
             f"steps before Adam's variance is frozen and the momentum goes through the "
@@ -112,13 +113,13 @@ def compressed_adam(
         )
         return COMPRESSED_ADAM_WARMUP
     if kind == "adam":
-        _log_once(
+        log_once(
             f"hvd_compress: {owner}: {gap}, and compressed Adam, the remedy, cannot run "
             f"here ({refusal}); expect {codec.name} to train worse than uncompressed "
             f"{optimizer_name}, or use a codec without error feedback (qsgd-inf, terngrad)."
         )
     elif kind == "other":
-        _log_once(
+        log_once(
             f"hvd_compress: {owner}: {codec.name} leans on error feedback, and with an "
             f"adaptive optimizer (Adam) {gap} unless Adam's own mode, compressed_adam, was "
             f"on. {optimizer_name} is not one the wrappers know; if it scales steps by "
@@ -138,7 +139,7 @@ def adam_gap(owner: str, codec, kind: str, optimizer_name: str, chosen: bool) ->
     if codec.params() != type(codec)().params():
         return  # measured with the defaults only
     gap, closer = known
-    _log_once(
+    log_once(
         f"hvd_compress: {owner}: {codec.name} with its defaults under {optimizer_name} "
         f"ended {gap}, in validation bits per byte on this project's language model (2 "
         f"workers, two seeds); {closer}."
@@ -156,7 +157,7 @@ def worker_momentum(
         if not (codec.worker_momentum_default and sgd_momentum):
             return None
         if codec.nesterov_remedy and heavy_ball:
-            _log_once(
+            log_once(
                 f"hvd_compress: {owner} applies {codec.name}'s worker momentum in Nesterov's "
                 f"form, as dist-EF-blockSGDM does (worker_momentum='nesterov'), where the "
                 f"optimizer has heavy-ball momentum, because {codec.name} with heavy-ball "

@@ -80,7 +80,6 @@ def _fit(codecs, batches=3, batch_size=8):
         )
         model.compile(
             optimizer=optimizer,
-            jit_compile=False,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         data = np.random.default_rng(100 + hvd.rank())
@@ -302,11 +301,47 @@ def _traced_wrappers():
 
     for caller, step in (("tape", tape_step), ("optimizer", optimizer_step)):
         step()
-    return errors, refusals, callers
+    CompressionPipeline.reduce = reduce
+    return errors, refusals, callers, _auto_jit_compile(keras, tf, htf, x, y)
+
+
+def _auto_jit_compile(keras, tf, htf, x, y):
+    """``model.compile``'s default ``jit_compile="auto"`` where Keras would turn XLA on (a GPU
+    listed, as ``tf.config`` would on a GPU node) for a wrapped and a plain optimizer; whether
+    the wrapped one's ``fit`` then trains; what the wrappers logged."""
+    import logging
+
+    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+    listed = tf.config.list_physical_devices
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("hvd_compress").addHandler(handler)
+    resolved = {}
+    for name, optimizer in (
+        ("wrapped", htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="terngrad")),
+        ("plain", keras.optimizers.SGD(0.1)),
+    ):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        tf.config.list_physical_devices = lambda kind=None: (
+            listed(kind) + ([gpu] if kind in (None, "GPU") else [])
+        )
+        try:
+            model.compile(optimizer=optimizer, loss="mse")
+        finally:
+            tf.config.list_physical_devices = listed
+        resolved[name] = model.jit_compile
+        if name == "wrapped":
+            before = model.get_weights()[0].copy()
+            model.fit(x, y, verbose=0)
+            resolved["trained"] = not np.array_equal(before, model.get_weights()[0])
+    logging.getLogger("hvd_compress").removeHandler(handler)
+    resolved["logged"] = [m for m in logged if "leaves XLA off" in m]
+    return resolved
 
 
 def test_xla_compiled_steps_are_refused_with_the_remedy(tf_wrappers):
-    errors, _, _ = tf_wrappers
+    errors, _, _, _ = tf_wrappers
     assert len(errors) == 2
     for error in errors:
         assert "XLA cannot compile Horovod's collectives" in error
@@ -314,7 +349,7 @@ def test_xla_compiled_steps_are_refused_with_the_remedy(tf_wrappers):
 
 
 def test_horovod_keywords_other_than_their_defaults_are_refused(tf_wrappers):
-    _, refusals, _ = tf_wrappers
+    _, refusals, _, _ = tf_wrappers
     assert set(refusals) == {
         "name",
         "device_dense",
@@ -331,8 +366,17 @@ def test_horovod_keywords_other_than_their_defaults_are_refused(tf_wrappers):
 def test_autograph_leaves_the_library_unconverted(tf_wrappers):
     # Converting the pipeline's code costs most of the time of tracing a step, and it needs
     # no conversion: its tensor-dependent control flow is in explicit tf.cond calls.
-    _, _, callers = tf_wrappers
+    _, _, callers, _ = tf_wrappers
     assert callers == {"tape": "tape.py", "optimizer": "optimizer.py"}
+
+
+def test_auto_jit_compile_resolves_to_no_xla_for_the_wrappers_only(tf_wrappers):
+    # Keras 3 turns XLA on for "auto" wherever a GPU is listed; the wrapped model's step
+    # would then be refused, the plain one's stays Keras's choice.
+    *_, resolved = tf_wrappers
+    logged = resolved.pop("logged")
+    assert resolved == {"wrapped": False, "plain": True, "trained": True}
+    assert len(logged) == 1 and "DistributedOptimizer leaves XLA off" in logged[0]
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,6 @@ def _fit(hvd, keras, tf, sync_every=3, batches=7):
     )
     model.compile(
         optimizer=optimizer,
-        jit_compile=False,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     x = np.concatenate([_batch(hvd.rank(), t)[0] for t in range(batches)])

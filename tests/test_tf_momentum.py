@@ -179,7 +179,6 @@ def _identity_against_sgd(steps=10):
             ours = optimizer
         model.compile(
             optimizer=optimizer,
-            jit_compile=False,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)

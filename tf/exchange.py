@@ -25,7 +25,6 @@ import contextlib
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
 from hvd_compress import watchdog
 from hvd_compress.codes import shard_length
@@ -137,19 +136,6 @@ def mark_exchange_end(outputs):
         return
     with tf.control_dependencies(tf.nest.flatten(outputs, expand_composites=True)):
         tf.numpy_function(waited, [], [], stateful=True)
-
-
-def refuse_xla(owner):
-    """Raises a ValueError, naming ``owner``, where the graph being built is XLA-compiled:
-    XLA cannot compile Horovod's collectives, and Keras 3 compiles ``model.fit``'s step with
-    XLA by default on a GPU (``jit_compile="auto"``), which would otherwise fail with
-    TensorFlow's "tf2xla conversion failed"."""
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-        raise ValueError(
-            f"{owner}: XLA cannot compile Horovod's collectives; compile the model with "
-            f"model.compile(..., jit_compile=False) (Keras 3 turns XLA on by default when a "
-            f"GPU is present), or call it from a tf.function without jit_compile=True"
-        )
 
 
 def _floats(rows):

@@ -37,9 +37,10 @@ from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import check_bool, check_choice, check_float, check_int
 
 from . import CODECS
-from .exchange import Meter, refuse_xla
+from .exchange import Meter
 from .optimizer import wrap_in_subclass
 from .pipeline import make_pipeline, variable_name
+from .xla import leave_auto_xla_off, refuse_xla
 
 CLIPPINGS = ("local", "global_average", "max")
 
@@ -53,6 +54,8 @@ def _state(name, dtype=tf.int64):
 class _LocalClipSGD:
     """Methods grafted onto a subclass of the user's SGD class (see ``LocalClipSGD``); the
     base class is called explicitly, never through ``super``, as in ``DistributedOptimizer``."""
+
+    _hvdc_owner = "LocalClipSGD"
 
     def build(self, variables):
         self._hvdc_base.build(self, variables)
@@ -307,7 +310,7 @@ def LocalClipSGD(
 
         optimizer = htf.LocalClipSGD(keras.optimizers.SGD(0.5), model, clip=0.05,
                                      sync_every=8)
-        model.compile(optimizer=optimizer, loss=..., jit_compile=False)
+        model.compile(optimizer=optimizer, loss=...)
         model.fit(..., callbacks=[BroadcastGlobalVariablesCallback(0)])
 
     The result is an instance of a subclass of the optimizer's class (so ``isinstance``,
@@ -388,6 +391,7 @@ def LocalClipSGD(
             f"gamma / eta_0), got {rate!r}"
         )
 
+    leave_auto_xla_off()
     wrapped = wrap_in_subclass(optimizer, _LocalClipSGD)
     # Outside Keras's attribute tracking: the model is not the optimizer's to save.
     wrapped.__dict__.update(

@@ -29,6 +29,7 @@ from .compressed_adam import CompressedAdam
 from .local_variables import LocalVariables
 from .momentum import WorkerMomentum, keras2_class
 from .pipeline import check_options, make_pipeline, variable_name
+from .xla import leave_auto_xla_off
 
 
 class _DistributedOptimizer:
@@ -36,6 +37,8 @@ class _DistributedOptimizer:
     ``DistributedOptimizer``), with those of ``_Keras3`` or ``_Keras2``; the base class is
     called explicitly, never through ``super``, because these functions are copied into a
     class built at run time."""
+
+    _hvdc_owner = "DistributedOptimizer"
 
     def _hvdc_attach(self, variables):
         self._hvdc_variables = list(variables)
@@ -233,9 +236,11 @@ def DistributedOptimizer(
     ``get_config`` and learning-rate schedules behave as before) that shares the given
     optimizer's state. Its compression plan is made when Keras builds the optimizer on the
     model's variables. Broadcast the initial state with
-    ``hvd_compress.tf.callbacks.BroadcastGlobalVariablesCallback``. On a GPU, compile the
-    model with ``jit_compile=False``: XLA cannot compile Horovod's collectives, and an
-    XLA-compiled step is refused with a ValueError.
+    ``hvd_compress.tf.callbacks.BroadcastGlobalVariablesCallback``. XLA cannot compile
+    Horovod's collectives: ``model.compile``'s default ``jit_compile="auto"``, which Keras 3
+    turns on where a GPU is present, resolves to no XLA for a model with this optimizer
+    (logged once; ``hvd_compress.tf.xla``), and ``jit_compile=True`` is refused with a
+    ValueError.
 
     Args:
         optimizer: the ``keras.optimizers.Optimizer`` to wrap.
@@ -351,6 +356,8 @@ def DistributedOptimizer(
     if compressed_adam is not None:
         compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
         check_compressed_adam_codec("DistributedOptimizer", codec)
+    if methods is _Keras3:
+        leave_auto_xla_off()
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, methods)
     wrapped.__dict__.update(
         _hvdc_base=optimizer.__class__,

@@ -37,12 +37,12 @@ from .exchange import (
     mark_exchange_end,
     mark_exchange_start,
     meet,
-    refuse_xla,
     watched,
 )
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
+from .xla import refuse_xla
 
 
 def uniforms(seed, rank, step, index, shape):
