@@ -148,16 +148,6 @@ HOROVOD_DEFAULTS = {
         "the codecs run on the gradients' own device",
         "place the model's variables on the device",
     ),
-    "backward_passes_per_step": (
-        1,
-        "the TensorFlow port exchanges on every apply()",
-        "accumulate gradients before apply_gradients",
-    ),
-    "average_aggregated_gradients": (
-        False,
-        "it applies to backward_passes_per_step > 1 only",
-        "leave it False",
-    ),
     "name": (
         None,
         "the wrapper keeps the wrapped optimizer's name",

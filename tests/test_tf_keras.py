@@ -139,9 +139,92 @@ def test_fit_keeps_ranks_identical_after_every_batch():
             assert "_hvdc_pipeline/state/worker/residuals" in saved
 
 
-def _fit_keras2(codecs, batches=3, batch_size=8):
+def _aggregate(configs, passes=2, batches=4):
+    """Keras 3 ``DistributedOptimizer(backward_passes_per_step=passes)`` in a traced custom
+    step, per (codec, average_aggregated_gradients) config: this rank's gradients and the
+    weights after every batch, and the optimizer's iterations."""
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+
+    hvd.init()
+    runs = []
+    for codec, average in configs:
+        keras.utils.set_random_seed(0)  # the same initial weights on every rank
+        model = _perceptron(keras)
+        optimizer = htf.DistributedOptimizer(
+            keras.optimizers.SGD(0.1),
+            compression=codec,
+            backward_passes_per_step=passes,
+            average_aggregated_gradients=average,
+        )
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x))
+            grads = tape.gradient(value, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            return grads
+
+        data = np.random.default_rng(100 + hvd.rank())
+        grads, weights = [], [[w.copy() for w in model.get_weights()]]
+        for _ in range(batches):
+            x = data.standard_normal((8, 64)).astype(np.float32)
+            y = data.integers(0, 10, 8)
+            grads.append([g.numpy() for g in step(x, y)])
+            weights.append([w.copy() for w in model.get_weights()])
+        runs.append(
+            {"grads": grads, "weights": weights, "iterations": int(optimizer.iterations.numpy())}
+        )
+    return runs
+
+
+AGGREGATED = [
+    (hvd_compress.NoneCodec(), False),
+    (hvd_compress.NoneCodec(), True),
+    (hvd_compress.TernGrad(min_size=1000, compress_classifier=False), False),
+]
+
+
+def test_backward_passes_are_summed_locally_and_exchanged_every_kth_batch():
+    """With ``none``, the weights change only on every second batch, by the learning rate
+    times the average over ranks of the two batches' summed (or averaged) gradients; with a
+    codec the ranks agree."""
+    passes, lr = 2, 0.1
+    per_rank = run_parallel(_aggregate, 4, AGGREGATED, passes, timeout=600)
+    for (codec, average), results in zip(AGGREGATED, zip(*per_rank)):
+        first = results[0]
+        assert first["iterations"] == len(first["grads"])  # every pass counts
+        for other in results[1:]:
+            for got, want in zip(other["weights"], first["weights"]):
+                for g, w in zip(got, want):
+                    np.testing.assert_array_equal(g, w, err_msg=repr(codec))
+        for batch in range(len(first["grads"])):
+            before, after = first["weights"][batch], first["weights"][batch + 1]
+            if (batch + 1) % passes:
+                for b, a in zip(before, after):
+                    np.testing.assert_array_equal(a, b)
+                continue
+            if codec.name != "none":
+                assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+                continue
+            for index, (b, a) in enumerate(zip(before, after)):
+                summed = [
+                    sum(r["grads"][p][index] for p in range(batch + 1 - passes, batch + 1))
+                    for r in results
+                ]
+                expected = np.mean(summed, axis=0) / (passes if average else 1)
+                np.testing.assert_allclose(b - a, lr * expected, rtol=1e-4, atol=1e-7)
+
+
+def _fit_keras2(codecs, batches=4, batch_size=8, passes=2):
     """``_fit`` with Keras 2 (``tf_keras``): Horovod's own Keras optimizer first (the
-    uncompressed baseline), then this library's wrapper with each codec."""
+    uncompressed baseline), then this library's wrapper with each codec; then both again
+    with ``backward_passes_per_step=passes``, the wrapper's with ``none``."""
     import os
 
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -154,15 +237,17 @@ def _fit_keras2(codecs, batches=3, batch_size=8):
     hvd.init()
 
     runs = []
-    for codec in [None] + list(codecs):
+    configs = [(None, 1)] + [(codec, 1) for codec in codecs]
+    configs += [(None, passes), (hvd_compress.NoneCodec(), passes)]
+    for codec, k in configs:
         keras.utils.set_random_seed(hvd.rank())
         model = _perceptron(keras)
         hvd.broadcast_variables(model.variables, root_rank=0)
         sgd = keras.optimizers.SGD(0.1, momentum=0.9)
         if codec is None:
-            optimizer = hvd_keras.DistributedOptimizer(sgd)
+            optimizer = hvd_keras.DistributedOptimizer(sgd, backward_passes_per_step=k)
         else:
-            optimizer = htf.DistributedOptimizer(sgd, compression=codec)
+            optimizer = htf.DistributedOptimizer(sgd, compression=codec, backward_passes_per_step=k)
         model.compile(
             optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -174,7 +259,7 @@ def _fit_keras2(codecs, batches=3, batch_size=8):
         model.fit(
             x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[recorder]
         )
-        run = {"weights": recorder.weights}
+        run = {"weights": recorder.weights, "iterations": int(optimizer.iterations.numpy())}
         if codec is not None:
             stats = optimizer.compression_stats()
             run.update(
@@ -189,19 +274,28 @@ def _fit_keras2(codecs, batches=3, batch_size=8):
 @pytest.mark.timeout(900)
 def test_keras2_fit_matches_horovods_optimizer_and_ranks_agree():
     """Keras 2 (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``): with ``none`` the wrapper trains
-    bitwise as Horovod's own Keras optimizer; with a codec (ef-sign with its worker momentum
-    on tf_keras's SGD) every rank holds the same weights after every batch."""
+    bitwise as Horovod's own Keras optimizer, exchanging on every batch and, summing two
+    batches locally, on every second (``backward_passes_per_step=2``); with a codec
+    (ef-sign with its worker momentum on tf_keras's SGD) every rank holds the same weights
+    after every batch."""
     codecs = [
         hvd_compress.NoneCodec(),
         hvd_compress.TernGrad(min_size=1000, compress_classifier=False),
         hvd_compress.BlockSign(min_size=0),
     ]
     per_rank = run_parallel(_fit_keras2, 2, codecs, timeout=800, new_interpreter=True)
-    horovods = per_rank[0][0]["weights"]
-    for got, want in zip(per_rank[0][1]["weights"], horovods):
-        np.testing.assert_array_equal(got, want)
-    for codec, (first, other) in zip(codecs, zip(*(runs[1:] for runs in per_rank))):
-        assert len(first["weights"]) == 3 and first["step"] == 3
+    runs = per_rank[0]
+    for horovods, ours in ((runs[0], runs[1]), (runs[-2], runs[-1])):
+        for got, want in zip(ours["weights"], horovods["weights"]):
+            np.testing.assert_array_equal(got, want)
+        assert ours["iterations"] == horovods["iterations"] == 4
+    aggregated = runs[-1]["weights"]
+    # Steps after the 2nd and 4th batches; the 3rd only adds to the sums.
+    np.testing.assert_array_equal(aggregated[1], aggregated[2])
+    assert not np.array_equal(aggregated[0], aggregated[1])
+    assert runs[-1]["step"] == 2
+    for codec, (first, other) in zip(codecs, zip(*(runs[1:-2] for runs in per_rank))):
+        assert len(first["weights"]) == 4 and first["step"] == 4
         for batch, (got, want) in enumerate(zip(other["weights"], first["weights"])):
             np.testing.assert_array_equal(got, want, err_msg=f"{codec!r}, batch {batch}")
         assert not np.array_equal(first["weights"][0], first["weights"][-1])
@@ -257,8 +351,6 @@ def _traced_wrappers():
                 "name",
                 "device_dense",
                 "device_sparse",
-                "backward_passes_per_step",
-                "average_aggregated_gradients",
                 "num_groups",
                 "groups",
             ),
@@ -354,8 +446,6 @@ def test_horovod_keywords_other_than_their_defaults_are_refused(tf_wrappers):
         "name",
         "device_dense",
         "device_sparse",
-        "backward_passes_per_step",
-        "average_aggregated_gradients",
         "num_groups",
         "groups",
     }

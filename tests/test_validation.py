@@ -110,8 +110,6 @@ NOT_DEFAULT = {
     "groups": [[]],
     "device_dense": "/gpu:0",
     "device_sparse": "/cpu:0",
-    "backward_passes_per_step": 2,
-    "average_aggregated_gradients": True,
     "name": "mine",
 }
 

@@ -22,10 +22,16 @@ import tensorflow as tf
 from hvd_compress import agreement, remedies
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import Compression
-from hvd_compress.validation import check_compressed_adam_codec, check_horovod_defaults
+from hvd_compress.validation import (
+    check_bool,
+    check_compressed_adam_codec,
+    check_horovod_defaults,
+    check_int,
+)
 
 from . import CODECS
 from .compressed_adam import CompressedAdam
+from .local_aggregation import LocalAggregation
 from .local_variables import LocalVariables
 from .momentum import WorkerMomentum, keras2_class
 from .pipeline import check_options, make_pipeline, variable_name
@@ -73,6 +79,37 @@ class _DistributedOptimizer:
             else None
         )
         self._hvdc_keys = [self._var_key(v) for v in variables]
+        everything = self._hvdc_variables
+        self._hvdc_pipeline.state.aggregation = (
+            LocalAggregation(
+                everything,
+                [self._var_key(v) for v in everything],
+                self._hvdc_passes,
+                self._hvdc_average_passes,
+            )
+            if self._hvdc_passes > 1
+            else None
+        )
+
+    def _hvdc_apply(self, grads, variables, apply_base):
+        """Exchanges ``grads`` of ``variables`` and steps with ``apply_base(exchanged)``,
+        returning what it returns; with ``backward_passes_per_step`` > 1, sums them and does
+        so on every k-th call, returning None (``LocalAggregation``)."""
+
+        def exchange_and_apply(grads):
+            grads = self._hvdc_exchange(grads, variables)
+            with self._hvdc_base_step():
+                return apply_base(grads)
+
+        aggregation = self._hvdc_pipeline.state.aggregation
+        if aggregation is None:
+            return exchange_and_apply(grads)
+        keys = [self._var_key(v) for v in variables]
+        # As Horovod's: the passes that do not step still count as iterations.
+        aggregation.apply(
+            list(grads), keys, exchange_and_apply, lambda: self.iterations.assign_add(1)
+        )
+        return None
 
     def register_local_var(self, var: Any) -> None:
         """As Horovod's: ``var``'s gradient is not exchanged; the base optimizer steps on
@@ -168,9 +205,9 @@ class _Keras3:
             variables = list(trainable_variables)
             if not self.built:
                 self.build(variables)
-        grads = self._hvdc_exchange(grads, variables)
-        with self._hvdc_base_step():
-            return self._hvdc_base.apply(self, grads, trainable_variables)
+        return self._hvdc_apply(
+            grads, variables, lambda g: self._hvdc_base.apply(self, g, trainable_variables)
+        )
 
     def update_step(self, gradient, variable, learning_rate):
         if getattr(self, "_hvdc_adam", None) is None:
@@ -188,9 +225,12 @@ class _Keras2:
         grads, variables = zip(*grads_and_vars)
         if getattr(self, "_hvdc_pipeline", None) is None:
             self._hvdc_attach(variables)
-        grads = self._hvdc_exchange(grads, variables)
-        with self._hvdc_base_step():
-            return self._hvdc_base.apply_gradients(self, zip(grads, variables), *args, **kwargs)
+        result = self._hvdc_apply(
+            grads,
+            variables,
+            lambda g: self._hvdc_base.apply_gradients(self, zip(g, variables), *args, **kwargs),
+        )
+        return self.iterations if result is None else result
 
 
 def optimizer_kind(optimizer) -> str:
@@ -293,8 +333,12 @@ def DistributedOptimizer(
         scale_local_gradients: as in Horovod, divide the gradients of the variables
             registered with ``register_local_var`` by the process set's size (default
             True).
-        name, device_dense, device_sparse, backward_passes_per_step,
-            average_aggregated_gradients, num_groups, groups: Horovod's, taken at their
+        backward_passes_per_step: as in Horovod, k >= 1 calls of ``apply`` (batches of
+            ``model.fit``) summed locally before one exchange and step; the other calls
+            only advance ``iterations`` (``LocalAggregation``). Default 1.
+        average_aggregated_gradients: divide the k passes' sum by k (default False: the
+            sum, as Horovod).
+        name, device_dense, device_sparse, num_groups, groups: Horovod's, taken at their
             defaults only (``validation.HOROVOD_DEFAULTS`` says why).
     """
     check_horovod_defaults(
@@ -302,12 +346,14 @@ def DistributedOptimizer(
         name=name,
         device_dense=device_dense,
         device_sparse=device_sparse,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients,
         num_groups=num_groups,
         groups=groups,
     )
     local = LocalVariables("DistributedOptimizer", scale_local_gradients)
+    passes = check_int(
+        "DistributedOptimizer", "backward_passes_per_step", backward_passes_per_step, low=1
+    )
+    check_bool("DistributedOptimizer", "average_aggregated_gradients", average_aggregated_gradients)
     keras2 = keras2_class("Optimizer")
     if keras2 is not None and isinstance(optimizer, keras2):
         methods = _Keras2
@@ -321,7 +367,9 @@ def DistributedOptimizer(
     if getattr(optimizer, "gradient_accumulation_steps", None):
         raise ValueError(
             "DistributedOptimizer: the optimizer's gradient_accumulation_steps "
-            "is not supported; exchanges happen on every apply()"
+            "is not supported (it would apply what every pass exchanged); pass "
+            "backward_passes_per_step to DistributedOptimizer instead, which sums the "
+            "passes locally and exchanges once"
         )
     codec, options = check_options(
         "DistributedOptimizer",
@@ -368,6 +416,8 @@ def DistributedOptimizer(
         _hvdc_worker_momentum=worker_momentum,
         _hvdc_compressed_adam=compressed_adam,
         _hvdc_local=local,
+        _hvdc_passes=passes,
+        _hvdc_average_passes=average_aggregated_gradients,
     )
     if methods is _Keras3 and optimizer.built:
         wrapped._hvdc_attach(optimizer._trainable_variables)

@@ -18,9 +18,15 @@ class PipelineState(CommittedState, tf.Module):
             streams (``hvd_compress.seeding``) and chooses CLT-k's leader, so every rank
             holds the same one.
 
+        aggregation: the Keras optimizer's sums of the backward passes since its last
+            exchange (``LocalAggregation``), with ``backward_passes_per_step`` > 1; else
+            None. Not committed: a pass adds to it whatever its gradients.
+
     The PyTorch port's state also holds the adaptive mode's planner; that mode is the
     PyTorch port's only.
     """
+
+    aggregation = None
 
     def __init__(
         self,
