@@ -10,6 +10,7 @@ machine's loopback, the fallback when namespaces cannot be created. Every worker
 in its own process group, and leaving the ``with`` block kills the ones still running.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -184,8 +185,6 @@ class HorovodJob:
         """Kills every worker still running and stops the rendezvous server."""
         for process in self.processes + [self.rendezvous]:
             if process is not None and process.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 process.wait()

@@ -87,7 +87,7 @@ def _tc(namespace, *args):
 
 def check_topology(workers, per_node):
     """Raises ValueError unless N = ``workers`` fills nodes of L = ``per_node`` workers."""
-    if not isinstance(workers, int) or not 1 <= workers:
+    if not isinstance(workers, int) or not workers >= 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     if not isinstance(per_node, int) or per_node < 1 or workers % per_node:
         raise ValueError(
@@ -119,7 +119,7 @@ class NetworkInUse(RuntimeError):
 def _lock(prefix):
     """Holds the lock that says a live network uses ``prefix`` (released when the file is
     closed or the process dies), so that a second run never tears down the first one's."""
-    lock = open(f"/run/{prefix}netns.lock", "w")
+    lock = open(f"/run/{prefix}netns.lock", "w")  # noqa: SIM115 (held open: the lock)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -1,6 +1,7 @@
 """The benchmark's PNG plots: speed-up against link rate, step-time breakdown with the cost
 model's prediction, and MNIST-1D test accuracy against training time."""
 
+import contextlib
 import os
 
 import matplotlib
@@ -15,10 +16,9 @@ from .report import BASELINE  # noqa: E402
 def _shaped(rows):
     shaped = []
     for row in rows:
-        try:
+        # localhost rows have no rate to plot against
+        with contextlib.suppress(ValueError):
             shaped.append((parse_rate(row["rate"]), row))
-        except ValueError:
-            pass  # localhost rows have no rate to plot against
     return shaped
 
 

@@ -107,7 +107,7 @@ def main(argv=None):
     local_batch = args.batch_size // hvd.size()
     rng = np.random.default_rng(args.seed * 1000 + hvd.rank())
     record = RunRecord()
-    for step in range(args.steps):
+    for _step in range(args.steps):
         offsets = rng.integers(0, train.size - args.context - 1, local_batch)
         inputs, targets = map(torch.from_numpy, corpus.windows(train, offsets, args.context))
         start = time.perf_counter()

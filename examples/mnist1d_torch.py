@@ -78,7 +78,7 @@ def main(argv=None):
     local_batch = args.batch_size // hvd.size()
     generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     record = RunRecord()
-    for step in range(args.steps):
+    for _step in range(args.steps):
         index = torch.randint(len(x_train), (local_batch,), generator=generator).to(device)
         start = time.perf_counter()
         optimizer.zero_grad()

@@ -55,7 +55,7 @@ where the text was not available:
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

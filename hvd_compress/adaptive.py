@@ -67,7 +67,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from . import cost
 from .validation import check_float, check_int

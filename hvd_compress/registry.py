@@ -1,7 +1,6 @@
 """Codecs by name: ``compression="terngrad"`` anywhere a codec is accepted."""
 
 import ast
-from typing import Union
 
 from .adacomp import AdaComp
 from .blocksign import BlockSign
@@ -32,7 +31,7 @@ CODECS = {
 
 # What a wrapper's ``compression`` argument takes (``resolve``): a registry name (with
 # hyperparameters), a codec instance, None, or Horovod's Compression.none / .fp16.
-Compression = Union[str, Codec, type, None]
+Compression = str | Codec | type | None
 
 # Horovod's own compressors (``hvd.Compression.none`` and ``.fp16``, classes of
 # horovod.torch.compression and horovod.tensorflow.compression), by class name: code written

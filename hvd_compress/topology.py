@@ -11,8 +11,9 @@ local rank's M ranks across the nodes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,21 +149,16 @@ def moved(hvd, nodes: Nodes, process_sets: Sequence) -> bool:
     shape = (hvd.size(), hvd.local_size(), hvd.cross_size())
     if shape != (nodes.local_size * nodes.cross_size, nodes.local_size, nodes.cross_size):
         return True
-    for process_set in process_sets:
-        if not _registered(hvd, process_set):
-            return True
-    return False
+    return any(not _registered(hvd, process_set) for process_set in process_sets)
 
 
 def _barrier_at_exit(barrier):
     """Waits at exit for every rank to reach its own ``barrier``. A rank whose last step is
     done may still be a member of the others' last collectives: its shard set's, finishing
     on the other node. Exiting shuts Horovod down for every rank, and would fail those."""
-    try:
-        barrier()
     # Horovod already shut down, whichever error its framework raises: nothing in flight.
-    except Exception:  # noqa: BLE001
-        pass
+    with contextlib.suppress(Exception):
+        barrier()
 
 
 def join(hvd, nodes: Nodes, barrier: Callable[[], None]) -> tuple:

@@ -25,6 +25,7 @@ in ``accept`` until asked.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -127,10 +128,8 @@ def _host_addresses(host):
     """The addresses other hosts may reach ``host`` by: Horovod's name for it, if the
     launcher set one, then its name and the addresses it resolves to."""
     names = [os.environ.get("HOROVOD_HOSTNAME"), host]
-    try:
+    with contextlib.suppress(OSError):
         names += [info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
-    except OSError:
-        pass
     return list(dict.fromkeys(n for n in names if n))
 
 

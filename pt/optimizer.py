@@ -7,7 +7,8 @@ import contextlib
 import functools
 import warnings
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import horovod.torch as hvd
 import horovod.torch.optimizer as horovod_optimizer
@@ -182,7 +183,8 @@ class _DistributedOptimizer:
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() "
                     "after optimizer.synchronize(): this synchronizes twice and "
-                    "exchanges already averaged gradients again."
+                    "exchanges already averaged gradients again.",
+                    stacklevel=2,
                 )
             self.synchronize()
         self._hvdc_synchronized = False

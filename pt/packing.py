@@ -112,7 +112,7 @@ def _merge_fields(fields, width):
 _BYTE_WORDS = {1: torch.int64, 2: torch.int32, 4: torch.int16}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _byte_table(width, multiplier, offset, device):
     per_byte = 8 // width
     shifts = width * torch.arange(per_byte)
@@ -129,7 +129,7 @@ def _split_bytes(packed, width, numel, multiplier=1, offset=0):
     return words.view(torch.int8).reshape(*packed.shape[:-1], -1)[..., :numel]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sign_table(device):
     """Row b: the eight signs of byte b as float32, as ``unpack`` reads them."""
     return _byte_table(1, -2, 1, device).view(torch.int8).reshape(256, 8).to(torch.float32)

@@ -168,10 +168,7 @@ def quantize(
         level = tl.where(above, biased - 126 + exponent, 0)
         level += (u < tl.where(above, fraction, r * power)).to(tl.int32)
     code = tl.where(inside, tl.where(g < 0, -level, level), 0)
-    if MODE == 2:
-        value = _nuqsgd_value(code)
-    else:
-        value = code
+    value = _nuqsgd_value(code) if MODE == 2 else code
     if FEEDBACK:
         sent = tl.math.div_rn(value.to(tl.float32) * _decoded_scale(s), levels)
         tl.store(residual + index, g - sent, mask=inside)

@@ -198,7 +198,8 @@ class SharedJob:
     def __init__(self, np, launcher):
         self.np = np
         self.directory = tempfile.mkdtemp(prefix="hvdc-shared-")
-        self.log = open(os.path.join(self.directory, "ranks.log"), "w+")
+        # Open for the job's life: every rank writes to it, ``tail`` reads it.
+        self.log = open(os.path.join(self.directory, "ranks.log"), "w+")  # noqa: SIM115
         self.count = 0
         command = [
             sys.executable,
@@ -305,7 +306,9 @@ def _zygotes(np):
     started = _zygotes_started
     if started["directory"] is None:
         started["directory"] = tempfile.mkdtemp(prefix="hvdc-zygotes-")
-        started["log"] = open(os.path.join(started["directory"], "zygotes.log"), "w+")
+        started["log"] = open(  # noqa: SIM115 (open while the zygotes live)
+            os.path.join(started["directory"], "zygotes.log"), "w+"
+        )
     slots = range(len(started["processes"]), np)
     started["processes"] += zygote.start(
         started["directory"], slots, job_env(), REPO, started["log"]

@@ -50,7 +50,7 @@ def test_residue_telescopes_and_the_selection_rule_holds(numel, bin_length):
     np.testing.assert_allclose(
         total_sent + residue, np.sum(grads, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5
     )
-    for compensated, grad, selected, message, sent in steps:
+    for compensated, grad, selected, _message, sent in steps:
         bins = -(-numel // bin_length)
         padded = np.zeros(bins * bin_length, np.float32)
         padded[:numel] = np.abs(compensated)
@@ -356,5 +356,5 @@ def test_learns_and_reports_each_layer_type():
     # gradient), never everything.
     for step in layers[10:]:
         for layer in step.values():
-            assert 1 < layer["compression_ratio"] and 0 <= layer["density"] < 1
+            assert layer["compression_ratio"] > 1 and 0 <= layer["density"] < 1
     assert np.mean([step["conv"]["density"] for step in layers]) > 0

@@ -106,14 +106,14 @@ def test_matches_the_reference_and_sends_exactly_the_k_largest(world_size):
     for averages, selections, masked, sent, counted in ranks:
         # The bytes handed to Horovod, as the cost model counts them, every step.
         assert all(handed == expected for handed, expected in counted)
-        for step, (mine, want) in enumerate(
+        for _step, (mine, want) in enumerate(
             zip(averages, reference_averages(codec, SHAPES, STEPS, world_size, MU))
         ):
             for name, a in zip(SHAPES, mine):
                 # float32 against float64: the same support, values to rounding.
                 np.testing.assert_array_equal(a.numpy() != 0, want[name] != 0, err_msg=name)
                 np.testing.assert_allclose(a.numpy(), want[name], rtol=1e-5, atol=1e-6)
-        for key, compensated, selected, residual in selections:
+        for _key, compensated, selected, residual in selections:
             magnitude = compensated.abs()
             k = selected.numel()
             assert len(set(selected.tolist())) == k

@@ -161,10 +161,9 @@ def _tf_fused(thresholds, steps=2):
 
         hvd.alltoall = recording
         try:
-            for _, _, variables, pipeline in tape_steps(
+            *_, (_, _, variables, pipeline) = tape_steps(
                 steps, False, compression=codec, exchange="sharded"
-            ):
-                pass
+            )
         finally:
             hvd.alltoall = original
         sharded = [(plan.name, plan.numel) for plan in pipeline.plans if plan.exchange == "sharded"]

@@ -217,8 +217,8 @@ def _train_counting_kernels(enabled, exchange):
     fused.ENABLED = enabled
     calls = collections.Counter()
     for name in _FUSED:
-
-        def counted(*args, _original=getattr(fused, name), _name=name, **kwargs):
+        # The defaults bind this iteration's kernel and name.
+        def counted(*args, _original=getattr(fused, name), _name=name, **kwargs):  # noqa: B008
             calls[_name if kwargs.get("momentum") is None else _DEFERRED] += 1
             return _original(*args, **kwargs)
 
@@ -290,7 +290,7 @@ def test_one_generator_in_numpy_torch_and_the_kernels(numel):
 
     for key in (_key(numel), 0, 2**63 - 1):
         want = seeding.uniforms(key, numel)
-        assert want.dtype == np.float32 and ((0 <= want) & (want < 1)).all()
+        assert want.dtype == np.float32 and ((want >= 0) & (want < 1)).all()
         np.testing.assert_array_equal(
             pt_seeding.uniforms(key, numel, torch.device("cpu")).numpy(), want
         )
@@ -565,8 +565,8 @@ def _train_quantizers_counting_kernels(enabled):
     fused.ENABLED = enabled
     calls = collections.Counter()
     for name in _QUANTIZER_KERNELS:
-
-        def counted(*args, _original=getattr(fused, name), _name=name, **kwargs):
+        # The defaults bind this iteration's kernel and name.
+        def counted(*args, _original=getattr(fused, name), _name=name, **kwargs):  # noqa: B008
             calls[_name] += 1
             return _original(*args, **kwargs)
 

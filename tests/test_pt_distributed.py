@@ -127,7 +127,7 @@ def _reference(results, codec, step, average=True):
     gradients and replayed random draws."""
     world = len(results)
     expected = {}
-    for index, (name, numel, exchange, reason) in enumerate(results[0]["tensors"]):
+    for index, (name, _numel, exchange, reason) in enumerate(results[0]["tensors"]):
         grads = [r["records"][step]["local"][name].numpy() for r in results]
         if reason != "compressed":
             total = np.sum(np.stack(grads), axis=0)
@@ -199,7 +199,7 @@ def test_qsgd_family_ranks_agree_and_match_reference(world):
     ]
     configs += [(hvd_compress.NUQSGD(bucket_size=1000, min_size=1000, wire="elias"), "auto")]
     per_rank = run_parallel(_train_many, world, configs)
-    for (codec, exchange), results in zip(configs, zip(*per_rank)):
+    for (codec, _exchange), results in zip(configs, zip(*per_rank)):
         _check_consistent_and_exact(list(results), codec)
 
 

@@ -216,7 +216,7 @@ def test_trains_and_ranks_agree(runs, kind, codec):
     first, second = (result[(kind, codec)] for result in runs)
     start = [p.detach() for p in _model(kind).parameters()]
     dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
-    for a, b, initial in zip(first["params"], second["params"], start):
+    for a, b, _initial in zip(first["params"], second["params"], start):
         assert a.dtype == dtype and torch.isfinite(a.float()).all()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert any(not torch.equal(a, initial) for a, initial in zip(first["params"], start))

@@ -44,7 +44,7 @@ def test_rounding_identity_and_port_agreement(name, params, device):
     r = np.abs(g) / full
     if name != "nuqsgd":  # uniform levels come as level numbers, NUQSGD's as fractions
         lo, hi = lo / ref.levels, hi / ref.levels
-    assert np.all((lo <= r + 1e-6) & (r <= hi + 1e-6)) and np.all((0 <= p) & (p <= 1))
+    assert np.all((lo <= r + 1e-6) & (r <= hi + 1e-6)) and np.all((p >= 0) & (p <= 1))
     np.testing.assert_allclose(lo + p * (hi - lo), r, rtol=1e-5, atol=1e-7)
     u = np.random.default_rng(1).random(g.size).astype(np.float32)
     codes = ref.encode(g, scale, u)

@@ -80,7 +80,7 @@ def _reference_step(codec, results, step, memory):
     ``memory`` carries the error-feedback residuals of a two-way codec between steps."""
     world = len(results)
     expected = []
-    for index, (name, numel, exchange, reason) in enumerate(results[0]["tensors"]):
+    for index, (name, _numel, exchange, reason) in enumerate(results[0]["tensors"]):
         grads = [r["records"][step]["local"][index] for r in results]
         if reason != "compressed":
             expected.append(np.sum(np.stack(grads), axis=0) / world)

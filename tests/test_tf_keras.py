@@ -391,7 +391,8 @@ def _traced_wrappers():
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply(grads, model.trainable_variables)
 
-    for caller, step in (("tape", tape_step), ("optimizer", optimizer_step)):
+    # recording_reduce reads `caller` while step() runs.
+    for caller, step in (("tape", tape_step), ("optimizer", optimizer_step)):  # noqa: B007
         step()
     CompressionPipeline.reduce = reduce
     return errors, refusals, callers, _auto_jit_compile(keras, tf, htf, x, y)

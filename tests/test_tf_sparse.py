@@ -158,7 +158,7 @@ def test_adacomp_messages_equal_numpy_and_pytorch(tf_results, case):
     reference, port = hvd_compress.AdaComp(), hc.AdaComp()
     _, steps = _run_reference(reference, grads, bin_length)
     residue = torch.zeros(numel)
-    for step, (grad, (compensated, _, selected, message, sent)) in enumerate(zip(grads, steps)):
+    for step, (grad, (_compensated, _, _selected, message, sent)) in enumerate(zip(grads, steps)):
         grad = torch.from_numpy(grad)
         torch_compensated = residue + grad
         torch_message = port.encode_message(

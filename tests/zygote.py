@@ -20,6 +20,7 @@ gone.
 
 import array
 import atexit
+import contextlib
 import os
 import pickle
 import random
@@ -163,10 +164,8 @@ def _serve(path, owner):
                 break
             connection = children.pop(pid, None)
             if connection is not None:
-                try:
+                with contextlib.suppress(OSError):
                     connection.send(_STATUS.pack(os.waitstatus_to_exitcode(status)))
-                except OSError:
-                    pass
                 connection.close()
         if not alive(owner):
             for pid in children:
@@ -245,10 +244,8 @@ def _run_module(command):
 
 
 def _kill_group(pid):
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def alive(pid):

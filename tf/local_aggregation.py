@@ -11,7 +11,8 @@ port has no twin: torch sums backward passes into ``.grad`` itself, and its
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 

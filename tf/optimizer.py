@@ -13,7 +13,8 @@ go through ``apply``, it exchanges in ``apply_gradients``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import horovod.tensorflow as hvd
 import keras

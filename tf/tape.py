@@ -3,7 +3,8 @@ that compresses gradients with any codec of ``hvd_compress``."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
