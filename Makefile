@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` (the main job, a representative subset, ~5
 # minutes; `make demo-full` runs every model and codec, ~80 minutes) and `make test` (every
-# test and the lint, what CI runs); `make lint` runs ruff alone; `make test-fast` runs the unit tests only (no Horovod processes, no
+# test and the lint, what CI runs); `make lint` runs ruff and mypy alone; `make test-fast` runs the unit tests only (no Horovod processes, no
 # convergence training) for the edit-test loop; `make bench` runs the bandwidth-limited
 # benchmark matrix (needs root for the namespaces).
 # Each sets up the environment first (idempotent; the Horovod build is cached).
@@ -29,6 +29,7 @@ demo-full: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 test:
 	bash launch/test.sh

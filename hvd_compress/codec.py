@@ -33,7 +33,7 @@ import inspect
 
 import numpy as np
 
-from .codes import FloatCodes
+from .codes import FieldCodes, FloatCodes, IntCodes, SignCodes
 from .validation import check_int
 
 
@@ -101,11 +101,11 @@ class Codec:
             takes the codec's default.
     """
 
-    name = None
-    code_space = None
+    name: str | None = None
+    code_space: IntCodes | SignCodes | FieldCodes | FloatCodes | None = None
     summable = False
     scaled = False
-    bucket_size = None
+    bucket_size: int | None = None
     two_way = False
     error_feedback_default = False
     wire = "fixed"
@@ -113,7 +113,7 @@ class Codec:
     default_min_size = 0
     compress_classifier_default = True
     sparse = False
-    message = None
+    message: str | None = None
     uncompressed_steps = 0
     worker_momentum_default = False
     adam_remedy = False

@@ -68,7 +68,7 @@ ADAM_GAPS = {
     ),
 }
 
-_logged = set()
+_logged: set[str] = set()
 
 
 def log_once(message: str) -> None:

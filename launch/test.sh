@@ -23,7 +23,8 @@ timed() {
 }
 
 timed set-up bash launch/setup.sh || exit "$status"
-timed lint bash -c "$PY -m ruff check . && $PY -m ruff format --check ." || exit "$status"
+timed lint bash -c "$PY -m ruff check . && $PY -m ruff format --check . && $PY -m mypy" ||
+    exit "$status"
 timed "single-process tests" \
     "$PY" -m pytest -ra -q --durations=10 -n 2 -m "not multiprocess" tests
 timed "multi-process tests" "$PY" -m pytest -ra -q --durations=15 -m multiprocess tests

@@ -382,7 +382,7 @@ def DistributedOptimizer(
     check_exchange("DistributedOptimizer", codec, exchange)
     seed = check_int("DistributedOptimizer", "seed", seed, low=0)
     bucket_bytes = check_int("DistributedOptimizer", "bucket_bytes", bucket_bytes, low=0)
-    adaptive = Adaptive.of(adaptive)
+    planner = Adaptive.of(adaptive)
     error_feedback = check_error_feedback("DistributedOptimizer", codec, error_feedback)
     sgd_momentum = isinstance(optimizer, torch.optim.SGD) and any(
         group["momentum"] > 0 for group in optimizer.param_groups
@@ -404,12 +404,12 @@ def DistributedOptimizer(
         type(optimizer).__name__,
         compressed_adam,
         refusal=CompressedAdam.refusal(optimizer)
-        or ("does not combine with adaptive" if adaptive is not None else None),
+        or ("does not combine with adaptive" if planner is not None else None),
     )
     if compressed_adam is not None:
         compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
         check_compressed_adam_codec("DistributedOptimizer", codec)
-        if adaptive is not None:
+        if planner is not None:
             raise ValueError(
                 "DistributedOptimizer: compressed_adam chooses each step's path itself; "
                 "it does not combine with adaptive"
@@ -422,8 +422,8 @@ def DistributedOptimizer(
         raise ValueError(
             f"DistributedOptimizer: uncompressed names unknown parameters: {sorted(unknown)}"
         )
-    if adaptive is not None:
-        unpinnable = set(adaptive.pin) - {name for name, _ in named}
+    if planner is not None:
+        unpinnable = set(planner.pin) - {name for name, _ in named}
         if unpinnable:
             raise ValueError(
                 f"DistributedOptimizer: adaptive pins unknown parameters: {sorted(unpinnable)}"
@@ -440,7 +440,7 @@ def DistributedOptimizer(
         prescale_factor=prescale,
         postscale_factor=postscale,
         error_feedback=error_feedback,
-        adaptive=adaptive,
+        adaptive=planner,
         process_set=process_set,
         bucket_bytes=bucket_bytes,
     )

@@ -46,6 +46,10 @@ class _DistributedOptimizer:
     class built at run time."""
 
     _hvdc_owner = "DistributedOptimizer"
+    # Set by ``DistributedOptimizer`` on the instance (the checked options).
+    _hvdc_worker_momentum: str | None
+    _hvdc_compressed_adam: int | None
+    _hvdc_local: LocalVariables
 
     def _hvdc_attach(self, variables):
         self._hvdc_variables = list(variables)
@@ -356,6 +360,7 @@ def DistributedOptimizer(
     )
     check_bool("DistributedOptimizer", "average_aggregated_gradients", average_aggregated_gradients)
     keras2 = keras2_class("Optimizer")
+    methods: type
     if keras2 is not None and isinstance(optimizer, keras2):
         methods = _Keras2
     elif isinstance(optimizer, keras.optimizers.Optimizer):

@@ -21,7 +21,7 @@ from .pipeline import check_options, make_pipeline, variable_name
 # The compression state of every set of differentiated sources, by the tape's settings: a
 # training loop makes a new tape every step, and the step counter (which positions the
 # random streams) and the error-feedback residuals must carry over.
-_PIPELINES = {}
+_PIPELINES: dict[tuple, tuple[list, Any]] = {}
 
 
 def _source_key(index, source):
