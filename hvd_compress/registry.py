@@ -29,6 +29,12 @@ CODECS = {
 }
 
 
+def port_codecs(namespace: dict) -> dict:
+    """A port's codecs by registry name, in ``CODECS``' order: the class of ``namespace``
+    (the port package's globals) named as the core's class of that name."""
+    return {name: namespace[cls.__name__] for name, cls in CODECS.items()}
+
+
 # What a wrapper's ``compression`` argument takes (``resolve``): a registry name (with
 # hyperparameters), a codec instance, None, or Horovod's Compression.none / .fp16.
 Compression = str | Codec | type | None

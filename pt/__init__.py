@@ -2,6 +2,7 @@
 ``DistributedOptimizer`` that exchanges their codes through Horovod collectives."""
 
 from hvd_compress.adaptive import Adaptive
+from hvd_compress.registry import port_codecs
 
 from .adacomp import AdaComp
 from .blocksign import BlockSign
@@ -12,22 +13,7 @@ from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
 
-CODECS = {
-    cls.name: cls
-    for cls in (
-        NoneCodec,
-        FP16,
-        TernGrad,
-        QSGD,
-        QSGDInf,
-        NUQSGD,
-        BlockSign,
-        AdaComp,
-        CyclicLocalTopK,
-        PowerSGD,
-        DGC,
-    )
-}
+CODECS = port_codecs(globals())
 
 from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
 from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)

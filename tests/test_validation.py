@@ -87,6 +87,13 @@ def test_two_way_codec_refuses_to_run_without_error_feedback():
         )
 
 
+def test_the_pytorch_port_has_every_codec_of_the_registry_by_its_name():
+    # The TensorFlow port builds its list the same way (``registry.port_codecs``).
+    assert list(hc.CODECS) == list(hvd_compress.registry.CODECS)
+    for name, cls in hc.CODECS.items():
+        assert cls.name == name and issubclass(cls, hvd_compress.registry.CODECS[name])
+
+
 def test_codecs_are_rebuilt_across_ports_and_compare_by_value():
     port = resolve(hvd_compress.TernGrad(clip=1.5), hc.CODECS)
     assert isinstance(port, hc.TernGrad) and port == hc.TernGrad(clip=1.5)
