@@ -37,4 +37,4 @@ __all__ = [
     "TernGrad",
     "resolve",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
