@@ -21,10 +21,10 @@ setup:
 	bash launch/setup.sh
 
 demo: setup
-	$(PY) -m hvd_compress.cli demo
+	$(PY) -m hvd_compress.examples.cli demo
 
 demo-full: setup
-	$(PY) -m hvd_compress.cli demo --full
+	$(PY) -m hvd_compress.examples.cli demo --full
 
 lint: setup
 	$(PY) -m ruff check .
@@ -38,7 +38,7 @@ test-fast: setup
 	$(PY) -m pytest -ra -q --durations=5 -n 2 -m "not multiprocess" tests
 
 bench: setup
-	$(PY) -m hvd_compress.cli bench
+	$(PY) -m hvd_compress.examples.cli bench
 
 GPU_PY := .venv-gpu/bin/python
 gpu-build:

@@ -42,21 +42,16 @@ import hvd_compress.pt as hc
 from hvd_compress import fused as fused_core
 from hvd_compress.pt import fused, seeding
 from hvd_compress.pt.exchange import Meter, make_exchange
-from hvd_compress.pt.optimizer import _classifier_names
 from hvd_compress.pt.packing import pack, unpack, unpack_scaled_signs
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
 
+from .kernel_profile import MU, eager_server, eager_worker, fused_server, fused_worker
 from .models import SyntheticResNet50
+from .profiling import compressed_shapes, interleaved_best_seconds, server_messages
 
 STAGES = ("scale", "random draws", "encode", "pack", "unpack", "values", "decode")
 KEY = 12345  # the stream of every tensor's draws: their values do not change the time
-
-
-def compressed_shapes(codec, named_parameters):
-    """The shapes of the parameters ``codec`` compresses (the others are sent whole)."""
-    whole = set() if codec.compress_classifier else _classifier_names(named_parameters)
-    return [p.shape for n, p in named_parameters if codec.compresses(p.numel()) and n not in whole]
 
 
 @contextlib.contextmanager
@@ -67,27 +62,6 @@ def eager_ops():
         yield
     finally:
         fused.ENABLED = enabled
-
-
-def interleaved_best_seconds(functions, repeats, clock=time.thread_time):
-    """The least time by ``clock`` (this thread's CPU time) of each of ``functions`` over
-    ``repeats`` rounds that call each once in turn, after a round that compiles the
-    kernels. Functions to compare are timed in turn, not one after the other's runs: this
-    machine's speed drifts by up to 1.5x within a minute, and their ratios should not."""
-    for function in functions:
-        function()
-    best = [float("inf")] * len(functions)
-    for _ in range(repeats):
-        for i, function in enumerate(functions):
-            start = clock()
-            function()
-            best[i] = min(best[i], clock() - start)
-    return best
-
-
-def best_seconds(function, repeats, clock=time.thread_time):
-    """``interleaved_best_seconds`` of ``function`` alone."""
-    return interleaved_best_seconds([function], repeats, clock)[0]
 
 
 def profile(codec, grads, repeats=2):
@@ -139,12 +113,6 @@ def _fused_quantizer(codec, grad):
     return fused.decoded_sums(codec, packed.reshape(1, -1), scale, 1, grad.numel())
 
 
-def server_messages(bits, scales):
-    """Workers' messages as a server receives them: each row's float32 scale, then its
-    bits."""
-    return torch.cat([scales.view(torch.uint8), bits], dim=1)
-
-
 def _sign_inputs(grads):
     """ef-sign's inputs for ``grads``: per tensor the worker's (gradient, momentum buffer,
     residual), the 4 servers' (sign bits of a quarter of the tensor each, one scale each)
@@ -187,8 +155,6 @@ def encode_decode(codec, grads, signs, repeats=3):
         return [
             (codec.name, *interleaved_best_seconds([eager, run(_fused_quantizer), copy], repeats))
         ]
-    # Imported here: kernel_profile imports this module.
-    from .kernel_profile import eager_server, eager_worker, fused_server, fused_worker
 
     workers, shards, servers = signs
     rows = [
@@ -261,7 +227,6 @@ def worker_streams(codec, grads, signs, repeats=3):
     """(kernel seconds, streams seconds, streams seconds without the rewrite of p, copy
     seconds) of ef-sign's worker with its kernels, of its memory streams alone and of a
     copy of ``grads``, timed in turn over ``signs``, the ``_sign_inputs`` of ``grads``."""
-    from .kernel_profile import fused_worker  # imported here: it imports this module
 
     workers, shards, _ = signs
     return interleaved_best_seconds(
@@ -325,8 +290,6 @@ def _tensorflow_signs(codec):
     from hvd_compress.tf.momentum import WorkerMomentum
     from hvd_compress.tf.packing import pack as tf_pack
     from hvd_compress.tf.packing import unpack as tf_unpack
-
-    from .kernel_profile import MU
 
     def decode_signs(bits, scales):
         numel = bits.shape[1] * 8
@@ -397,8 +360,6 @@ def tensorflow_encode_decode(name, grads, signs, repeats=7):
         return [tf.constant(a.numpy()) for a in arrays]
 
     if name == "ef-sign":
-        from .kernel_profile import fused_server, fused_worker
-
         workers, shards, servers = signs
         torch_rows = [
             _worker(torch_codec, fused_worker, fused.scaled_signs, workers, shards),

@@ -19,8 +19,8 @@ from hvd_compress.pt.momentum import WorkerMomentum
 from hvd_compress.pt.packing import pack, unpack_scaled_signs
 from hvd_compress.server import ServerStep
 
-from .codec_profile import best_seconds, compressed_shapes, server_messages
 from .models import SyntheticResNet50
+from .profiling import best_seconds, compressed_shapes, server_messages
 
 MU = 0.9
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from examples.mnist1d_torch import CNN
-from hvd_compress.datasets import load_mnist1d
+from hvd_compress.examples.datasets import load_mnist1d
 
 from .shapes import (
     CLASSES,

@@ -36,7 +36,7 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_compress.tf as htf  # noqa: E402
 from hvd_compress import cost  # noqa: E402
-from hvd_compress.datasets import load_mnist1d  # noqa: E402
+from hvd_compress.examples.datasets import load_mnist1d  # noqa: E402
 
 from .protocol import (  # noqa: E402
     COMPUTE_STEPS,

@@ -4,7 +4,7 @@ import time
 
 import keras
 
-from hvd_compress.report import RunRecord
+from hvd_compress.examples.report import RunRecord
 
 
 class StepRecorder(keras.callbacks.Callback):

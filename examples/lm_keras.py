@@ -1,6 +1,6 @@
 """Trains the byte-level transformer language model of ``lm_torch.py`` in Keras with AdamW,
 ``model.fit`` and a compressed DistributedOptimizer, on the Python standard library's source
-(``hvd_compress.corpus``).
+(``hvd_compress.examples.corpus``).
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/lm_keras.py --compression terngrad
 
@@ -21,10 +21,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hvd_compress.tf as hc  # noqa: E402
-from hvd_compress import corpus  # noqa: E402
-from hvd_compress.example_args import lm_parser  # noqa: E402
+from hvd_compress.examples import corpus  # noqa: E402
+from hvd_compress.examples.args import lm_parser  # noqa: E402
 from hvd_compress.examples.keras_steps import StepRecorder  # noqa: E402
-from hvd_compress.report import language_model_result, publish  # noqa: E402
+from hvd_compress.examples.report import language_model_result, publish  # noqa: E402
 from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback  # noqa: E402
 from hvd_compress.tf.device import rank_device  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Trains a byte-level transformer language model with AdamW and a compressed
-DistributedOptimizer on the Python standard library's source (``hvd_compress.corpus``).
+DistributedOptimizer on the Python standard library's source (``hvd_compress.examples.corpus``).
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/lm_torch.py --compression terngrad
 
@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 import hvd_compress.pt as hc
-from hvd_compress import corpus
-from hvd_compress.example_args import lm_parser
+from hvd_compress.examples import corpus
+from hvd_compress.examples.args import lm_parser
+from hvd_compress.examples.report import RunRecord, language_model_result, publish
 from hvd_compress.pt.device import rank_device
-from hvd_compress.report import RunRecord, language_model_result, publish
 
 
 class Block(nn.Module):

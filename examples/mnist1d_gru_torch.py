@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import hvd_compress.pt as hc
-from hvd_compress.datasets import load_mnist1d
+from hvd_compress.examples.datasets import load_mnist1d
+from hvd_compress.examples.report import RunRecord, publish
 from hvd_compress.pt.device import rank_device
-from hvd_compress.report import RunRecord, publish
 
 
 class GRUClassifier(nn.Module):

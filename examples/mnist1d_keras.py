@@ -17,10 +17,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hvd_compress.tf as hc  # noqa: E402
-from hvd_compress.datasets import load_mnist1d  # noqa: E402
-from hvd_compress.example_args import cnn_parser  # noqa: E402
+from hvd_compress.examples.args import cnn_parser  # noqa: E402
+from hvd_compress.examples.datasets import load_mnist1d  # noqa: E402
 from hvd_compress.examples.keras_steps import StepRecorder  # noqa: E402
-from hvd_compress.report import publish  # noqa: E402
+from hvd_compress.examples.report import publish  # noqa: E402
 from hvd_compress.tf.callbacks import BroadcastGlobalVariablesCallback  # noqa: E402
 from hvd_compress.tf.device import rank_device  # noqa: E402
 

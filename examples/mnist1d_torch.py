@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 import hvd_compress.pt as hc
-from hvd_compress.datasets import load_mnist1d
-from hvd_compress.example_args import cnn_parser
+from hvd_compress.examples.args import cnn_parser
+from hvd_compress.examples.datasets import load_mnist1d
+from hvd_compress.examples.report import RunRecord, publish
 from hvd_compress.pt.device import rank_device
-from hvd_compress.report import RunRecord, publish
 
 
 class CNN(nn.Module):

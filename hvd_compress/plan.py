@@ -61,3 +61,11 @@ def plan_tensor(
     if reason is not None:
         return TensorPlan(name, index, numel, UNCOMPRESSED, reason, layer, kernels=kernels)
     return TensorPlan(name, index, numel, exchange, "compressed", layer, shape, kernels=kernels)
+
+
+def classifier_names(named: list) -> set:
+    """The final classifier of (name, parameter or variable) pairs in the model's order: the
+    last one with two or more dimensions, and every one after it (its bias). Codecs whose
+    papers leave it whole (``compress_classifier=False``) send these uncompressed."""
+    last = max((i for i, (_, v) in enumerate(named) if len(v.shape) >= 2), default=None)
+    return set() if last is None else {name for name, _ in named[last:]}

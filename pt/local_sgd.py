@@ -26,6 +26,7 @@ import contextlib
 import horovod.torch as hvd
 import torch
 
+from hvd_compress.plan import classifier_names
 from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import check_bool, check_choice, check_float, check_int
 
@@ -37,7 +38,7 @@ from .exchange import (
     grouped_allreduce_in_place,
     wait,
 )
-from .optimizer import STATE_KEY, _classifier_names, _named_parameters, wrap_in_subclass
+from .optimizer import STATE_KEY, _named_parameters, wrap_in_subclass
 from .pipeline import CompressionPipeline
 
 CLIPPINGS = ("local", "global_average", "max")
@@ -317,7 +318,7 @@ def LocalClipSGD(
     )
     pipeline = None
     if codec.code_space is not None:
-        whole = set() if codec.compress_classifier else _classifier_names(named)
+        whole = set() if codec.compress_classifier else classifier_names(named)
         pipeline = CompressionPipeline(
             named, codec, seed=seed, uncompressed=whole, error_feedback=True
         )

@@ -17,6 +17,7 @@ import torch
 from hvd_compress import agreement, remedies
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.bucketing import BUCKET_BYTES
+from hvd_compress.plan import classifier_names
 from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import (
     check_compressed_adam_codec,
@@ -429,7 +430,7 @@ def DistributedOptimizer(
                 f"DistributedOptimizer: adaptive pins unknown parameters: {sorted(unpinnable)}"
             )
     if not codec.compress_classifier:
-        whole |= _classifier_names(named)
+        whole |= classifier_names(named)
     pipeline = CompressionPipeline(
         named,
         codec,
@@ -523,10 +524,3 @@ def _named_parameters(optimizer, named_parameters):
             f"parameters (positions {unnamed[:10]} in its param_groups)"
         )
     return [(by_id[id(p)], p) for p in params]
-
-
-def _classifier_names(named):
-    """The final classifier: the last parameter with two or more dimensions, and every
-    parameter after it (its bias)."""
-    last = max((i for i, (_, p) in enumerate(named) if p.dim() >= 2), default=None)
-    return set() if last is None else {name for name, _ in named[last:]}

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from hvd_compress import datasets
+from hvd_compress.examples import datasets
 
 
 def test_cached_arrays_equal_generated_ones_and_a_damaged_file_is_replaced(tmp_path, monkeypatch):

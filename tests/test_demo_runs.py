@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from hvd_compress import cli
+from hvd_compress.examples import cli
 from hvd_compress.registry import CODECS
 
 

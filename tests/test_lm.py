@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hvd_compress import cli, corpus
+from hvd_compress.examples import cli, corpus
 
 from .harness import run_parallel
 

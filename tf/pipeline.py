@@ -16,7 +16,7 @@ from hvd_compress import accounting, agreement, cost, fusion, watchdog
 from hvd_compress.accounting import UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES, TWO_LEVEL
-from hvd_compress.plan import plan_tensor
+from hvd_compress.plan import classifier_names, plan_tensor
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
 from hvd_compress.topology import averages_by_allreduce
@@ -696,12 +696,5 @@ def make_pipeline(owner, named_variables, codec, uncompressed, options, modes=No
     if unknown:
         raise ValueError(f"{owner}: uncompressed names unknown variables: {sorted(unknown)}")
     if not codec.compress_classifier:
-        whole |= _classifier_names(named_variables)
+        whole |= classifier_names(named_variables)
     return CompressionPipeline(named_variables, codec, uncompressed=whole, modes=modes, **options)
-
-
-def _classifier_names(named):
-    """The final classifier: the last variable with two or more dimensions, and every
-    variable after it (its bias)."""
-    last = max((i for i, (_, v) in enumerate(named) if len(v.shape) >= 2), default=None)
-    return set() if last is None else {name for name, _ in named[last:]}

@@ -59,7 +59,7 @@ class RunRecord:
 def language_model_result(record, stats, args, workers, nats):
     """The result of a language-model example (``examples/lm_torch.py``,
     ``examples/lm_keras.py``) from its ``RunRecord``, last ``compression_stats()``, command
-    line (``example_args.lm_parser``), world size and validation loss in nats per byte. Under
+    line (``args.lm_parser``), world size and validation loss in nats per byte. Under
     compressed Adam, whose warm-up steps go whole, bytes per step are the run's mean."""
     return record.result(
         stats,

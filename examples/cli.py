@@ -17,7 +17,7 @@ in Keras with ``model.fit`` (``keras``), the GRU of the CELGC example (``gru``),
 "codecs" are ``sync`` (clipped synchronous SGD, its baseline) and ``local``
 (``LocalClipSGD``, averaging every 8 steps), and a byte-level transformer language model
 trained with AdamW on the Python standard library's source (``lm``; the same in Keras with
-``model.fit``, ``keras-lm``; ``hvd_compress.corpus``). A codec may carry hyperparameters, as
+``model.fit``, ``keras-lm``; ``corpus``). A codec may carry hyperparameters, as
 in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
 a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``), and a
 language model's the suffix ``+cadam`` for compressed Adam (``lm/2:nuqsgd+cadam``) and
@@ -31,7 +31,8 @@ import subprocess
 import sys
 import tempfile
 
-from hvd_compress import corpus, examples
+from hvd_compress import examples
+from hvd_compress.examples import corpus
 from hvd_compress.registry import CODECS
 
 # The source checkout, when running from one: the benchmark harness (benchmarks/) is not
