@@ -25,9 +25,12 @@ from .harness import REPO, job_env, run_job
 
 pytestmark = pytest.mark.multiprocess
 
-# The example scripts of each framework, which the wheel ships as hvd_compress.examples.
+# The modules of the demo application, which the wheel ships as hvd_compress.examples, by the
+# framework whose process imports them; the demo's own modules need neither framework and
+# are imported with PyTorch's scripts.
 EXAMPLES = {
-    "pt": ["mnist1d_torch", "mnist1d_gru_torch", "lm_torch"],
+    "pt": ["cli", "args", "corpus", "datasets", "report"]
+    + ["mnist1d_torch", "mnist1d_gru_torch", "lm_torch"],
     "tf": ["mnist1d_keras", "lm_keras", "keras_steps"],
 }
 # What the wheel is built from: the package directories and the metadata's files.
