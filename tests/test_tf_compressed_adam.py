@@ -255,4 +255,8 @@ def test_keras_adam_gets_compressed_adam_for_error_feedback_codecs():
     assert any("turned compressed Adam on for ef-sign with AdamW" in m for m in logged), logged
     assert any("RMSprop is not one the wrappers know" in m for m in logged), logged
     assert any("ef-sign's worker momentum in Nesterov's form" in m for m in logged), logged
-    assert len(logged) == 4, logged  # Adam's, AdamW's, SGD's and RMSprop's with ef-sign only
+    # TernGrad's gap under Adam and AdamW (``remedies.ADAM_GAPS``), measured on the Keras LM.
+    for optimizer in ("Adam", "AdamW"):
+        assert any(f"terngrad with its defaults under {optimizer} ended" in m for m in logged)
+    # Adam's, AdamW's, SGD's and RMSprop's with ef-sign, and TernGrad's two.
+    assert len(logged) == 6, logged
