@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from .harness import run_parallel
+from .logs import record_messages
 
 pytestmark = pytest.mark.multiprocess
 
@@ -126,7 +127,6 @@ def _tf_fault(codec, fault):
     """``_pt_fault`` for a traced step of the TensorFlow tape; a rank whose monitor ended
     the step also returns what the monitor logged."""
     os.environ["HVD_COMPRESS_TIMEOUT"] = str(BOUND)
-    import logging
 
     import horovod.tensorflow as hvd
     import tensorflow as tf
@@ -134,10 +134,7 @@ def _tf_fault(codec, fault):
     import hvd_compress.tf as htf
 
     hvd.init()
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("hvd_compress").addHandler(handler)
+    logged = record_messages()
     tf.keras.utils.set_random_seed(0)  # the same weights on every rank
     model = tf.keras.Sequential(
         [tf.keras.Input((32,)), tf.keras.layers.Dense(64, "relu"), tf.keras.layers.Dense(4)]

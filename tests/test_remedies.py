@@ -11,6 +11,7 @@ import torch
 from hvd_compress import registry, remedies
 
 from .harness import run_parallel
+from .logs import record_messages
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,17 +44,13 @@ def _choices():
     """T_w and the worker momentum's form as each wrapper chose them (None: off) and the
     messages logged while building, per (optimizer, codec) and per ``EXPLICIT`` case; and
     the error of a ``worker_momentum`` no wrapper takes."""
-    import logging
 
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
 
     hvd.init()
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("hvd_compress").addHandler(handler)
+    logged = record_messages()
 
     def build(optimizer, codec, options):
         del logged[:]

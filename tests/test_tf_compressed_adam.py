@@ -12,6 +12,7 @@ import pytest
 from . import compressed_adam_reference as reference
 from .compressed_adam_reference import WARMUP
 from .harness import run_parallel
+from .logs import record_messages
 from .test_tf_momentum import _batch, _model, _trainer
 
 pytestmark = pytest.mark.multiprocess
@@ -197,7 +198,6 @@ def test_bad_compressed_adam_is_refused():
 def _remedies():
     """The T_w and the worker momentum's form each Keras optimizer's wrapper chose for
     ef-sign and TernGrad, and what the wrappers logged."""
-    import logging
 
     import horovod.tensorflow as hvd
     import keras
@@ -205,10 +205,7 @@ def _remedies():
     import hvd_compress.tf as htf
 
     hvd.init()
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("hvd_compress").addHandler(handler)
+    logged = record_messages()
     chosen = {}
     for name, make in (
         ("AdamW", keras.optimizers.AdamW),

@@ -11,6 +11,7 @@ import pytest
 import hvd_compress
 
 from .harness import run_parallel
+from .logs import record_messages
 from .test_validation import NOT_DEFAULT
 
 pytestmark = pytest.mark.multiprocess
@@ -402,14 +403,9 @@ def _auto_jit_compile(keras, tf, htf, x, y):
     """``model.compile``'s default ``jit_compile="auto"`` where Keras would turn XLA on (a GPU
     listed, as ``tf.config`` would on a GPU node) for a wrapped and a plain optimizer; whether
     the wrapped one's ``fit`` then trains; what the wrappers logged."""
-    import logging
-
     gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
     listed = tf.config.list_physical_devices
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("hvd_compress").addHandler(handler)
+    logged = record_messages()
     resolved = {}
     for name, optimizer in (
         ("wrapped", htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="terngrad")),
@@ -428,7 +424,6 @@ def _auto_jit_compile(keras, tf, htf, x, y):
             before = model.get_weights()[0].copy()
             model.fit(x, y, verbose=0)
             resolved["trained"] = not np.array_equal(before, model.get_weights()[0])
-    logging.getLogger("hvd_compress").removeHandler(handler)
     resolved["logged"] = [m for m in logged if "leaves XLA off" in m]
     return resolved
 
