@@ -66,6 +66,13 @@ class ByteLM(keras.Model):
         return keras.ops.matmul(self.norm(x), keras.ops.transpose(self.embed.embeddings))
 
 
+def validation_loss(model, validation, context):
+    """The model's mean next-byte loss, in nats, on the validation windows."""
+    inputs, targets = corpus.validation_windows(validation, context)
+    logits = model.predict(inputs, batch_size=64, verbose=0)
+    return float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(targets, logits))
+
+
 def main(argv=None):
     args = lm_parser(__doc__.splitlines()[0]).parse_args(argv)
     hvd.init()
@@ -74,6 +81,7 @@ def main(argv=None):
     train, validation = corpus.load_stdlib_text()
     model = ByteLM(context=args.context)
     model(np.zeros((1, args.context), np.int64))  # builds the variables
+    initial_nats = validation_loss(model, validation, args.context)
     schedule = keras.optimizers.schedules.CosineDecay(
         0.0,
         decay_steps=max(1, args.steps - args.warmup),
@@ -114,11 +122,13 @@ def main(argv=None):
         callbacks=[BroadcastGlobalVariablesCallback(0), recorder],
     )
 
-    inputs, targets = corpus.validation_windows(validation, args.context)
-    logits = model.predict(inputs, batch_size=64, verbose=0)
-    nats = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(targets, logits))
     result = language_model_result(
-        recorder.record, optimizer.compression_stats(), args, hvd.size(), nats
+        recorder.record,
+        optimizer.compression_stats(),
+        args,
+        hvd.size(),
+        validation_loss(model, validation, args.context),
+        initial_nats,
     )
     publish(result, hvd.rank(), args.out)
     return result

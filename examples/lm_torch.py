@@ -68,6 +68,13 @@ def next_byte_loss(model, inputs, targets):
     return nn.functional.cross_entropy(model(inputs).reshape(-1, 256), targets.reshape(-1))
 
 
+def validation_loss(model, validation, context, device):
+    """The model's mean next-byte loss, in nats, on the validation windows."""
+    inputs, targets = map(torch.from_numpy, corpus.validation_windows(validation, context))
+    with torch.no_grad():
+        return next_byte_loss(model, inputs.to(device), targets.to(device)).item()
+
+
 def main(argv=None):
     args = lm_parser(__doc__.splitlines()[0]).parse_args(argv)
     hvd.init()
@@ -103,6 +110,7 @@ def main(argv=None):
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    initial_nats = validation_loss(model, validation, args.context, device)
 
     local_batch = args.batch_size // hvd.size()
     rng = np.random.default_rng(args.seed * 1000 + hvd.rank())
@@ -120,10 +128,14 @@ def main(argv=None):
         schedule.step()
         record.record(time.perf_counter() - start, optimizer.compression_stats())
 
-    inputs, targets = map(torch.from_numpy, corpus.validation_windows(validation, args.context))
-    with torch.no_grad():
-        nats = next_byte_loss(model, inputs.to(device), targets.to(device)).item()
-    result = language_model_result(record, optimizer.compression_stats(), args, hvd.size(), nats)
+    result = language_model_result(
+        record,
+        optimizer.compression_stats(),
+        args,
+        hvd.size(),
+        validation_loss(model, validation, args.context, device),
+        initial_nats,
+    )
     publish(result, hvd.rank(), args.out)
     return result
 

@@ -56,10 +56,11 @@ class RunRecord:
         }
 
 
-def language_model_result(record, stats, args, workers, nats):
+def language_model_result(record, stats, args, workers, nats, initial_nats):
     """The result of a language-model example (``examples/lm_torch.py``,
     ``examples/lm_keras.py``) from its ``RunRecord``, last ``compression_stats()``, command
-    line (``args.lm_parser``), world size and validation loss in nats per byte. Under
+    line (``args.lm_parser``), world size and validation loss in nats per byte after and
+    before training. Under
     compressed Adam, whose warm-up steps go whole, bytes per step are the run's mean."""
     return record.result(
         stats,
@@ -68,6 +69,7 @@ def language_model_result(record, stats, args, workers, nats):
         workers=workers,
         steps=args.steps,
         validation_bits_per_byte=nats / math.log(2),
+        initial_validation_bits_per_byte=initial_nats / math.log(2),
     )
 
 
