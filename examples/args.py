@@ -31,9 +31,21 @@ def cnn_parser(description):
     )
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
     parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument(
+        "--worker-momentum",
+        choices=tuple(WORKER_MOMENTUM),
+        default="auto",
+        help="the SGD's momentum applied on the worker before compression: the wrapper's "
+        "choice (auto), in the SGD's own form (sgd), in Nesterov's form, or off "
+        "(DistributedOptimizer(worker_momentum=...))",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results of rank 0 as JSON here")
     return parser
+
+
+# --worker-momentum's choices and the wrappers' worker_momentum they stand for.
+WORKER_MOMENTUM = {"auto": None, "sgd": True, "nesterov": "nesterov", "off": False}
 
 
 def lm_parser(description):

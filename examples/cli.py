@@ -19,7 +19,9 @@ in Keras with ``model.fit`` (``keras``), the GRU of the CELGC example (``gru``),
 trained with AdamW on the Python standard library's source (``lm``; the same in Keras with
 ``model.fit``, ``keras-lm``; ``corpus``). A codec may carry hyperparameters, as
 in ``4:ef-sign:max_block_size=256`` (``hvd_compress.registry.resolve``),
-a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``), and a
+a PyTorch CNN's codec the suffix ``+auto`` for the adaptive mode (``2:terngrad+auto``), a
+CNN's codec ``+sgd-form`` for its worker momentum in the SGD's own form (``2:dgc+sgd-form``;
+``worker_momentum=True``), and a
 language model's the suffix ``+cadam`` for compressed Adam (``lm/2:nuqsgd+cadam``) and
 ``+no-cadam`` for none where the wrappers would choose it (``lm/2:ef-sign+no-cadam``).
 """
@@ -55,22 +57,32 @@ class Example:
         return os.path.join(os.path.dirname(examples.__file__), self.script)
 
 
-# A CNN run's codec with this suffix runs in the adaptive mode (PyTorch only).
+# A CNN run's codec with this suffix runs in the adaptive mode (PyTorch only); with the
+# other, the worker momentum takes the SGD's own form where the wrappers would choose
+# Nesterov's (``hvd_compress.remedies``).
 ADAPTIVE_SUFFIX = "+auto"
+SGD_FORM_SUFFIX = "+sgd-form"
 
 
 def _cnn_arguments(codec, optimizer, args):
-    adaptive = codec.endswith(ADAPTIVE_SUFFIX)
+    options = []
+    for suffix, option in (
+        (ADAPTIVE_SUFFIX, ["--adaptive"]),
+        (SGD_FORM_SUFFIX, ["--worker-momentum", "sgd"]),
+    ):
+        if codec.endswith(suffix):
+            codec, options = codec.removesuffix(suffix), options + option
     return [
         "--compression",
-        codec.removesuffix(ADAPTIVE_SUFFIX),
+        codec,
         "--steps",
         str(args.steps),
         "--optimizer",
         optimizer,
         "--lr",
         str(args.lr),
-    ] + (["--adaptive"] if adaptive else [])
+        *options,
+    ]
 
 
 def _gru_arguments(mode, optimizer, args):
@@ -127,7 +139,7 @@ EXAMPLES = {
 # optimizer, so ef-sign brings its Nesterov baseline.
 EF_SIGN = "ef-sign:max_block_size=256@nesterov"
 # The codecs the peers ship (DDP's PowerSGD, GRACE's and BytePS's top-k as DGC).
-PEER_RUNS = ("2:powersgd", "2:dgc:warmup_steps=300")
+PEER_RUNS = ("2:powersgd", "2:dgc")
 # Every model and codec (--full, ~80 minutes on 2 cores): the accuracy claims of the README.
 FULL_RUNS = (
     [

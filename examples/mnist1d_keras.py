@@ -17,7 +17,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hvd_compress.tf as hc  # noqa: E402
-from hvd_compress.examples.args import cnn_parser  # noqa: E402
+from hvd_compress.examples.args import WORKER_MOMENTUM, cnn_parser  # noqa: E402
 from hvd_compress.examples.datasets import load_mnist1d  # noqa: E402
 from hvd_compress.examples.keras_steps import StepRecorder  # noqa: E402
 from hvd_compress.examples.report import publish  # noqa: E402
@@ -92,7 +92,11 @@ def main(argv=None):
             schedule, momentum=0.9, weight_decay=decay, nesterov=args.optimizer == "nesterov"
         )
     optimizer = hc.DistributedOptimizer(
-        optimizer, compression=args.compression, exchange=args.exchange, seed=args.seed
+        optimizer,
+        compression=args.compression,
+        exchange=args.exchange,
+        seed=args.seed,
+        worker_momentum=WORKER_MOMENTUM[args.worker_momentum],
     )
     model = cnn()
     model.compile(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import hvd_compress.pt as hc
-from hvd_compress.examples.args import cnn_parser
+from hvd_compress.examples.args import WORKER_MOMENTUM, cnn_parser
 from hvd_compress.examples.datasets import load_mnist1d
 from hvd_compress.examples.report import RunRecord, publish
 from hvd_compress.pt.device import rank_device
@@ -68,6 +68,7 @@ def main(argv=None):
         exchange=args.exchange,
         seed=args.seed,
         adaptive=args.adaptive,
+        worker_momentum=WORKER_MOMENTUM[args.worker_momentum],
     )
     # Cosine decay: the quantization noise of compressed gradients matters less as the
     # learning rate falls, which is where the final accuracy is decided.

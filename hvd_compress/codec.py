@@ -90,8 +90,9 @@ class Codec:
         adam_remedy: whether the codec trains worse under Adam and AdamW unless it
             compresses Adam's momentum rather than its gradients, so that the wrappers turn
             compressed Adam on for it (``hvd_compress.remedies``).
-        nesterov_remedy: whether the codec trains worse under SGD with heavy-ball
-            momentum than with Nesterov's, so that the wrappers warn (``remedies``).
+        nesterov_remedy: whether the codec trains worse when its worker momentum takes a
+            heavy-ball SGD's form than Nesterov's, so that the wrappers choose Nesterov's
+            form under a heavy-ball SGD (``hvd_compress.remedies``).
 
     Args:
         min_size (int): tensors with fewer elements than this are sent uncompressed by a

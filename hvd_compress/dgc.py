@@ -13,7 +13,9 @@ Per tensor, on worker i at step t, with mu the optimizer's momentum:
 
 The velocity u is the wrapper's worker momentum (``worker_momentum``, on by default for
 this codec with an SGD that has momentum: the base optimizer then steps as plain SGD, so no
-momentum is applied twice), v is the worker's error-feedback residual, and the exchange
+momentum is applied twice; under a heavy-ball SGD the wrappers accumulate g + mu u,
+Nesterov's form, which trained closer to uncompressed SGD: ``hvd_compress.remedies``),
+v is the worker's error-feedback residual, and the exchange
 masks both at the indices it sends. Without momentum (another optimizer, or
 ``worker_momentum=False``) this is top-k with error feedback; under Adam and AdamW the
 wrappers send Adam's momentum through it instead of the gradient (compressed Adam,
@@ -72,6 +74,7 @@ class DGC(Codec):
     error_feedback_default = True
     worker_momentum_default = True
     adam_remedy = True  # hvd_compress.remedies
+    nesterov_remedy = True
     default_min_size = 1024
 
     def __init__(

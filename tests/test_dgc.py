@@ -20,10 +20,11 @@ def gradient(step, rank, index, shape):
     return np.random.default_rng([step, rank, index]).standard_normal(shape).astype(np.float32)
 
 
-def reference_averages(codec, shapes, steps, world_size, mu):
+def reference_averages(codec, shapes, steps, world_size, mu, nesterov):
     """Each step's averaged gradients of the numpy reference in float64: every rank's
-    clipping, velocity u, accumulation v, top-k and masking simulated. Tensors under the
-    codec's min_size average their velocities whole."""
+    clipping, velocity u, accumulation v of u (or, in Nesterov's form, of g + mu u), top-k
+    and masking simulated. Tensors under the codec's min_size average whole what would
+    have been accumulated."""
     velocity = {name: [0.0] * world_size for name in shapes}
     accumulated = {name: [0.0] * world_size for name in shapes}
     for step in range(steps):
@@ -36,11 +37,12 @@ def reference_averages(codec, shapes, steps, world_size, mu):
             total = np.zeros(int(np.prod(shape)))
             for r, g in enumerate(grads):
                 u = mu * velocity[name][r] + g.reshape(-1)
+                step_value = g.reshape(-1) + mu * u if nesterov else u
                 if codec.why_whole(shape) is not None:
                     velocity[name][r] = u
-                    total += u
+                    total += step_value
                     continue
-                v = accumulated[name][r] + u
+                v = accumulated[name][r] + step_value
                 selected = codec.top_k(v, codec.k(v.size, step))
                 total[selected] += v[selected]
                 v[selected], u[selected] = 0, 0
@@ -49,9 +51,10 @@ def reference_averages(codec, shapes, steps, world_size, mu):
         yield averages
 
 
-def _train():
-    """DGC through the PyTorch wrapper with momentum SGD on the gradients of ``gradient``:
-    each step's averaged gradients, and for every compressed tensor and step the
+def _train(worker_momentum):
+    """DGC through the PyTorch wrapper with heavy-ball SGD on the gradients of ``gradient``,
+    its worker momentum as ``worker_momentum`` says (None: the wrapper's choice, Nesterov's
+    form): each step's averaged gradients, and for every compressed tensor and step the
     compensated velocity, the indices sent and the residual kept."""
     import horovod.torch as hvd
 
@@ -64,6 +67,7 @@ def _train():
         torch.optim.SGD(params, lr=LR, momentum=MU),
         list(zip(SHAPES, params)),
         compression=hc.DGC(**CODEC),
+        worker_momentum=worker_momentum,
     )
     selections = []
     start = exchange.TopKAllgather.start
@@ -100,14 +104,16 @@ def _train():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_matches_the_reference_and_sends_exactly_the_k_largest(world_size):
-    ranks = run_parallel(_train, world_size)
+@pytest.mark.parametrize("worker_momentum", [None, True], ids=["nesterov", "heavy-ball"])
+def test_matches_the_reference_and_sends_exactly_the_k_largest(world_size, worker_momentum):
+    ranks = run_parallel(_train, world_size, worker_momentum)
+    nesterov = worker_momentum is None
     codec = hvd_compress.DGC(**CODEC)
     for averages, selections, masked, sent, counted in ranks:
         # The bytes handed to Horovod, as the cost model counts them, every step.
         assert all(handed == expected for handed, expected in counted)
         for _step, (mine, want) in enumerate(
-            zip(averages, reference_averages(codec, SHAPES, STEPS, world_size, MU))
+            zip(averages, reference_averages(codec, SHAPES, STEPS, world_size, MU, nesterov))
         ):
             for name, a in zip(SHAPES, mine):
                 # float32 against float64: the same support, values to rounding.

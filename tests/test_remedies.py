@@ -1,8 +1,8 @@
 """The settings the PyTorch wrapper chooses for a codec turned on by its name
 (``hvd_compress.remedies``): compressed Adam for the error-feedback codecs under Adam and
-AdamW, and ef-sign's worker momentum in Nesterov's form under a heavy-ball SGD, each logged
-once; an explicit setting winning; a warning where the remedy cannot run or the optimizer
-is unknown. The Keras wrapper's: ``tests/test_tf_compressed_adam.py``. One
+AdamW, and ef-sign's and DGC's worker momentum in Nesterov's form under a heavy-ball SGD,
+each logged once; an explicit setting winning; a warning where the remedy cannot run or the
+optimizer is unknown. The Keras wrapper's: ``tests/test_tf_compressed_adam.py``. One
 1-process Horovod job (the wrapper needs ``hvd.init()``) builds them all."""
 
 import pytest
@@ -33,7 +33,7 @@ EXPLICIT = [
     ("AdamW", "nuqsgd", {"compressed_adam": 50}),
     ("AdamW", "ef-sign", {"adaptive": True}),
     ("SGD", "ef-sign", {"worker_momentum": True}),
-    ("SGD", "dgc", {"worker_momentum": "nesterov"}),
+    ("SGD", "dgc", {"worker_momentum": True}),
     ("SGD", "ef-sign", {"worker_momentum": False}),
     ("AdamW", "qsgd:bits=8", {}),
     ("AdamW", "dgc", {"compressed_adam": 0}),
@@ -106,7 +106,7 @@ def test_codecs_without_a_remedy_log_nothing(choices):
         known = set(ERROR_FEEDBACK) | set(remedies.ADAM_GAPS)
         if codec not in known or optimizer == "SGD(nesterov)":
             assert logged == [], (optimizer, codec)
-        if optimizer == "SGD" and codec != "ef-sign":
+        if optimizer == "SGD" and not registry.resolve(codec).nesterov_remedy:
             assert logged == [], (optimizer, codec)
 
 
@@ -125,17 +125,21 @@ def test_codecs_behind_adamw_by_name_are_warned_with_the_gap_and_what_closes_it(
 def test_worker_momentum_is_on_for_ef_sign_and_dgc_under_sgd_with_momentum(choices):
     for (optimizer, codec), (_, form, _) in choices["defaults"].items():
         if optimizer.startswith("SGD") and codec in ("ef-sign", "dgc"):
-            nesterov = codec == "ef-sign" and optimizer == "SGD"
+            nesterov = optimizer == "SGD"
             assert form == ("nesterov" if nesterov else "optimizer"), (optimizer, codec)
         else:
             assert form is None, (optimizer, codec)
 
 
-def test_ef_sign_under_heavy_ball_takes_nesterovs_form_logged_once(choices):
-    warmup, form, [message] = choices["defaults"]["SGD", "ef-sign"]
-    assert (warmup, form) == (None, "nesterov")
-    assert "ef-sign's worker momentum in Nesterov's form" in message
-    assert remedies.HEAVY_BALL_GAP in message and "worker_momentum=True" in message
+def test_ef_sign_and_dgc_under_heavy_ball_take_nesterovs_form_logged_once(choices):
+    for codec in ("ef-sign", "dgc"):
+        warmup, form, [message] = choices["defaults"]["SGD", codec]
+        assert (warmup, form) == (None, "nesterov")
+        assert f"{codec}'s worker momentum in Nesterov's form" in message
+        assert remedies.HEAVY_BALL_GAPS[codec] in message and "worker_momentum=True" in message
+    assert set(remedies.HEAVY_BALL_GAPS) == {
+        name for name in CODECS if registry.resolve(name).nesterov_remedy
+    }
     assert choices["again_sgd"] == (None, "nesterov", [])
 
 
@@ -143,7 +147,7 @@ def test_an_explicit_setting_wins(choices):
     off, fifty, nuqsgd, _, heavy_ball, dgc, no_momentum, *_ = choices["explicit"]
     assert (off, fifty[0], nuqsgd[0]) == ((None, None, []), 50, 50)
     assert heavy_ball == (None, "optimizer", [])
-    assert dgc == (None, "nesterov", [])
+    assert dgc == (None, "optimizer", [])
     assert no_momentum == (None, None, [])
 
 

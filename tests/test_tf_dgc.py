@@ -1,5 +1,6 @@
 """DGC in the TensorFlow port: the numpy reference at N = 4 through the Keras
-wrapper's worker momentum, the bytes of the PyTorch port, and the warm-up's k in a graph."""
+wrapper's worker momentum (in the form it chooses), the bytes of the PyTorch port, and the
+warm-up's k in a graph."""
 
 import numpy as np
 import pytest
@@ -11,8 +12,8 @@ from .test_dgc import CODEC, LR, MU, SHAPES, STEPS, gradient, reference_averages
 
 
 def _train():
-    """Each step's averaged gradients of ``gradient`` through the Keras wrapper (SGD with
-    momentum: worker momentum on, as by default), in a ``tf.function``."""
+    """Each step's averaged gradients of ``gradient`` through the Keras wrapper (heavy-ball
+    SGD: worker momentum on, in Nesterov's form, as by default), in a ``tf.function``."""
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
@@ -41,7 +42,7 @@ def test_matches_the_reference_with_the_bytes_of_the_pytorch_port():
     world_size = 4
     ranks = run_parallel(_train, world_size)
     codec = hvd_compress.DGC(**CODEC)
-    reference = list(reference_averages(codec, SHAPES, STEPS, world_size, MU))
+    reference = list(reference_averages(codec, SHAPES, STEPS, world_size, MU, nesterov=True))
     for averages, handed in ranks:
         for mine, want in zip(averages, reference):
             for name, a in zip(SHAPES, mine):
