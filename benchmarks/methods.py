@@ -226,6 +226,20 @@ METHODS = {
     ),
     "ddp-powersgd": lambda model, n, lr: PowerSGDTrainer(model, n, lr),
 }
+# The accuracy run's uncompressed and peer methods; its other methods are the registry's codecs,
+# each by its name alone (its defaults, as a user turns it on: ``accuracy_trainer``).
+ACCURACY_BASELINES = ("hvd-none", "hvd-fp16", "ddp", "ddp-fp16", "ddp-powersgd")
+ACCURACY_CODECS = tuple(name for name in hc.CODECS if name != "none")
+ACCURACY_CHOICES = ACCURACY_BASELINES + ACCURACY_CODECS
+
+
+def accuracy_trainer(method, model, world_size, lr):
+    """The accuracy run's trainer of ``method`` (one of ``ACCURACY_CHOICES``)."""
+    if method in ACCURACY_BASELINES:
+        return METHODS[method](model, world_size, lr)
+    return CodecTrainer(model, world_size, lr, method)
+
+
 # The peers' codecs (DDP's PowerSGD, GRACE's and BytePS's top-k as DGC) in hvd_compress.
 PEER_METHODS = ("powersgd", "dgc")
 # The exchanges of hvd_compress, whose codec time the probe can separate from waiting.

@@ -531,13 +531,18 @@ def markdown(result):
             f"\n### MNIST-1D CNN: test accuracy against training time "
             f"(N = {e0['workers']}, {e0['rate']}, {e0['points'][-1][1]} steps)\n"
         )
+        final = {e["method"]: e["points"][-1][2] for e in curves}
+        baseline = final.get("hvd-none")
         parts.append(
             _table(
-                ["method", "final accuracy", "training time (s)", "best accuracy"],
+                ["method", "final accuracy", "vs hvd-none", "training time (s)", "best accuracy"],
                 [
                     [
                         e["method"],
-                        f"{100 * e['points'][-1][2]:.1f}%",
+                        f"{100 * final[e['method']]:.1f}%",
+                        "-"
+                        if baseline is None
+                        else f"{100 * (final[e['method']] - baseline):+.1f}",
                         f"{e['points'][-1][0]:.1f}",
                         f"{100 * max(p[2] for p in e['points']):.1f}%",
                     ]

@@ -31,6 +31,7 @@ from .methods import (
     METHODS,
     TWO_LEVEL_METHODS,
     Trainer,
+    accuracy_trainer,
     init_ddp,
     needs_ddp,
     needs_process_sets,
@@ -197,7 +198,7 @@ def accuracy_curve(driver, work, method, rate, steps, every, lr):
     """Trains ``method`` from scratch for ``steps`` (cosine learning rate from ``lr``) and
     records test accuracy every ``every`` steps against the training time so far."""
     driver.shape(rate)
-    trainer = METHODS[method](work.build(), hvd.size(), lr)
+    trainer = accuracy_trainer(method, work.build(), hvd.size(), lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(trainer.optimizer, T_max=steps)
     batches = work.batches(hvd.rank())
     points, elapsed = [], 0.0
