@@ -83,5 +83,5 @@ class BlockSign(Codec):
     def encode(self, grad, scale, uniforms):
         return np.where(grad >= 0, 1, -1).astype(np.int8)
 
-    def decode(self, total, scale, count):
-        return buckets.rescale(total, scale, self.bucket_length(total.shape[-1]), count)
+    def decode(self, total, scale, averaged_over):
+        return buckets.rescale(total, scale, self.bucket_length(total.shape[-1]), averaged_over)

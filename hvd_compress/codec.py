@@ -233,10 +233,10 @@ class Codec:
         """The additive integer values of ``codes``, in ``value_space``."""
         return codes
 
-    def decode(self, total, scale, count):
+    def decode(self, total, scale, averaged_over):
         """The float32 gradient from ``total``, a sum of code values (or one worker's), under
-        ``scale``, divided by ``count``. Leading axes of ``total`` and ``scale`` broadcast,
-        so a batch of workers decodes at once."""
+        ``scale``, averaged over ``averaged_over`` workers (1: the sum itself). Leading axes
+        of ``total`` and ``scale`` broadcast, so a batch of workers decodes at once."""
         raise NotImplementedError
 
 
@@ -279,5 +279,5 @@ class FP16(Codec):
     def encode(self, grad, scale, uniforms):
         return grad.astype(np.float16)
 
-    def decode(self, total, scale, count):
-        return total.astype(np.float32) / np.float32(count)
+    def decode(self, total, scale, averaged_over):
+        return total.astype(np.float32) / np.float32(averaged_over)

@@ -203,9 +203,9 @@ class NUQSGD(_BucketedQuantizer, Codec):
         magnitude = np.where(index > 0, np.left_shift(1, np.maximum(index - 1, 0)), 0)
         return np.sign(codes).astype(np.int32) * magnitude
 
-    def decode(self, total, scale, count):
+    def decode(self, total, scale, averaged_over):
         return buckets.rescale(
-            total, scale, self.bucket_length(total.shape[-1]), 2**self.exponent * count
+            total, scale, self.bucket_length(total.shape[-1]), 2**self.exponent * averaged_over
         )
 
 

@@ -43,7 +43,7 @@ class UniformQuantizer(Codec):
         level = low + (uniforms < p)
         return (np.sign(grad) * level).astype(np.int8)
 
-    def decode(self, total, scale, count):
+    def decode(self, total, scale, averaged_over):
         return buckets.rescale(
-            total, scale, self.bucket_length(total.shape[-1]), self.levels * count
+            total, scale, self.bucket_length(total.shape[-1]), self.levels * averaged_over
         )

@@ -41,5 +41,5 @@ class BlockSign(reference.BlockSign, Codec):
         # tensor's bytes are 0 or 1, so it is read as int8 without a conversion pass.
         return (grad >= 0).view(torch.int8).mul_(2).sub_(1)
 
-    def decode(self, total, scale, count):
-        return rescale(total, scale, self.bucket_length(total.shape[-1]), count)
+    def decode(self, total, scale, averaged_over):
+        return rescale(total, scale, self.bucket_length(total.shape[-1]), averaged_over)

@@ -41,5 +41,5 @@ class FP16(reference.FP16, Codec):
     def encode(self, grad, scale, uniforms):
         return grad.to(torch.float16)
 
-    def decode(self, total, scale, count):
-        return total.to(torch.float32) / count
+    def decode(self, total, scale, averaged_over):
+        return total.to(torch.float32) / averaged_over

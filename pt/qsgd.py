@@ -71,5 +71,6 @@ class NUQSGD(reference.NUQSGD, Codec):
         )
         return torch.sign(codes).to(torch.int32) * magnitude
 
-    def decode(self, total, scale, count):
-        return rescale(total, scale, self.bucket_length(total.shape[-1]), 2**self.exponent * count)
+    def decode(self, total, scale, averaged_over):
+        length = self.bucket_length(total.shape[-1])
+        return rescale(total, scale, length, 2**self.exponent * averaged_over)

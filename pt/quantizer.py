@@ -40,5 +40,7 @@ class UniformQuantizer(reference.UniformQuantizer, Codec):
         # NaN, gives the same codes.
         return torch.copysign(level, grad).to(torch.int8)
 
-    def decode(self, total, scale, count):
-        return rescale(total, scale, self.bucket_length(total.shape[-1]), self.levels * count)
+    def decode(self, total, scale, averaged_over):
+        return rescale(
+            total, scale, self.bucket_length(total.shape[-1]), self.levels * averaged_over
+        )

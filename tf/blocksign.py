@@ -27,5 +27,5 @@ class BlockSign(reference.BlockSign, Codec):
     def encode(self, grad, scale, uniforms):
         return tf.cast(tf.where(grad >= 0, 1, -1), tf.int8)
 
-    def decode(self, total, scale, count):
-        return rescale(total, scale, self.bucket_length(total.shape[-1]), count)
+    def decode(self, total, scale, averaged_over):
+        return rescale(total, scale, self.bucket_length(total.shape[-1]), averaged_over)

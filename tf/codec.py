@@ -51,5 +51,5 @@ class FP16(reference.FP16, Codec):
     def encode(self, grad, scale, uniforms):
         return tf.cast(grad, tf.float16)
 
-    def decode(self, total, scale, count):
-        return divide(tf.cast(total, tf.float32), count)
+    def decode(self, total, scale, averaged_over):
+        return divide(tf.cast(total, tf.float32), averaged_over)

@@ -72,5 +72,6 @@ class NUQSGD(reference.NUQSGD, Codec):
         magnitude = tf.where(index > 0, tf.bitwise.left_shift(1, tf.maximum(index - 1, 0)), 0)
         return tf.sign(tf.cast(codes, tf.int32)) * magnitude
 
-    def decode(self, total, scale, count):
-        return rescale(total, scale, self.bucket_length(total.shape[-1]), 2**self.exponent * count)
+    def decode(self, total, scale, averaged_over):
+        length = self.bucket_length(total.shape[-1])
+        return rescale(total, scale, length, 2**self.exponent * averaged_over)

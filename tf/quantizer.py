@@ -22,5 +22,7 @@ class UniformQuantizer(reference.UniformQuantizer, Codec):
         level = low + tf.cast(uniforms < p, tf.float32)
         return tf.cast(tf.sign(grad) * level, tf.int8)
 
-    def decode(self, total, scale, count):
-        return rescale(total, scale, self.bucket_length(total.shape[-1]), self.levels * count)
+    def decode(self, total, scale, averaged_over):
+        return rescale(
+            total, scale, self.bucket_length(total.shape[-1]), self.levels * averaged_over
+        )
