@@ -5,7 +5,9 @@ into a fresh venv that sees the built Horovod and the frameworks, answers
 directory outside the checkout (the Keras scripts' runs are the README's tests, from the
 checkout). The demo's codec is ef-sign: its CPU kernels run from the new install, where
 numba compiles them for the first time, in a few seconds (the quantizers' take half a minute
-in each worker; their kernels are checked in the checkout).
+in each worker; their kernels are checked in the checkout). On the oldest Python that
+``requires-python`` admits, the same wheel installs, its core imports and resolves every
+codec, and every module of it compiles.
 
 The fresh venv gets the project venv's site-packages through a ``.pth`` line, which adds the
 directory to ``sys.path`` without running the ``.pth`` files inside it, so the checkout's
@@ -20,6 +22,7 @@ import subprocess
 import sys
 
 import pytest
+import tomllib
 
 from .harness import REPO, job_env, run_job
 
@@ -75,11 +78,11 @@ def _fresh_venv(path):
     return python, purelib
 
 
-@pytest.mark.timeout(400)
-def test_the_installed_wheel_runs_the_demo_outside_the_checkout(tmp_path):
-    # Without PYTHONPATH, and run from outside the checkout: only the wheel can provide
-    # hvd_compress.
-    env = {k: v for k, v in job_env().items() if k != "PYTHONPATH"}
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The project's wheel, built from a copy of its sources with the project venv's
+    setuptools (no network)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "source"
     for name in SOURCES:
         origin = os.path.join(REPO, name)
@@ -89,7 +92,6 @@ def test_the_installed_wheel_runs_the_demo_outside_the_checkout(tmp_path):
             )
         else:
             shutil.copy2(origin, source / name)
-    # No network: the build uses the project venv's setuptools.
     run_job(
         [
             sys.executable,
@@ -106,9 +108,21 @@ def test_the_installed_wheel_runs_the_demo_outside_the_checkout(tmp_path):
         "pip wheel",
         180,
         cwd=tmp_path,
-        env=env,
+        env=_env(),
     )
-    (wheel,) = glob.glob(str(tmp_path / "dist" / "hvd_compress-*.whl"))
+    (built,) = glob.glob(str(tmp_path / "dist" / "hvd_compress-*.whl"))
+    return built
+
+
+def _env():
+    """The jobs' environment without PYTHONPATH: only the wheel can provide hvd_compress."""
+    return {k: v for k, v in job_env().items() if k != "PYTHONPATH"}
+
+
+@pytest.mark.timeout(400)
+def test_the_installed_wheel_runs_the_demo_outside_the_checkout(tmp_path, wheel):
+    # Run from outside the checkout, without PYTHONPATH.
+    env = _env()
     python, venv_site = _fresh_venv(tmp_path / "venv")
     run_job(
         [
@@ -166,3 +180,57 @@ def test_the_installed_wheel_runs_the_demo_outside_the_checkout(tmp_path):
     )
     assert "| model | workers | optimizer | codec | test accuracy |" in output, output
     assert "| PyTorch CNN | 2 | sgd | ef-sign |" in output, output
+
+
+def _oldest_python():
+    """An interpreter of the oldest Python the project declares (``requires-python``), or
+    None where this machine has none."""
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["requires-python"]
+    version = declared.removeprefix(">=")
+    candidates = [shutil.which(f"python{version}")] + sorted(
+        glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}"))
+    )
+    for candidate in filter(None, candidates):
+        # pyenv's shims exist for every version and fail for those not selected.
+        if subprocess.run([candidate, "-c", ""], capture_output=True).returncode == 0:
+            return version, candidate
+    return version, None
+
+
+@pytest.mark.timeout(300)
+def test_the_wheel_installs_and_imports_on_the_oldest_python_declared(tmp_path, wheel):
+    version, interpreter = _oldest_python()
+    if interpreter is None:
+        pytest.skip(f"no Python {version} here (requires-python's lowest)")
+    venv = tmp_path / "venv"
+    subprocess.run([interpreter, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    # uv checks the wheel's Requires-Python against the interpreter, and takes a numpy
+    # built for it.
+    uv = os.path.join(os.path.dirname(sys.executable), "uv")
+    run_job([uv, "pip", "install", "--python", python, wheel], "uv pip install", 240)
+    site_packages = run_job(
+        [
+            python,
+            "-c",
+            "import sys, hvd_compress, hvd_compress.registry as r; "
+            "assert sys.version_info[:2] == tuple(map(int, sys.argv[1].split('.'))); "
+            "[r.resolve(name) for name in r.CODECS]; "
+            "print('site:' + hvd_compress.__path__[0])",
+            version,
+        ],
+        f"import hvd_compress on Python {version}",
+        60,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    [package] = [line[5:] for line in site_packages.split("\n") if line.startswith("site:")]
+    assert package.startswith(str(venv)), package
+    # The ports and the examples need torch or TensorFlow to import; their syntax must
+    # still be this Python's.
+    run_job(
+        [python, "-m", "compileall", "-q", os.path.dirname(package) + "/hvd_compress"],
+        f"compile the package on Python {version}",
+        60,
+    )
