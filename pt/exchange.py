@@ -25,8 +25,8 @@ import time
 import horovod.torch as hvd
 import torch
 
+from hvd_compress import exchange as layout
 from hvd_compress import watchdog
-from hvd_compress.codes import shard_length
 from hvd_compress.cost import TORCH_ALLREDUCE_DTYPES
 
 from . import elias, fused, triton_fused
@@ -144,33 +144,19 @@ def grouped_allreduce_in_place(tensors, op, name, meter):
             tensor.copy_(result)
 
 
-class Meter:
-    """Counts the bytes of every tensor handed to a Horovod collective: in all, and per
-    gradient tensor (the one named by ``charging``)."""
+class Meter(layout.Meter):
+    """``hvd_compress.exchange.Meter`` in Python ints: ``bytes`` in all, ``by_tensor``."""
 
     def __init__(self):
+        super().__init__()
         self.bytes = 0
         self.by_tensor = collections.Counter()
-        self.tensor = None
 
     def hand(self, tensor):
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes += nbytes
         self.by_tensor[self.tensor] += nbytes
         return tensor
-
-    def charging(self, name):
-        """Counts the bytes handed inside this ``with`` block for the gradient tensor
-        ``name``. The meter is its own context manager: entered for every tensor several
-        times a step, where a generator-based one costs microseconds each time."""
-        self.tensor = name
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.tensor = None
 
 
 def _floats(rows):
@@ -215,34 +201,12 @@ def _sum_rows(rows):
     return rows.to(accumulate).sum(dim=0, dtype=accumulate)
 
 
-class _Exchange:
-    # Whether the last result of ``finish`` is all finite, where the exchange knows it
-    # without reading the result; None where it does not.
-    finite = None
-    # The indices of the velocity this worker sent, which its momentum forgets (DGC's
-    # momentum factor masking); None for exchanges that send no part of it.
-    selected = None
+class _Exchange(layout.Exchange):
+    """``hvd_compress.exchange.Exchange`` in torch, over Horovod's global process set
+    unless told another."""
 
-    def __init__(
-        self,
-        codec,
-        numel,
-        world_size,
-        meter,
-        count,
-        server=None,
-        fusion=None,
-        *,
-        process_set=hvd.global_process_set,
-    ):
-        self.codec, self.numel, self.world_size = codec, numel, world_size
-        self.meter, self.count, self.server = meter, count, server
-        # The ranks that exchange: ``world_size`` of them, ranked within the set.
-        self.process_set = process_set
-        # The ``AlltoallFusion`` that carries the alltoall of a sharded exchange.
-        self.fusion = fusion
-        # Elements this worker sends (a tensor, for sparse codecs: known once it selected).
-        self.sent_elements = numel
+    def __init__(self, *args, process_set=hvd.global_process_set, **kwargs):
+        super().__init__(*args, process_set=process_set, **kwargs)
 
     def advance(self, pending):
         return pending
@@ -306,20 +270,12 @@ class Allreduce(_Exchange):
         return self.codec.decode(total, scale, self.count)
 
 
-class Allgather(_Exchange):
+class Allgather(layout.Allgather, _Exchange):
     """Every worker's packed codes (and own scales, if it has them) reach every worker.
 
     Variable-length payloads (``wire="elias"``) travel as one flat byte tensor per worker,
     with a second, concurrent allgather of their lengths to split them apart.
     """
-
-    name = "allgather"
-
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
-        self.own_scale = codec.scaled and not codec.shares_scale(self.name)
-        self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
-        self.elias = codec.wire == "elias"
 
     def start(self, codes, scale, name):
         payload = (
@@ -419,7 +375,7 @@ class Allgather(_Exchange):
         return self.server(self.codec, average)[2]
 
 
-class Sharded(_Exchange):
+class Sharded(layout.Sharded, _Exchange):
     """Reduce-scatter by alltoall, then allgather of the packed partial sums.
 
     Rank k receives shard k of every worker's codes, sums their values and packs the sum in
@@ -427,13 +383,6 @@ class Sharded(_Exchange):
     returns all summed shards to everyone. Bytes per worker stay nearly flat as the world
     grows.
     """
-
-    name = "sharded"
-
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
-        self.total_space = codec.value_space.summed(world_size)
-        self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
     def payload(self, device: torch.device) -> torch.Tensor:
         """The codes of all shards, padded with 0 to ``world_size`` shards."""
@@ -472,32 +421,14 @@ class Sharded(_Exchange):
         return self.codec.decode(total, scale, self.count)
 
 
-class ShardedServer(_Exchange):
-    """The sharded exchange of a two-way codec (the shape of DeepSpeed's compressed
-    allreduce): rank k is the server of shard k.
-
-    An alltoall sends rank k every worker's sign bits of shard k, each prefixed with that
-    worker's block scales; rank k decodes and averages them, adds its server residual for the
-    shard and compresses the result again, with blocks cut at the shard's edges (so server
-    blocks differ from the replicated server's); an allgather returns every server's
-    message. Bytes per worker stay nearly flat as the world grows.
-    """
-
-    name = "sharded"
-
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
-        self.length = shard_length(numel, world_size, codec.code_space)
-        self.scale_bytes = 4 * codec.buckets(numel)
-        self.server_scale_bytes = 4 * codec.buckets(self.length)
-
+class ShardedServer(layout.ShardedServer, _Exchange):
     def start(self, codes, scale, name):
         return self.start_packed(self._packed(codes), scale, name)
 
     def start_packed(self, packed, scale, name):
         """``start`` for codes already packed (``fused``)."""
         if self._fused(scale):
-            payload = fused.sharded_messages(scale, packed, self.world_size, self._shard_bytes)
+            payload = fused.sharded_messages(scale, packed, self.world_size, self.shard_bytes)
         else:
             shards = self._shards(packed, self.world_size)
             heads = scale.to(torch.float32).reshape(1, -1).view(torch.uint8)
@@ -520,7 +451,7 @@ class ShardedServer(_Exchange):
                 self.server, self.codec, received, self.scale_bytes, first_block, self.count, valid
             )
             payload = fused.server_message(
-                server_scale, self.server_scale_bytes, packed, self._shard_bytes
+                server_scale, self.server_scale_bytes, packed, self.shard_bytes
             )
         else:
             scales = _floats(received[:, : self.scale_bytes])
@@ -564,26 +495,14 @@ class ShardedServer(_Exchange):
     def _packed(self, codes):
         return pack(codes.reshape(1, -1), self.codec.code_space).reshape(-1)
 
-    @property
-    def _shard_bytes(self):
-        """Bytes of a shard's packed codes (shards start on byte boundaries)."""
-        return self.length // self.codec.code_space.codes_per_byte
-
     def _shards(self, packed, count):
         """Packed codes as ``count`` shards (rows) of ``self.length`` codes. Shards start
         on byte boundaries, so the codes are packed once and the bytes padded with zero
         bits: codes +1 past the tensor's end, which every receiver cuts off."""
-        nbytes = count * self._shard_bytes
+        nbytes = count * self.shard_bytes
         if packed.numel() < nbytes:  # most layers' codes fill their shards exactly
             packed = torch.nn.functional.pad(packed, (0, nbytes - packed.numel()))
         return packed.reshape(count, -1)
-
-    def _valid(self, rank):
-        return max(0, min(self.length, self.numel - rank * self.length))
-
-    def shard(self, rank):
-        """The elements of the tensor whose server is ``rank``."""
-        return slice(rank * self.length, rank * self.length + self._valid(rank))
 
 
 class MemberShardedServer(ShardedServer):
@@ -650,24 +569,7 @@ class MemberShardedServer(ShardedServer):
         return self.shards.decoded(unpack(bits, self.codec.code_space, self.length), heads)
 
 
-class SparseAllgather(_Exchange):
-    """AdaComp: every worker's variable-length message (``_allgather_with_sizes``) reaches
-    every worker, which decodes them all and sums them in rank order.
-
-    Args (after those of every exchange):
-        memory: the worker's ``ErrorFeedback``, holding the residues.
-        plan: the tensor's ``TensorPlan`` (its name keys the residue; with its layer kind it
-            chooses the bin length).
-        step: the step counter (unused: every step is alike).
-    """
-
-    name = "allgather"
-
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
-        super().__init__(codec, numel, world_size, meter, count, **options)
-        self.memory, self.key = memory, plan.name
-        self.bin_length = codec.bin_length(plan.name, plan.layer)
-
+class SparseAllgather(layout.SparseAllgather, _Exchange):
     def start(self, grad, ratio, name):
         compensated = self.memory.compensate(self.key, grad, ratio)
         selected = self.codec.select(compensated, grad, self.bin_length)
@@ -689,24 +591,11 @@ class SparseAllgather(_Exchange):
         return torch.stack(values).sum(dim=0) / self.count
 
 
-class LeaderAllreduce(_Exchange):
-    """CLT-k: the leader of this step broadcasts its top-k indices, and one allreduce sums
-    every worker's values at them. The memory's update needs the leader's indices, so it
-    happens between the two collectives.
-
-    Args (after those of every exchange):
-        memory: the worker's ``ErrorFeedback`` (low-pass filtered by the codec's beta).
-        plan: the tensor's ``TensorPlan`` (its name keys the memory).
-        step: the step counter, which chooses the leader.
-    """
-
-    name = "allreduce"
-
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
-        super().__init__(codec, numel, world_size, meter, count, **options)
-        self.memory, self.key = memory, plan.name
-        self.leader = codec.leader(step, world_size)
-        self.sent_elements = codec.k(numel)
+class LeaderAllreduce(layout.LeaderAllreduce, _Exchange):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.leader = self.codec.leader(self.step, self.world_size)
+        self.sent_elements = self.codec.k(self.numel)
 
     def start(self, grad, ratio, name):
         compensated = self.memory.compensate(self.key, grad, ratio)
@@ -744,23 +633,10 @@ class LeaderAllreduce(_Exchange):
         return average
 
 
-class TopKAllgather(_Exchange):
-    """DGC: every worker's top-k of its accumulated velocity, as k int32 indices and k
-    float32 values on two allgathers (k is the same on every worker), decoded into a sum
-    in rank order.
-
-    Args (after those of every exchange):
-        memory: the worker's ``ErrorFeedback``, holding the accumulation v.
-        plan: the tensor's ``TensorPlan`` (its name keys the memory).
-        step: the step counter, which sets the warm-up's density.
-    """
-
-    name = "allgather"
-
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
-        super().__init__(codec, numel, world_size, meter, count, **options)
-        self.memory, self.key = memory, plan.name
-        self.sent_elements = codec.k(numel, step)
+class TopKAllgather(layout.TopKAllgather, _Exchange):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent_elements = self.codec.k(self.numel, self.step)
 
     def start(self, grad, ratio, name):
         compensated = self.memory.compensate(self.key, grad.to(torch.float32), ratio)
@@ -785,29 +661,7 @@ class TopKAllgather(_Exchange):
         return total / self.count
 
 
-class LowRankAllreduce(_Exchange):
-    """PowerSGD: P = M Q summed by one allreduce and orthogonalized, then Q = M^T P summed
-    by a second; the average is P Q^T. M is the error-compensated gradient as a matrix, Q
-    the factor of the last step. The memory's update needs the summed factors, so it
-    happens once both have arrived.
-
-    Args (after those of every exchange):
-        memory: the worker's ``ErrorFeedback``.
-        plan: the tensor's ``TensorPlan`` (its name keys the memories, its shape gives M's).
-        step: the step counter (unused: every compressed step is alike).
-        factors: the ``FactorMemory`` holding each tensor's Q.
-    """
-
-    name = "allreduce"
-
-    def __init__(
-        self, codec, numel, world_size, meter, count, memory, plan, step, factors, **options
-    ):
-        super().__init__(codec, numel, world_size, meter, count, **options)
-        self.memory, self.factors, self.key = memory, factors, plan.name
-        self.matrix_shape = codec.matrix_shape(plan.shape)
-        self.sent_elements = codec.factor_elements(plan.shape)
-
+class LowRankAllreduce(layout.LowRankAllreduce, _Exchange):
     def _allreduce(self, factor, name):
         return allreduce_async(
             self.meter.hand(factor), op=hvd.Sum, name=name, process_set=self.process_set
@@ -831,18 +685,12 @@ class LowRankAllreduce(_Exchange):
         average = (p @ q.T).view(-1)
         self.memory.update(self.key, matrix.view(-1), average)
         self.factors.propose(self.key, q)
-        if self.count != self.world_size:  # op=Sum: the sum, not the average
-            return average * self.world_size
-        return average
+        return self.delivered(average)
 
 
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
-# The exchange of each sparse codec's ``message``.
 SPARSE_EXCHANGES = {
-    "bins": SparseAllgather,
-    "shared_indices": LeaderAllreduce,
-    "own_indices": TopKAllgather,
-    "factors": LowRankAllreduce,
+    cls.message: cls for cls in (SparseAllgather, LeaderAllreduce, TopKAllgather, LowRankAllreduce)
 }
 
 

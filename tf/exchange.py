@@ -26,8 +26,8 @@ import contextlib
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvd_compress import exchange as layout
 from hvd_compress import watchdog
-from hvd_compress.codes import shard_length
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES
 
 from . import elias, fused
@@ -35,34 +35,20 @@ from .codec import divide
 from .packing import pack, unpack
 
 
-class Meter:
-    """Counts the bytes of every tensor handed to a Horovod collective, as a tensor (payload
-    lengths of the Elias wire and of sparse messages are only known at run time): in all,
-    and per gradient tensor (the one named by ``charging``) in ``by_tensor``."""
+class Meter(layout.Meter):
+    """``hvd_compress.exchange.Meter`` in tensors (payload lengths of the Elias wire and of
+    sparse messages are only known at run time): ``take`` in all, ``by_tensor``."""
 
     def __init__(self):
+        super().__init__()
         self.counts = []
         self.by_tensor = {}
-        self.tensor = None
 
     def hand(self, tensor):
         nbytes = tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
         self.counts.append(nbytes)
         self.by_tensor[self.tensor] = self.by_tensor.get(self.tensor, 0) + nbytes
         return tensor
-
-    def charging(self, name):
-        """Counts the bytes handed inside this ``with`` block for the gradient tensor
-        ``name``. The meter is its own context manager: entered for every tensor several
-        times a step, where a generator-based one costs microseconds each time."""
-        self.tensor = name
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.tensor = None
 
     def take(self):
         """The bytes counted since the last ``take`` (``by_tensor`` starts over too)."""
@@ -174,38 +160,13 @@ def _sum_rows(rows):
     return tf.reduce_sum(tf.cast(rows, accumulate), axis=0)
 
 
-class _Exchange:
-    # Whether the last result of ``finish`` is all finite (a boolean tensor), where the
-    # exchange knows it without reading the result; None where it does not.
-    finite = None
-    # The indices ([k, 1] int64) of the velocity this worker sent, which its momentum
-    # forgets (DGC's momentum factor masking); None for exchanges that send no part of it.
-    selected = None
+class _Exchange(layout.Exchange):
+    """``hvd_compress.exchange.Exchange`` in TensorFlow, over Horovod's global process set
+    unless told another; ``finite`` is a boolean tensor, ``selected`` [k, 1] int64
+    indices."""
 
-    def __init__(
-        self,
-        codec,
-        numel,
-        world_size,
-        meter,
-        count,
-        server=None,
-        fusion=None,
-        *,
-        process_set=hvd.global_process_set,
-    ):
-        self.codec, self.numel, self.world_size = codec, numel, world_size
-        self.meter, self.count, self.server = meter, count, server
-        # The ranks that exchange: ``world_size`` of them, ranked within the set.
-        self.process_set = process_set
-        # The ``AlltoallFusion`` that carries the alltoall of a sharded exchange.
-        self.fusion = fusion
-        # Elements this worker sends (a tensor, for sparse codecs: known once it selected).
-        self.sent_elements = numel
-
-    def server_numel(self, rank):
-        """Elements of the server residual that ``rank`` keeps for this tensor."""
-        return self.numel
+    def __init__(self, *args, process_set=hvd.global_process_set, **kwargs):
+        super().__init__(*args, process_set=process_set, **kwargs)
 
     def _fused(self, scale):
         """Whether the kernels decode codes under ``scale`` (None for unscaled codecs)."""
@@ -266,20 +227,12 @@ class Allreduce(_Exchange):
         return self.codec.decode(total, scale, self.count)
 
 
-class Allgather(_Exchange):
+class Allgather(layout.Allgather, _Exchange):
     """Every worker's packed codes (and own scales, if it has them) reach every worker.
 
     Variable-length payloads (``wire="elias"``) travel as one flat byte tensor per worker,
     with a second allgather of their lengths to split them apart.
     """
-
-    name = "allgather"
-
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
-        self.own_scale = codec.scaled and not codec.shares_scale(self.name)
-        self.scale_bytes = 4 * codec.buckets(numel) if self.own_scale else 0
-        self.elias = codec.wire == "elias"
 
     def start(self, codes, scale, name):
         if self.elias:
@@ -334,7 +287,7 @@ class Allgather(_Exchange):
         return self.server(self.codec, average)[2]
 
 
-class Sharded(_Exchange):
+class Sharded(layout.Sharded, _Exchange):
     """Reduce-scatter by alltoall, then allgather of the packed partial sums.
 
     Rank k receives shard k of every worker's codes, sums their values and packs the sum in
@@ -342,13 +295,6 @@ class Sharded(_Exchange):
     returns all summed shards to everyone. Bytes per worker stay nearly flat as the world
     grows.
     """
-
-    name = "sharded"
-
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
-        self.total_space = codec.value_space.summed(world_size)
-        self.length = shard_length(numel, world_size, codec.code_space, self.total_space)
 
     def payload(self) -> tf.TensorSpec:
         """The codes of all shards, padded with 0 to ``world_size`` shards."""
@@ -385,25 +331,7 @@ class Sharded(_Exchange):
         )
 
 
-class ShardedServer(_Exchange):
-    """The sharded exchange of a two-way codec (the shape of DeepSpeed's compressed
-    allreduce): rank k is the server of shard k.
-
-    An alltoall sends rank k every worker's sign bits of shard k, each prefixed with that
-    worker's block scales; rank k decodes and averages them, adds its server residual for the
-    shard and compresses the result again, with blocks cut at the shard's edges (so server
-    blocks differ from the replicated server's); an allgather returns every server's
-    message. Bytes per worker stay nearly flat as the world grows.
-    """
-
-    name = "sharded"
-
-    def __init__(self, codec, numel, world_size, meter, count, server=None, fusion=None, **options):
-        super().__init__(codec, numel, world_size, meter, count, server, fusion, **options)
-        self.length = shard_length(numel, world_size, codec.code_space)
-        self.scale_bytes = 4 * codec.buckets(numel)
-        self.server_scale_bytes = 4 * codec.buckets(self.length)
-
+class ShardedServer(layout.ShardedServer, _Exchange):
     def start(self, codes, scale, name):
         return self.start_packed(self._packed(codes), scale, name)
 
@@ -470,37 +398,13 @@ class ShardedServer(_Exchange):
         on byte boundaries, so the codes are packed once and the bytes padded with zero
         bits: codes +1 past the tensor's end, as in the PyTorch port, which every receiver
         cuts off."""
-        nbytes = count * self.length // self.codec.code_space.codes_per_byte
+        nbytes = count * self.shard_bytes
         if packed.shape[0] < nbytes:  # most layers' codes fill their shards exactly
             packed = tf.pad(packed, [[0, nbytes - packed.shape[0]]])
         return tf.reshape(packed, [count, -1])
 
-    def server_numel(self, rank):
-        return self.valid(rank)
 
-    def valid(self, rank):
-        """Elements of shard ``rank`` inside the tensor."""
-        return max(0, min(self.length, self.numel - rank * self.length))
-
-
-class SparseAllgather(_Exchange):
-    """AdaComp: every worker's variable-length message (``_gather_with_sizes``) reaches
-    every worker, which decodes them all and sums them in rank order.
-
-    Args (after those of every exchange):
-        memory: the worker's ``ErrorFeedback``, holding the residues.
-        plan: the tensor's ``TensorPlan`` (its name keys the residue; with its layer kind it
-            chooses the bin length).
-        step: the step counter (unused: every step is alike).
-    """
-
-    name = "allgather"
-
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
-        super().__init__(codec, numel, world_size, meter, count, **options)
-        self.memory, self.key = memory, plan.name
-        self.bin_length = codec.bin_length(plan.name, plan.layer)
-
+class SparseAllgather(layout.SparseAllgather, _Exchange):
     def __call__(self, grad, ratio, name):
         compensated = self.memory.compensate(self.key, grad, ratio)
         selected = self.codec.select(compensated, grad, self.bin_length)
@@ -521,23 +425,10 @@ class SparseAllgather(_Exchange):
         return divide(tf.reduce_sum(tf.stack(values), axis=0), self.count)
 
 
-class LeaderAllreduce(_Exchange):
-    """CLT-k: the leader of this step broadcasts its top-k indices, and one allreduce sums
-    every worker's values at them. The memory's update needs the leader's indices, so it
-    happens between the two collectives.
-
-    Args (after those of every exchange):
-        memory: the worker's ``ErrorFeedback`` (low-pass filtered by the codec's beta).
-        plan: the tensor's ``TensorPlan`` (its name keys the memory).
-        step: the step counter (the pipeline's variable), which chooses the leader.
-    """
-
-    name = "allreduce"
-
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
-        super().__init__(codec, numel, world_size, meter, count, **options)
-        self.memory, self.key, self.step = memory, plan.name, step
-        self.sent_elements = codec.k(numel)
+class LeaderAllreduce(layout.LeaderAllreduce, _Exchange):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent_elements = self.codec.k(self.numel)
 
     def __call__(self, grad, ratio, name):
         compensated = self.memory.compensate(self.key, grad, ratio)
@@ -581,23 +472,7 @@ class LeaderAllreduce(_Exchange):
         return tf.scatter_nd(indices, divide(tf.cast(total, tf.float32), self.count), [self.numel])
 
 
-class TopKAllgather(_Exchange):
-    """DGC: every worker's top-k of its accumulated velocity, as k int32 indices and k
-    float32 values on two allgathers (k is the same on every worker), decoded into a sum
-    in rank order.
-
-    Args (after those of every exchange):
-        memory: the worker's ``ErrorFeedback``, holding the accumulation v.
-        plan: the tensor's ``TensorPlan`` (its name keys the memory).
-        step: the step counter (the pipeline's variable), which sets the warm-up's density.
-    """
-
-    name = "allgather"
-
-    def __init__(self, codec, numel, world_size, meter, count, memory, plan, step, **options):
-        super().__init__(codec, numel, world_size, meter, count, **options)
-        self.memory, self.key, self.step = memory, plan.name, step
-
+class TopKAllgather(layout.TopKAllgather, _Exchange):
     def __call__(self, grad, ratio, name):
         compensated = self.memory.compensate(self.key, grad, ratio)
         k = self.sent_elements = self.codec.k(self.numel, self.step)
@@ -623,29 +498,7 @@ class TopKAllgather(_Exchange):
         return divide(total, self.count)
 
 
-class LowRankAllreduce(_Exchange):
-    """PowerSGD: P = M Q summed by one allreduce and orthogonalized, then Q = M^T P summed
-    by a second; the average is P Q^T. M is the error-compensated gradient as a matrix, Q
-    the factor of the last step. The memory's update needs the summed factors, so it
-    happens once both have arrived.
-
-    Args (after those of every exchange):
-        memory: the worker's ``ErrorFeedback``.
-        plan: the tensor's ``TensorPlan`` (its name keys the memories, its shape gives M's).
-        step: the step counter (unused: every compressed step is alike).
-        factors: the ``FactorMemory`` holding each tensor's Q.
-    """
-
-    name = "allreduce"
-
-    def __init__(
-        self, codec, numel, world_size, meter, count, memory, plan, step, factors, **options
-    ):
-        super().__init__(codec, numel, world_size, meter, count, **options)
-        self.memory, self.factors, self.key = memory, factors, plan.name
-        self.matrix_shape = codec.matrix_shape(plan.shape)
-        self.sent_elements = codec.factor_elements(plan.shape)
-
+class LowRankAllreduce(layout.LowRankAllreduce, _Exchange):
     def _allreduce(self, factor, name):
         return hvd.allreduce(
             self.meter.hand(factor),
@@ -664,18 +517,12 @@ class LowRankAllreduce(_Exchange):
         average = tf.reshape(p @ tf.transpose(q), [-1])
         self.memory.update(self.key, compensated, average)
         self.factors.propose(self.key, q)
-        if self.count != self.world_size:  # op=Sum: the sum, not the average
-            return average * self.world_size
-        return average
+        return self.delivered(average)
 
 
 EXCHANGES = {cls.name: cls for cls in (Allreduce, Allgather, Sharded)}
-# The exchange of each sparse codec's ``message``.
 SPARSE_EXCHANGES = {
-    "bins": SparseAllgather,
-    "shared_indices": LeaderAllreduce,
-    "own_indices": TopKAllgather,
-    "factors": LowRankAllreduce,
+    cls.message: cls for cls in (SparseAllgather, LeaderAllreduce, TopKAllgather, LowRankAllreduce)
 }
 
 
