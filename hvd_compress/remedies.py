@@ -163,12 +163,17 @@ def worker_momentum(
         if not (codec.worker_momentum_default and sgd_momentum):
             return None
         if codec.nesterov_remedy and heavy_ball:
+            gap = HEAVY_BALL_GAPS.get(codec.name)  # a codec of the user's may have none
+            because = (
+                ""
+                if gap is None
+                else f", because {codec.name} with heavy-ball momentum ended {gap} below "
+                f"uncompressed heavy-ball SGD on this project's CNN"
+            )
             log_once(
                 f"hvd_compress: {owner} applies {codec.name}'s worker momentum in Nesterov's "
                 f"form (worker_momentum='nesterov') where the optimizer has heavy-ball "
-                f"momentum, because {codec.name} with heavy-ball momentum ended "
-                f"{HEAVY_BALL_GAPS[codec.name]} below uncompressed heavy-ball SGD on this "
-                f"project's CNN. Pass worker_momentum=True to keep the optimizer's form."
+                f"momentum{because}. Pass worker_momentum=True to keep the optimizer's form."
             )
             return "nesterov"
         return "optimizer"

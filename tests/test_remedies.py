@@ -164,3 +164,14 @@ def test_where_the_remedy_cannot_run_the_wrapper_warns(choices):
     assert warmup is None and "(does not combine with adaptive)" in message
     warmup, _, [message] = choices["defaults"]["RMSprop", "ef-sign"]
     assert warmup is None and "RMSprop is not one the wrappers know" in message
+
+
+def test_a_codec_of_the_users_that_asks_for_nesterovs_form_gets_it_without_a_gap():
+    class Mine(registry.CODECS["ef-sign"]):
+        name = "mine"
+
+    logged = record_messages()
+    form = remedies.worker_momentum("Owner", Mine(), None, sgd_momentum=True, heavy_ball=True)
+    assert form == "nesterov"
+    [message] = [m for m in logged if "mine's worker momentum" in m]
+    assert "because" not in message and "worker_momentum=True" in message
