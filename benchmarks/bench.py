@@ -51,6 +51,9 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m not in PEER_METHODS + TWO_LEVEL_
 # Every codec by its name alone, as a user turns it on, beside Horovod's uncompressed
 # allreduce and DDP's PowerSGD hook.
 ACCURACY_METHODS = ("hvd-none", *ACCURACY_CODECS, "ddp-powersgd")
+# A bound on one step of an accuracy run with its share of the evaluations, for the job's
+# timeout: three times the slowest codec's pace at 100 Mbit/s on 2 cores.
+ACCURACY_STEP_SECONDS = 0.2
 LOCALHOST = "localhost"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "benchmarks", "results")
@@ -189,7 +192,8 @@ def add_arguments(parser):
         "--timeout",
         type=float,
         default=1500,
-        help="seconds per Horovod job, after which it is killed (default 1500)",
+        help="seconds per Horovod job, after which it is killed (default 1500), and "
+        f"{ACCURACY_STEP_SECONDS} s more per step of each accuracy run",
     )
     parser.add_argument("--out", default=OUT, help=f"output directory (default {OUT})")
     parser.add_argument("--seed", type=int, default=0)
@@ -229,7 +233,12 @@ def _units(spec, workers):
 
 
 def run_jobs(hosts, spec, timeout, shape, progress, events):
-    """The PyTorch job on ``hosts``, then the TensorFlow job if the spec has methods for it."""
+    """The PyTorch job on ``hosts``, then the TensorFlow job if the spec has methods for it.
+    The PyTorch job's accuracy runs, if it has them, get time of their own on top of
+    ``timeout``."""
+    accuracy = spec["accuracy"]
+    if hosts.workers == accuracy["workers"]:
+        timeout += len(accuracy["methods"]) * accuracy["steps"] * ACCURACY_STEP_SECONDS
     run_job(hosts, spec, timeout, shape, progress, events, "benchmarks.worker")
     if spec["tf_methods"]:
         run_job(hosts, spec, timeout, shape, progress, events, "benchmarks.tf_worker")
