@@ -1,7 +1,7 @@
 """``hvd-compress bench``: gradient exchange on a bandwidth-limited network, one Horovod worker
 per network namespace, every link shaped with ``tc tbf`` (``benchmarks.network``).
 
-    hvd-compress bench                 # the whole matrix (make bench), about 31 minutes
+    hvd-compress bench                 # the whole matrix (make bench), about 50 minutes
     hvd-compress bench --workers 2 --rates 100M --models cnn --steps 3 --no-accuracy
     hvd-compress bench --workers 4 --per-node 2 --methods hvd-none,ef-sign,ef-sign-2l ...
 
