@@ -321,7 +321,7 @@ def DistributedOptimizer(
             (``WorkerMomentum``); it is DGC's momentum correction. True: in the SGD's form
             of momentum (heavy-ball or Nesterov's); ``"nesterov"``: in Nesterov's form
             whatever the SGD's. None (default): on for ``ef-sign`` and ``dgc`` with an SGD
-            that has momentum, ef-sign's in Nesterov's form, as dist-EF-blockSGDM's
+            that has momentum, in Nesterov's form, as dist-EF-blockSGDM's
             (``hvd_compress.remedies``; logged once where the SGD's is heavy-ball).
         adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
             here (``docs/adaptive.md``). Default False.
