@@ -49,7 +49,7 @@ def _hyperparameter_names(cls) -> tuple:
         for name, p in inspect.signature(base.__init__).parameters.items()
         if p.kind is p.KEYWORD_ONLY or (name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
     ]
-    return tuple(dict.fromkeys(names))
+    return tuple(name for name in dict.fromkeys(names) if name not in cls.renamed)
 
 
 class Codec:
@@ -119,6 +119,9 @@ class Codec:
     worker_momentum_default = False
     adam_remedy = False
     nesterov_remedy = False
+    # Former names of keyword arguments, each to its current name: still taken, with a
+    # DeprecationWarning, and no hyperparameter of their own (``params``).
+    renamed: dict[str, str] = {}
 
     def __init__(
         self, *, min_size: int | None = None, compress_classifier: bool | None = None

@@ -21,10 +21,10 @@ masks both at the indices it sends. Without momentum (another optimizer, or
 wrappers send Adam's momentum through it instead of the gradient (compressed Adam,
 ``hvd_compress.remedies``).
 
-density_t is ``ratio`` after the warm-up. During the first ``warmup_steps`` it falls
+density_t is ``density`` after the warm-up. During the first ``warmup_steps`` it falls
 exponentially in ``WARMUP_STAGES`` equal stages, 25%, 6.25%, 1.5625%, 0.390625% (the
 paper's 75%, 93.75%, 98.4375%, 99.6% sparsity over its first four epochs), never below
-``ratio``.
+``density``.
 
 Choices made (the paper's unless said):
 
@@ -41,6 +41,7 @@ Choices made (the paper's unless said):
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class DGC(Codec):
     """Top-k of the accumulated velocity, with DGC's corrections.
 
     Args:
-        ratio (float): the density k / n after the warm-up, in (0, 1]. Default 0.001, the
+        density (float): k / n after the warm-up, in (0, 1]. Default 0.001, the
             paper's. Higher densities lose accuracy: each send resets a coordinate's
             momentum (``docs/algorithms.md``).
         warmup_steps (int): steps of the exponential density warm-up (0: none). Default 0.
@@ -65,6 +66,8 @@ class DGC(Codec):
             whole gradient's norm (each worker clips at c / sqrt(N)). None: no clipping.
         min_size (int): tensors with fewer elements are sent whole. Default 1024.
         compress_classifier (bool): compress the classifier layer too. Default True.
+        ratio (float): the former name of ``density``, which it still sets with a
+            ``DeprecationWarning``.
     """
 
     name = "dgc"
@@ -76,21 +79,30 @@ class DGC(Codec):
     adam_remedy = True  # hvd_compress.remedies
     nesterov_remedy = True
     default_min_size = 1024
+    renamed = {"ratio": "density"}
 
     def __init__(
         self,
-        ratio: float = 0.001,
+        density: float = 0.001,
         warmup_steps: int = 0,
         clip_norm: float | None = None,
         *,
         min_size: int | None = None,
         compress_classifier: bool | None = None,
+        ratio: float | None = None,
     ) -> None:
         super().__init__(min_size=min_size, compress_classifier=compress_classifier)
         owner = type(self).__name__
-        self.ratio = check_float(owner, "ratio", ratio, low=0.0, high=1.0)
-        if self.ratio == 0:
-            raise ValueError(f"{owner}: ratio must be in (0, 1], got 0 (nothing would be sent)")
+        if ratio is not None:
+            warnings.warn(
+                f"{owner}: ratio= is deprecated, pass density= (k / n, the same value)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            density = ratio
+        self.density = check_float(owner, "density", density, low=0.0, high=1.0)
+        if self.density == 0:
+            raise ValueError(f"{owner}: density must be in (0, 1], got 0 (nothing would be sent)")
         self.warmup_steps = check_int(owner, "warmup_steps", warmup_steps, low=0)
         self.clip_norm = (
             None if clip_norm is None else check_float(owner, "clip_norm", clip_norm, low=0.0)
@@ -98,16 +110,16 @@ class DGC(Codec):
         if self.clip_norm == 0:
             raise ValueError(f"{owner}: clip_norm must be > 0 or None, got 0")
 
-    def density(self, step):
+    def density_at(self, step):
         """k / n at ``step`` (a Python int: the step counter every rank shares)."""
         if step < self.warmup_steps:
             stage = step * WARMUP_STAGES // self.warmup_steps
-            return max(self.ratio, WARMUP_FACTOR ** (stage + 1))
-        return self.ratio
+            return max(self.density, WARMUP_FACTOR ** (stage + 1))
+        return self.density
 
     def k(self, numel, step):
         """Elements sent of a tensor of ``numel`` at ``step``: at least one."""
-        return max(1, min(numel, math.ceil(self.density(step) * numel)))
+        return max(1, min(numel, math.ceil(self.density_at(step) * numel)))
 
     top_k = CyclicLocalTopK.top_k
 

@@ -93,23 +93,23 @@ def compensated_scale(
     codec,
     vector: np.ndarray,
     residual: np.ndarray | None,
-    ratio: float,
+    lr_ratio: float,
     momentum: tuple | None = None,
 ) -> tuple:
     """``ErrorFeedback.compensate`` and ``codec.local_scale``: (p, scale), p = u + residual
-    * ratio. u is ``vector``, or with a ``momentum`` (buffer, mu from ``momentum_factor``,
+    * lr_ratio. u is ``vector``, or with a ``momentum`` (buffer, mu from ``momentum_factor``,
     nesterov, new buffer: ``WorkerMomentum.Deferred``'s) the direction of
     ``WorkerMomentum.before_exchange``, whose new buffer is written in the same pass.
     Without either, p is ``vector`` itself. ``BlockSign``'s scales are summed in that
     pass; the quantizers' (a standard deviation, norms) take passes over p of their own
     (``local_scale``), and leave the pass's one sum unused."""
-    p, sums = compensated(codec, vector, residual, ratio, momentum)
+    p, sums = compensated(codec, vector, residual, lr_ratio, momentum)
     if isinstance(codec, BlockSign):
         return p, BlockSign.scale_from_sums(codec, sums, vector.size)
     return p, local_scale(codec, p)
 
 
-def compensated(codec, vector: np.ndarray, residual, ratio: float, momentum=None) -> tuple:
+def compensated(codec, vector: np.ndarray, residual, lr_ratio: float, momentum=None) -> tuple:
     """p of ``compensated_scale``, and ``BlockSign``'s float64 sums of |p| over its blocks
     (for another codec one sum, unused, or None where p is ``vector`` itself)."""
     blocks = isinstance(codec, BlockSign)
@@ -121,7 +121,7 @@ def compensated(codec, vector: np.ndarray, residual, ratio: float, momentum=None
         vector,
         *((NONE, 0.0, False, NONE) if momentum is None else momentum),
         NONE if residual is None else residual,
-        ratio,
+        lr_ratio,
         codec.bucket_length(vector.size) if blocks else max(vector.size, 1),
         p,
         sums,
@@ -133,7 +133,7 @@ def compensated_encode(
     codec,
     vector: np.ndarray,
     residual: np.ndarray | None,
-    ratio: float,
+    lr_ratio: float,
     momentum: tuple | None,
     key: int,
     payload: np.ndarray,
@@ -144,9 +144,9 @@ def compensated_encode(
     ``feedback``). ``payload`` is an empty array in the exchange's format."""
     kept = empty(vector.shape) if feedback and not isinstance(codec, BlockSign) else None
     if scales_in_encode(codec, vector.size):
-        p = compensated(codec, vector, residual, ratio, momentum)[0]
+        p = compensated(codec, vector, residual, lr_ratio, momentum)[0]
         return (*scaled_encode(codec, p, key, payload, kept), kept)
-    p, scale = compensated_scale(codec, vector, residual, ratio, momentum)
+    p, scale = compensated_scale(codec, vector, residual, lr_ratio, momentum)
     if isinstance(codec, BlockSign):
         packed, kept = signs_with_feedback(codec, p, scale, in_place=p is not vector)
         return packed, scale, kept if feedback else None
@@ -173,7 +173,7 @@ def server_step(
     block: int,
     count: int,
     previous: np.ndarray | None,
-    ratio: float,
+    lr_ratio: float,
     numel: int,
 ) -> tuple:
     """``ServerStep`` of a server (of one shard, or replicated over a whole tensor) whose
@@ -189,7 +189,7 @@ def server_step(
         np.ascontiguousarray(scales[:, block]),
         count,
         NONE if previous is None else previous,
-        ratio,
+        lr_ratio,
         codec.bucket_length(numel),
         p,
         sums,

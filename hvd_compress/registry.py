@@ -73,7 +73,7 @@ def resolve(compression, classes=None):
                 f"got {compression!r}"
             )
         hyperparameters = dict(_setting(compression, item) for item in settings)
-        unknown = set(hyperparameters) - set(classes[name]().params())
+        unknown = set(hyperparameters) - set(classes[name]().params()) - set(classes[name].renamed)
         if unknown:
             raise ValueError(
                 f"compression {compression!r}: {name} has no hyperparameter "

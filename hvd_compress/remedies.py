@@ -70,7 +70,7 @@ ADAM_GAPS = {
     "dgc": (
         "2.8-3.6% behind uncompressed AdamW with the compressed Adam the wrappers turn on "
         "for it (46% without)",
-        "compression='dgc:ratio=0.01' ended within 0.8%",
+        "compression='dgc:density=0.01' ended within 0.8%",
     ),
 }
 

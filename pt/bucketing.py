@@ -99,13 +99,13 @@ class BucketLayout:
         )
         return stream_uniforms(self._counters, lo, multiplier)
 
-    def server_ratio(self, ratio):
-        """The residual ratio of this rank's server from the bucket's (``ratios``): where
+    def server_lr_ratio(self, lr_ratio):
+        """The learning-rate ratio of this rank's server from the bucket's (``lr_ratios``): where
         it is one per element and the bucket is sharded member by member, those of this
         rank's shard."""
-        if self.shards is None or not isinstance(ratio, torch.Tensor) or ratio.dim() == 0:
-            return ratio
-        return ratio.index_select(0, self.shards.own)
+        if self.shards is None or not isinstance(lr_ratio, torch.Tensor) or lr_ratio.dim() == 0:
+            return lr_ratio
+        return lr_ratio.index_select(0, self.shards.own)
 
     def members(self, vector: torch.Tensor) -> list[torch.Tensor]:
         """Each member's part of a bucket-long ``vector``: in its shape where ``vector`` is
@@ -120,14 +120,14 @@ class BucketLayout:
             for part, m in zip(parts, self.bucket.members)
         ]
 
-    def ratios(self, ratios: list):
+    def lr_ratios(self, lr_ratios: list):
         """One learning-rate ratio for the vector from its members' (``launch``): theirs if
         they are all one value, else each member's over its elements."""
-        first = ratios[0]
-        if all(r is first or (not isinstance(r, torch.Tensor) and r == first) for r in ratios):
+        first = lr_ratios[0]
+        if all(r is first or (not isinstance(r, torch.Tensor) and r == first) for r in lr_ratios):
             return first
         per_member = torch.stack(
-            [torch.as_tensor(r, dtype=torch.float32, device=self.device) for r in ratios]
+            [torch.as_tensor(r, dtype=torch.float32, device=self.device) for r in lr_ratios]
         )
         return torch.repeat_interleave(per_member, self._spans, output_size=self.bucket.numel)
 
@@ -194,7 +194,7 @@ class ShardLayout:
 
     # Each path's index of the bucket's elements, made when first needed: on the device
     # the kernels scatter the shards' elements to the bucket (``order``), the eager ops
-    # gather them (``_inverse``); ``own`` only serves a per-element residual ratio.
+    # gather them (``_inverse``); ``own`` only serves a per-element learning-rate ratio.
 
     @functools.cached_property
     def order(self) -> torch.Tensor:
@@ -327,7 +327,7 @@ class GradientBuckets:
         self.params = {b.name: [params[m.plan.name] for m in b.members] for b in self.buckets}
         self._layouts = {}  # bucket name -> its BucketLayout on the gradients' device
         self._carried = {}  # member name -> (layout, index) of this step's buckets
-        self._arrived = {}  # bucket name -> {member index: its ratio} of this step
+        self._arrived = {}  # bucket name -> {member index: its lr_ratio} of this step
 
     def release(self) -> None:
         """Keeps every bucket's residuals under its members' names: before the world they
@@ -419,8 +419,8 @@ class GradientBuckets:
         """Whether tensor ``name``'s gradient travels in a bucket this step."""
         return name in self._carried
 
-    def put(self, name: str, grad: torch.Tensor, ratio) -> BucketLayout | None:
-        """Copies tensor ``name``'s gradient, whose residual ``ratio`` is ``ratio``, into
+    def put(self, name: str, grad: torch.Tensor, lr_ratio) -> BucketLayout | None:
+        """Copies tensor ``name``'s gradient, whose residual ``lr_ratio`` is ``lr_ratio``, into
         its bucket; returns the bucket's layout once every member's is in, else None."""
         if grad.is_sparse:
             raise ValueError(
@@ -432,10 +432,10 @@ class GradientBuckets:
         layout, index = self._carried[name]
         layout.put(index, grad)
         arrived = self._arrived.setdefault(layout.bucket.name, {})
-        arrived[index] = ratio
+        arrived[index] = lr_ratio
         return layout if len(arrived) == len(layout.bucket.members) else None
 
-    def ratio(self, layout: BucketLayout):
-        """The residual ratio of a full bucket's vector (``BucketLayout.ratios``)."""
+    def lr_ratio(self, layout: BucketLayout):
+        """The learning-rate ratio of a full bucket's vector (``BucketLayout.lr_ratios``)."""
         arrived = self._arrived.pop(layout.bucket.name)
-        return layout.ratios([arrived[i] for i in range(len(arrived))])
+        return layout.lr_ratios([arrived[i] for i in range(len(arrived))])

@@ -117,9 +117,13 @@ def pieces(start, stop, bucket_size):
     position = start
     while position < stop:
         bucket = position // bucket_size
-        whole = (stop - position) // bucket_size if position % bucket_size == 0 else 0
-        end = position + whole * bucket_size if whole else min(stop, (bucket + 1) * bucket_size)
-        rows = max(whole, 1)
+        full_rows = (stop - position) // bucket_size if position % bucket_size == 0 else 0
+        end = (
+            position + full_rows * bucket_size
+            if full_rows
+            else min(stop, (bucket + 1) * bucket_size)
+        )
+        rows = max(full_rows, 1)
         out.append((slice(position - start, end - start), rows, slice(bucket, bucket + rows)))
         position = end
     return out
@@ -180,7 +184,7 @@ def _float32(scale, device):
     return scale.reshape(scale.shape or (1,))
 
 
-def ratio(grad, scale, bucket_size):
+def normalized_unclipped(grad, scale, bucket_size):
     """|g| / scale of each element's bucket (float32, unclipped), and 0 where the scale is
     zero or not finite: dividing by +inf there does it without a per-element select (a
     non-finite g gives NaN there, which ``normalized`` maps to 0)."""
@@ -194,7 +198,7 @@ def ratio(grad, scale, bucket_size):
 
 def normalized(grad, scale, bucket_size):
     """r = |g| / scale of each element's bucket, clipped to [0, 1]; see the reference."""
-    return ratio(grad, scale, bucket_size).nan_to_num_(nan=0.0).clamp_(max=1.0)
+    return normalized_unclipped(grad, scale, bucket_size).nan_to_num_(nan=0.0).clamp_(max=1.0)
 
 
 def rescale(total, scale, bucket_size, divisor):

@@ -72,6 +72,11 @@ grouped_allreduce_async_ = _watched("grouped_allreduce_async_")
 reducescatter_async = _watched("reducescatter_async")
 
 
+def codes_name(name: str) -> str:
+    """The name of the collective, or fusion group member, of parameter ``name``'s codes."""
+    return f"hvdc.{name}.codes"
+
+
 def sparse_allreduce_async(tensor, name, op, process_set=hvd.global_process_set):
     """Horovod's ``sparse_allreduce_async`` (allgathers of the indices and the values),
     whose result callable waits by ``wait``."""
@@ -570,8 +575,8 @@ class MemberShardedServer(ShardedServer):
 
 
 class SparseAllgather(layout.SparseAllgather, _Exchange):
-    def start(self, grad, ratio, name):
-        compensated = self.memory.compensate(self.key, grad, ratio)
+    def start(self, grad, lr_ratio, name):
+        compensated = self.memory.compensate(self.key, grad, lr_ratio)
         selected = self.codec.select(compensated, grad, self.bin_length)
         message = self.codec.encode_message(compensated, selected, self.bin_length)
         self.own_values = self.codec.decode_message(message, self.numel, self.bin_length)
@@ -597,8 +602,8 @@ class LeaderAllreduce(layout.LeaderAllreduce, _Exchange):
         self.leader = self.codec.leader(self.step, self.world_size)
         self.sent_elements = self.codec.k(self.numel)
 
-    def start(self, grad, ratio, name):
-        compensated = self.memory.compensate(self.key, grad, ratio)
+    def start(self, grad, lr_ratio, name):
+        compensated = self.memory.compensate(self.key, grad, lr_ratio)
         if self.process_set.rank() == self.leader:
             indices = self.codec.top_k(compensated, self.sent_elements)
         else:
@@ -638,8 +643,8 @@ class TopKAllgather(layout.TopKAllgather, _Exchange):
         super().__init__(*args, **kwargs)
         self.sent_elements = self.codec.k(self.numel, self.step)
 
-    def start(self, grad, ratio, name):
-        compensated = self.memory.compensate(self.key, grad.to(torch.float32), ratio)
+    def start(self, grad, lr_ratio, name):
+        compensated = self.memory.compensate(self.key, grad.to(torch.float32), lr_ratio)
         indices = self.codec.top_k(compensated, self.sent_elements)
         self.selected = indices.to(torch.int64)
         values = compensated[self.selected]
@@ -667,8 +672,8 @@ class LowRankAllreduce(layout.LowRankAllreduce, _Exchange):
             self.meter.hand(factor), op=hvd.Sum, name=name, process_set=self.process_set
         )
 
-    def start(self, grad, ratio, name):
-        compensated = self.memory.compensate(self.key, grad.to(torch.float32), ratio)
+    def start(self, grad, lr_ratio, name):
+        compensated = self.memory.compensate(self.key, grad.to(torch.float32), lr_ratio)
         matrix = compensated.view(self.matrix_shape)
         # Q is made at wrapping, on the parameter's device then: it follows the gradient's.
         q = self.codec.orthogonalize(self.factors.residuals[self.key].to(matrix.device))

@@ -118,26 +118,26 @@ def momentum(grad, buffer, mu, nesterov):
     return _tensor(out).view(grad.shape)
 
 
-def compensated_scale(codec, vector, residual, ratio, momentum=None):
+def compensated_scale(codec, vector, residual, lr_ratio, momentum=None):
     """``ErrorFeedback.compensate`` and ``codec.local_scale`` (``hvd_compress.fused``):
-    (p, scale), p = u + residual * ratio, u ``vector`` or with a ``momentum``
+    (p, scale), p = u + residual * lr_ratio, u ``vector`` or with a ``momentum``
     (``WorkerMomentum.Deferred``) its direction, whose new buffer is written in the same
     pass. Without either, p is ``vector`` itself."""
-    p, scale = core.compensated_scale(codec, *_compensation(vector, residual, ratio, momentum))
+    p, scale = core.compensated_scale(codec, *_compensation(vector, residual, lr_ratio, momentum))
     same = residual is None and momentum is None
     return vector if same else _tensor(p), _tensor(scale)
 
 
-def compensated(codec, vector, residual, ratio, momentum=None):
+def compensated(codec, vector, residual, lr_ratio, momentum=None):
     """p of ``compensated_scale`` alone, for scales that ``scaled_encode`` takes."""
     if residual is None and momentum is None:
         return vector
-    return _tensor(core.compensated(codec, *_compensation(vector, residual, ratio, momentum))[0])
+    return _tensor(core.compensated(codec, *_compensation(vector, residual, lr_ratio, momentum))[0])
 
 
-def _compensation(vector, residual, ratio, momentum):
+def _compensation(vector, residual, lr_ratio, momentum):
     """The arrays of ``compensated_scale``'s arguments, as ``hvd_compress.fused``'s
-    (vector, residual, ratio, momentum) take them."""
+    (vector, residual, lr_ratio, momentum) take them."""
     accelerate = None
     if momentum is not None:
         accelerate = (
@@ -146,7 +146,7 @@ def _compensation(vector, residual, ratio, momentum):
             momentum.nesterov,
             _array(momentum.out),
         )
-    return _array(vector), None if residual is None else _array(residual), ratio, accelerate
+    return _array(vector), None if residual is None else _array(residual), lr_ratio, accelerate
 
 
 def signs_with_feedback(codec, p, scale, in_place=False):
@@ -171,7 +171,7 @@ def server_step(server, codec, messages, head, block, count, numel):
         block,
         count,
         None if previous is None else _array(previous),
-        server.ratio,
+        server.lr_ratio,
         numel,
     )
     server.memory.propose(server.key, _tensor(residual))

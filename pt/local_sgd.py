@@ -318,9 +318,9 @@ def LocalClipSGD(
     )
     pipeline = None
     if codec.code_space is not None:
-        whole = set() if codec.compress_classifier else classifier_names(named)
+        sent_whole = set() if codec.compress_classifier else classifier_names(named)
         pipeline = CompressionPipeline(
-            named, codec, seed=seed, uncompressed=whole, error_feedback=True
+            named, codec, seed=seed, uncompressed=sent_whole, error_feedback=True
         )
     for group in optimizer.param_groups:
         group[MAX_GRAD_NORM] = clip / group["lr"]

@@ -22,7 +22,7 @@ class ErrorFeedback:
     Residuals are kept in the units of the vectors. When those are gradients that the
     optimizer multiplies by a learning rate eta_t (dist-EF-blockSGD's lr-free form), a residual
     made at eta_{t-1} must enter step t scaled by eta_{t-1} / eta_t: ``compensate`` takes that
-    ratio.
+    ratio (``lr_ratio``).
 
     ``update`` only proposes the new residual; ``commit`` keeps or drops every proposal of the
     step at once. The pipeline commits when all exchanged gradients of the step are finite and
@@ -37,15 +37,15 @@ class ErrorFeedback:
         self.residuals = {}
         self.proposed = {}
 
-    def compensate(self, name, vector, ratio=1.0):
+    def compensate(self, name, vector, lr_ratio=1.0):
         residual = self.residuals.get(name)
         if residual is None:
             return vector
-        # A ratio of 1 (constant learning rate) saves a pass over the residual. A tensor ratio
-        # (learning rates kept on the device, ``WorkerMomentum.commit``) is not read.
-        if not isinstance(ratio, torch.Tensor) and ratio == 1.0:
+        # An lr_ratio of 1 (constant learning rate) saves a pass over the residual. A tensor
+        # lr_ratio (learning rates kept on the device, ``WorkerMomentum.commit``) is not read.
+        if not isinstance(lr_ratio, torch.Tensor) and lr_ratio == 1.0:
             return vector + residual
-        return vector + residual * ratio
+        return vector + residual * lr_ratio
 
     def update(self, name, compensated, sent, beta=1.0):
         """Proposes ``compensated - sent`` as the new residual; with ``beta`` < 1 a low-pass
@@ -66,10 +66,10 @@ class ErrorFeedback:
             )
         self.propose(name, residual)
 
-    def flush(self, name, vector, ratio=1.0):
+    def flush(self, name, vector, lr_ratio=1.0):
         """``vector`` plus the residual, which the step then drops: for a tensor that is sent
         whole, so that the residual reaches the others instead of being lost."""
-        compensated = self.compensate(name, vector, ratio)
+        compensated = self.compensate(name, vector, lr_ratio)
         self.proposed[name] = None
         return compensated
 

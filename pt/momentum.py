@@ -95,7 +95,7 @@ class WorkerMomentum:
         the exchange (``applied_by_worker``)."""
         return self.pipeline.plans[param].reason != "compressed"
 
-    def _ratio(self, index, lr):
+    def _lr_ratio(self, index, lr):
         """eta_{t-1} / eta_t of group ``index``, whose learning rate is ``lr``: once per
         group and step (a 0-d tensor once the rates are kept on the device)."""
         if index not in self._ratios:
@@ -116,10 +116,10 @@ class WorkerMomentum:
         (``applied_by_worker``)."""
         index = self.group_index[param]
         group = self.optimizer.param_groups[index]
-        ratio = self._ratio(index, group["lr"])
+        lr_ratio = self._lr_ratio(index, group["lr"])
         name, mu = self._name(param), group["momentum"]
         if mu == 0 or self._sent_whole(param) or self.pipeline.buckets.carries(name):
-            return ratio, None
+            return lr_ratio, None
         grad = param.grad
         deferred = None
         buffer = self.momentum.get(name)
@@ -132,7 +132,7 @@ class WorkerMomentum:
         else:
             buffer = self._step(grad, buffer, mu, self._nesterov(group))
         self.proposed[name] = buffer
-        return ratio, deferred
+        return lr_ratio, deferred
 
     @staticmethod
     def _step(grad, buffer, mu, nesterov):
@@ -195,11 +195,11 @@ class WorkerMomentum:
         self.proposed_whole = {}
         for group in self.optimizer.param_groups:
             mu = group["momentum"]
-            whole = [p for p in group["params"] if p.grad is not None and self._sent_whole(p)]
-            if mu == 0 or not whole:
+            sent_whole = [p for p in group["params"] if p.grad is not None and self._sent_whole(p)]
+            if mu == 0 or not sent_whole:
                 continue
-            names = [self._name(p) for p in whole]
-            grads = [p.grad for p in whole]
+            names = [self._name(p) for p in sent_whole]
+            grads = [p.grad for p in sent_whole]
             buffers = [self.momentum.get(n) for n in names]
             buffers = [torch.zeros_like(g) if m is None else m for g, m in zip(grads, buffers)]
             buffers = torch._foreach_add(grads, buffers, alpha=mu)

@@ -120,14 +120,14 @@ class _DistributedOptimizer:
             self._hvdc_densify(param)
             self._hvdc_pipeline.clip_locally(param)
             self._hvdc_pipeline.begin(param)
-            ratio, momentum = 1.0, None
+            lr_ratio, momentum = 1.0, None
             if self._hvdc_momentum is not None:
-                ratio, momentum = self._hvdc_momentum.before_exchange(
+                lr_ratio, momentum = self._hvdc_momentum.before_exchange(
                     param, defer=self._hvdc_pipeline.fuses(param)
                 )
             if self._hvdc_adam is not None:
                 self._hvdc_adam.before_exchange(param)
-            self._hvdc_pipeline.launch(param, ratio, momentum)
+            self._hvdc_pipeline.launch(param, lr_ratio, momentum)
 
     def _hvdc_densify(self, param):
         """With ``sparse_as_dense``, replaces a sparse gradient by its dense form when it is
@@ -417,8 +417,8 @@ def DistributedOptimizer(
             )
 
     named = _named_parameters(optimizer, named_parameters)
-    whole = set(uncompressed)
-    unknown = whole - {name for name, _ in named}
+    sent_whole = set(uncompressed)
+    unknown = sent_whole - {name for name, _ in named}
     if unknown:
         raise ValueError(
             f"DistributedOptimizer: uncompressed names unknown parameters: {sorted(unknown)}"
@@ -430,14 +430,14 @@ def DistributedOptimizer(
                 f"DistributedOptimizer: adaptive pins unknown parameters: {sorted(unpinnable)}"
             )
     if not codec.compress_classifier:
-        whole |= classifier_names(named)
+        sent_whole |= classifier_names(named)
     pipeline = CompressionPipeline(
         named,
         codec,
         exchange=exchange,
         average=average,
         seed=seed,
-        uncompressed=whole,
+        uncompressed=sent_whole,
         prescale_factor=prescale,
         postscale_factor=postscale,
         error_feedback=error_feedback,

@@ -4,14 +4,15 @@
 produced it and the moment the wrapped optimizer reads it back. It is kept apart from the
 optimizer class so that every wrapper (the optimizer, a local-SGD averager, tests) drives the
 same code. This module holds its construction and its step: launching each gradient's
-exchange as its hook fires, and collecting the results. Its world (the ranks, their nodes,
-agreement among them and elastic changes, checkpoints) is ``pt/world.py``'s
-``ElasticWorld``; the adaptive mode's part of a step is ``pt/adaptive.py``'s
-``AdaptiveSteps``.
+exchange as its hook fires (a ``Flight``, ``pt/flight.py``), and collecting the results.
+Its world (the ranks, their nodes, agreement among them and elastic changes, checkpoints)
+is ``pt/world.py``'s ``ElasticWorld``; the two-level exchange's stages are
+``pt/two_level.py``'s ``TwoLevelSteps``; the adaptive mode's part of a step is
+``pt/adaptive.py``'s ``AdaptiveSteps``.
 """
 
 import collections
-import dataclasses
+import functools
 import time
 
 import horovod.torch as hvd
@@ -22,59 +23,35 @@ from hvd_compress.accounting import HALF, UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Planner
 from hvd_compress.bucketing import BUCKET_BYTES
 from hvd_compress.cost import TWO_LEVEL
-from hvd_compress.plan import TensorPlan, plan_tensor
+from hvd_compress.plan import plan_tensor
 from hvd_compress.seeding import stream_seed
 from hvd_compress.server import ServerStep
 from hvd_compress.validation import check_global_membership, check_two_level_process_set
 
 from . import fused, seeding, triton_fused
 from .adaptive import AdaptiveSteps
-from .bucketing import BucketLayout, GradientBuckets
+from .bucketing import GradientBuckets
 from .exchange import (
     Meter,
-    allgather_async,
     allreduce_async,
     allreduce_async_,
     allreducible,
+    codes_name,
     make_exchange,
     make_sparse_exchange,
-    reducescatter_async,
     sparse_allreduce_async,
     wait,
 )
+from .flight import Flight
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
+from .two_level import TwoLevelSteps
 from .world import ElasticWorld
-
-
-@dataclasses.dataclass
-class _InFlight:
-    plan: TensorPlan
-    param: torch.Tensor
-    # "shard" (a two-level exchange's node reduce-scatter), "scale", "codes", "gather"
-    # (its node allgather) or "plain" (an allreduce, fp32 or fp16)
-    stage: str
-    handle: object = None
-    vector: torch.Tensor = None  # the flattened gradient, plus the worker residual
-    scale: torch.Tensor = None
-    exchange: object = None
-    fused: bool = False  # worker error feedback by ``fused``'s kernels
-    scale_in_encode: bool = False  # the scale taken in the encoding's pass
-    compensated: bool = False  # ``vector`` a buffer of the compensation's, free to overwrite
-    ratio: float = 1.0  # eta_{t-1} / eta_t of the step, for residuals compensated later
-    layout: BucketLayout = None  # a gradient bucket's flight: the bucket, else None
-    decoded: torch.Tensor = None  # a bucket's decoded vector, once it has arrived
-
 
 # The largest tensor (elements) whose finiteness ``all_finite`` reads together with the
 # others': one op per step for all of them instead of one per tensor.
 _SMALL_TENSOR = 1 << 16
-
-
-def _codes_name(name):
-    """The name of the collective, or fusion group member, of parameter ``name``'s codes."""
-    return f"hvdc.{name}.codes"
 
 
 def _write_grad(param, decoded):
@@ -101,7 +78,7 @@ def _share_bytes(by_tensor, bucket):
     by_tensor.update({m.name: share for m, share in zip(members, shares)})
 
 
-class CompressionPipeline(ElasticWorld, AdaptiveSteps):
+class CompressionPipeline(ElasticWorld, TwoLevelSteps, AdaptiveSteps):
     """Compressed averaging (or summing) of gradients across the ranks of a Horovod
     process set.
 
@@ -323,9 +300,9 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         self._fusions = self._fusion_groups()
         self._start_measuring(param)
 
-    def launch(self, param, ratio=1.0, momentum=None):
+    def launch(self, param, lr_ratio=1.0, momentum=None):
         """Starts the exchange of ``param.grad``; called once per parameter per step.
-        ``ratio`` (eta_{t-1} / eta_t) rescales residuals kept in gradient units; a
+        ``lr_ratio`` (eta_{t-1} / eta_t) rescales residuals kept in gradient units; a
         ``momentum`` (``WorkerMomentum.Deferred``, only where ``fuses``) is applied to the
         gradient on the way."""
         self.begin(param)
@@ -336,9 +313,9 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         grad = param.grad
         with self.meter.charging(plan.name), self._timed(plan.name, "before"):
             if self.buckets.carries(plan.name):
-                flight = self._fill_bucket(plan.name, grad, ratio)
+                flight = self._fill_bucket(plan.name, grad, lr_ratio)
             else:
-                self._launch(plan, param, grad, ratio, momentum)
+                self._launch(plan, param, grad, lr_ratio, momentum)
                 flight = self._in_flight[param]
         if flight is None:
             return
@@ -358,10 +335,10 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 self.state.place(self.placed)
             self._device = device
 
-    def _fill_bucket(self, name, grad, ratio):
+    def _fill_bucket(self, name, grad, lr_ratio):
         """Copies tensor ``name``'s gradient into its bucket; with the last member's, starts
         the bucket's exchange, whose flight it returns (None before)."""
-        layout = self.buckets.put(name, grad, ratio)
+        layout = self.buckets.put(name, grad, lr_ratio)
         if layout is None:
             return None
         bucket = layout.bucket
@@ -369,12 +346,12 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             params = self.buckets.params[bucket.name]
             members = layout.members(layout.vector)
             self.state.momentum.accelerate(bucket, params, layout.vector, members)
-        flight = _InFlight(
+        flight = Flight(
             bucket.plan,
             None,
             "scale",
             vector=layout.vector,
-            ratio=self.buckets.ratio(layout),
+            lr_ratio=self.buckets.lr_ratio(layout),
             layout=layout,
         )
         self._start_scale(flight, None, bucket.exchange, self.world_size, self.process_set)
@@ -410,20 +387,23 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 self._server_residual_to_worker(plan, self.world_size)
             plan.path = path
 
-    def _launch(self, plan, param, grad, ratio, momentum):
+    def _launch(self, plan, param, grad, lr_ratio, momentum):
         if plan.route in (UNCOMPRESSED, HALF) or grad.is_sparse:
             # Sparse gradients (sparse embeddings) go through Horovod's sparse allreduce
             # unless sparse_as_dense densified them.
-            self._in_flight[param] = _InFlight(
-                plan, param, "plain", self._launch_plain(plan, grad, ratio, plan.route == HALF)
+            self._in_flight[param] = Flight(
+                plan,
+                param,
+                "plain",
+                result=self._launch_plain(plan, grad, lr_ratio, plan.route == HALF),
             )
             if plan.name in self._fusions:
-                self._fusions[plan.name].withdraw(_codes_name(plan.name))
+                self._fusions[plan.name].withdraw(codes_name(plan.name))
         elif plan.exchange == TWO_LEVEL:
-            self._in_flight[param] = self._launch_two_level(plan, param, grad, ratio)
+            self._in_flight[param] = self._launch_two_level(plan, param, grad, lr_ratio)
         elif self.codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
-            flight = _InFlight(plan, param, "codes")
+            flight = Flight(plan, param, "codes")
             flight.exchange = make_sparse_exchange(
                 self.codec,
                 plan,
@@ -435,13 +415,20 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 process_set=self.process_set,
                 **({"factors": self.state.factors} if self.state.factors is not None else {}),
             )
-            flight.handle = flight.exchange.start(grad.reshape(-1), ratio, _codes_name(plan.name))
+            flight.message = flight.exchange.start(
+                grad.reshape(-1), lr_ratio, codes_name(plan.name)
+            )
             if self.state.momentum is not None and flight.exchange.selected is not None:
                 self.state.momentum.mask(plan.name, flight.exchange.selected)
             self._in_flight[param] = flight
         else:
-            flight = _InFlight(
-                plan, param, "scale", vector=grad.reshape(-1), fused=self.fuses(param), ratio=ratio
+            flight = Flight(
+                plan,
+                param,
+                "scale",
+                vector=grad.reshape(-1),
+                fused=self.fuses(param),
+                lr_ratio=lr_ratio,
             )
             self._start_scale(flight, momentum, plan.exchange, self.world_size, self.process_set)
             self._in_flight[param] = flight
@@ -463,22 +450,24 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             grad = flight.vector
             if flight.scale_in_encode:
                 flight.vector = fused.compensated(
-                    self.codec, flight.vector, residual, flight.ratio, momentum=momentum
+                    self.codec, flight.vector, residual, flight.lr_ratio, momentum=momentum
                 )
             else:
                 flight.vector, flight.scale = fused.compensated_scale(
-                    self.codec, flight.vector, residual, flight.ratio, momentum=momentum
+                    self.codec, flight.vector, residual, flight.lr_ratio, momentum=momentum
                 )
             # The compensation returns the gradient itself where it has nothing to add.
             flight.compensated = flight.vector is not grad
         elif self.state.worker is not None:
-            flight.vector = self.state.worker.compensate(plan.name, flight.vector, flight.ratio)
+            flight.vector = self.state.worker.compensate(plan.name, flight.vector, flight.lr_ratio)
         server = None
         if codec.two_way:
-            ratio = (
-                flight.ratio if flight.layout is None else flight.layout.server_ratio(flight.ratio)
+            lr_ratio = (
+                flight.lr_ratio
+                if flight.layout is None
+                else flight.layout.server_lr_ratio(flight.lr_ratio)
             )
-            server = ServerStep(self.state.server, plan.name, ratio)
+            server = ServerStep(self.state.server, plan.name, lr_ratio)
         flight.exchange = make_exchange(
             exchange,
             codec,
@@ -502,69 +491,6 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                     process_set=process_set,
                 )
         flight.stage = "scale"
-
-    def _launch_two_level(self, plan, param, grad, ratio):
-        """Starts the node's reduce-scatter (or allreduce, ``node_allreduce``) of ``grad``,
-        zero-padded to the node's shards (``hvd_compress.topology``); on a node of one rank
-        the shard is the gradient."""
-        flight = _InFlight(plan, param, "shard", ratio=ratio)
-        vector = grad.reshape(-1)
-        if self.node_set is None:
-            flight.vector = vector
-            self._start_shard(flight)
-            return flight
-        average = allreduce_async if self.node_allreduce else reducescatter_async
-        flight.handle = average(
-            self.meter.hand(self._padded(plan, vector)),
-            name=f"hvdc.{plan.name}.node",
-            op=hvd.Average if self.average else hvd.Sum,
-            process_set=self.node_set,
-        )
-        return flight
-
-    def _padded(self, plan, vector):
-        """The flat ``vector`` of ``plan``'s tensor zero-padded to its node's L shards of
-        equal length (``hvd_compress.topology.Nodes.shard_length``)."""
-        length = self.nodes.local_size * self.nodes.shard_length(plan.numel)
-        if length == plan.numel:
-            return vector
-        padded = vector.new_zeros(length)
-        padded[: plan.numel] = vector
-        return padded
-
-    def _own_shard(self, average):
-        """This rank's shard of its node's ``average``: a reduce-scatter's output, or its
-        part of an allreduce's."""
-        if not self.node_allreduce:
-            return average
-        _, shard = self.nodes.locate(self.rank)
-        return average.view(self.nodes.local_size, -1)[shard]
-
-    def _start_shard(self, flight):
-        """The exchange among the nodes of a two-level flight's shard (``flight.vector``):
-        by the codec where there are other nodes, else straight to the node's allgather,
-        carrying any residual that a layout with other nodes left (``_follow_nodes``)."""
-        if self.shard_set is None:
-            shard, name = flight.vector, flight.plan.name
-            if self.state.worker is not None and name in self.state.worker.residuals:
-                shard = self.state.worker.flush(name, shard, flight.ratio)
-            self._gather_shard(flight, shard)
-            return
-        exchange = self.between_nodes[flight.plan.name]
-        flight.fused = self._compensates_in_kernels(flight.vector)
-        self._start_scale(flight, None, exchange, self.nodes.cross_size, self.shard_set)
-
-    def _gather_shard(self, flight, shard):
-        """Starts the node's allgather of a two-level flight's decoded ``shard``."""
-        flight.stage = "gather"
-        if self.node_set is None:
-            flight.handle = shard
-            return
-        flight.handle = allgather_async(
-            self.meter.hand(shard.contiguous()),
-            name=f"hvdc.{flight.plan.name}.gather",
-            process_set=self.node_set,
-        )
 
     def _fusion_groups(self):
         """This step's ``AlltoallFusion`` of each sharded tensor or gradient bucket
@@ -590,24 +516,24 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         groups = {}
         for index, members in enumerate(fusion.alltoall_groups(self.codec, sharded, world_size)):
             group = AlltoallFusion(
-                [_codes_name(m) for m in members], f"{prefix}.{index}", process_set
+                [codes_name(m) for m in members], f"{prefix}.{index}", process_set
             )
             groups.update(dict.fromkeys(members, group))
         return groups
 
-    def _launch_plain(self, plan, grad, ratio, half):
-        """Starts the allreduce of a gradient sent whole, in float16 if ``half``. A tensor
-        that the adaptive mode took off its codec carries its residuals in it
-        (``ErrorFeedback.flush``)."""
+    def _launch_plain(self, plan, grad, lr_ratio, half):
+        """Starts the allreduce of a gradient sent whole, in float16 if ``half``; returns
+        what waits for its output. A tensor that the adaptive mode took off its codec
+        carries its residuals in it (``ErrorFeedback.flush``)."""
         name = f"hvdc.{plan.name}"
         op = hvd.Average if self.average else hvd.Sum
         if grad.is_sparse:
             return sparse_allreduce_async(grad, name=name, op=op, process_set=self.process_set)
         if self.state.worker is not None and plan.name in self.state.worker.residuals:
-            grad = self.state.worker.flush(plan.name, grad.reshape(-1), ratio).view(grad.shape)
+            grad = self.state.worker.flush(plan.name, grad.reshape(-1), lr_ratio).view(grad.shape)
         grad = allreducible(grad.to(torch.float16) if half else grad)
         self.meter.hand(grad)
-        return allreduce_async_(
+        handle = allreduce_async_(
             grad,
             name=name,
             op=op,
@@ -615,6 +541,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             postscale_factor=self.postscale_factor,
             process_set=self.process_set,
         )
+        return functools.partial(wait, handle)
 
     def _start_ready_codes(self, block=False):
         """Starts the nodes' exchange of every two-level shard that its node has summed,
@@ -684,7 +611,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 self.state.worker.update(name, vector, sent)
             start = flight.exchange.start
         with self.meter.charging(name):
-            flight.handle = start(codes, flight.scale, _codes_name(name))
+            flight.message = start(codes, flight.scale, codes_name(name))
         flight.stage = "codes"
 
     def _key(self, flight, rank):
@@ -718,14 +645,14 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
         for flight in self._in_flight.values():
             if flight.stage == "codes":
                 with self.meter.charging(flight.plan.name), self._timed(flight.plan.name, "after"):
-                    flight.handle = flight.exchange.advance(flight.handle)
+                    flight.message = flight.exchange.advance(flight.message)
         # param (a bucket's name) -> whether its gradient is finite, as its exchange knows
         known = {}
         for param, flight in self._in_flight.items():
             if flight.stage == "gather":  # a two-level shard that crossed no network
                 continue
             if flight.stage == "plain":
-                output = wait(flight.handle) if isinstance(flight.handle, int) else flight.handle()
+                output = flight.result()
                 if output.is_sparse:
                     param.grad = output
                 elif output.data_ptr() != param.grad.data_ptr():  # float16, or flushed
@@ -735,10 +662,10 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
             name = flight.plan.name
             if flight.plan.exchange == TWO_LEVEL:
                 with self.meter.charging(name), self._timed(name, "after"):
-                    self._gather_shard(flight, flight.exchange.finish(flight.handle))
+                    self._gather_shard(flight, flight.exchange.finish(flight.message))
                 continue
             with self._timed(name, "after"):
-                decoded = flight.exchange.finish(flight.handle)
+                decoded = flight.exchange.finish(flight.message)
                 if flight.layout is None:
                     _write_grad(param, decoded)
                 else:
@@ -753,7 +680,7 @@ class CompressionPipeline(ElasticWorld, AdaptiveSteps):
                 known[param] = flight.exchange.finite
         for param, flight in self._in_flight.items():
             if flight.stage == "gather":
-                gathered = wait(flight.handle) if self.node_set is not None else flight.handle
+                gathered = flight.result()
                 _write_grad(param, gathered[: flight.plan.numel])
         if self.state.committed():
             self.state.commit(all(known.values()) and self.all_finite(skip=known))

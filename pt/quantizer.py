@@ -4,7 +4,7 @@ import torch
 
 from hvd_compress import quantizer as reference
 
-from .buckets import ratio, rescale
+from .buckets import normalized_unclipped, rescale
 from .codec import Codec
 
 
@@ -15,7 +15,9 @@ class UniformQuantizer(reference.UniformQuantizer, Codec):
         """``rounding``'s low level and p, but with r not clipped to 1: where r > 1, p > 1
         (where the reference has p = 1), which draws the same level, low + 1, and saves a
         pass. A NaN r (non-finite g) is 0, as the reference's."""
-        x = ratio(grad, scale, self.bucket_length(grad.shape[-1])).nan_to_num_(nan=0.0)
+        x = normalized_unclipped(grad, scale, self.bucket_length(grad.shape[-1])).nan_to_num_(
+            nan=0.0
+        )
         if self.levels != 1:
             x.mul_(float(self.levels))
         low = torch.floor(x).clamp_(max=float(self.levels - 1))
@@ -29,7 +31,7 @@ class UniformQuantizer(reference.UniformQuantizer, Codec):
         if self.levels == 1:
             # One level: low = 0 and p = r, and an unclipped r >= 1 draws level 1 as r = 1
             # does (uniforms < 1); a NaN r (non-finite g) draws 0, as the reference's r = 0.
-            drawn = uniforms < ratio(grad, scale, self.bucket_length(grad.shape[-1]))
+            drawn = uniforms < normalized_unclipped(grad, scale, self.bucket_length(grad.shape[-1]))
             level = drawn.to(torch.int8).to(torch.float32)
         else:
             low, p = self._low_and_p(grad, scale)

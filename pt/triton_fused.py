@@ -350,7 +350,7 @@ def signs(codec, p: torch.Tensor, scale: torch.Tensor, packed=True, feedback=Tru
     return out, residual, values
 
 
-def _averaged_signs(codec, rows, scales, count, residual, ratio, numel, blocks):
+def _averaged_signs(codec, rows, scales, count, residual, lr_ratio, numel, blocks):
     """The ``average_signs`` kernel's p (see there)."""
     out = torch.empty(numel, dtype=torch.float32, device=rows.device)
     if blocks is None:
@@ -368,7 +368,7 @@ def _averaged_signs(codec, rows, scales, count, residual, ratio, numel, blocks):
         scales.shape[-1],
         rows if blocks is None else blocks,
         out if residual is None else residual,
-        float(ratio),
+        float(lr_ratio),
         out,
         numel,
         bucket,
@@ -389,12 +389,12 @@ def server_step(server, codec, rows, scales, count: int, numel: int, blocks=None
     Returns (packed codes, scale), or with ``decoded`` (a replicated server, which sends
     nothing) (the decoded codes, scale)."""
     residual = server.memory.residuals.get(server.key)
-    ratio = server.ratio
-    if isinstance(ratio, torch.Tensor):  # not read: the compensation is the eager op
+    lr_ratio = server.lr_ratio
+    if isinstance(lr_ratio, torch.Tensor):  # not read: the compensation is the eager op
         p = _averaged_signs(codec, rows, scales, count, None, 1.0, numel, blocks)
-        p = server.memory.compensate(server.key, p, ratio)
+        p = server.memory.compensate(server.key, p, lr_ratio)
     else:
-        p = _averaged_signs(codec, rows, scales, count, residual, ratio, numel, blocks)
+        p = _averaged_signs(codec, rows, scales, count, residual, lr_ratio, numel, blocks)
     scale = codec.local_scale(p)
     packed, kept, values = signs(codec, p, scale, packed=not decoded, decoded=decoded)
     server.memory.propose(server.key, kept)

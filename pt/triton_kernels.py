@@ -145,21 +145,21 @@ def quantize(
     inside = local < valid
     g = tl.load(p + index, mask=inside, other=0.0)
     s = tl.load(scale + first_block + local // length, mask=inside, other=1.0)
-    # |g| / S, S inf for a zero or non-finite scale, and 0 for a NaN ratio.
+    # |g| / S, S inf for a zero or non-finite scale, and 0 for a NaN quotient.
     divisor = tl.where((s > 0) & (s < float("inf")), s, float("inf"))
-    ratio = tl.math.div_rn(tl.abs(g), divisor)
-    ratio = tl.where(ratio == ratio, ratio, 0.0)
+    normalized = tl.math.div_rn(tl.abs(g), divisor)
+    normalized = tl.where(normalized == normalized, normalized, 0.0)
     u = _uniform(local, lo, multiplier)
     if MODE == 0:
-        level = (u < ratio).to(tl.int32)
+        level = (u < normalized).to(tl.int32)
     elif MODE == 1:
-        x = ratio * levels
+        x = normalized * levels
         low = tl.minimum(tl.floor(x), levels - 1.0)
         level = (low + (u < x - low).to(tl.float32)).to(tl.int32)
     else:
         # NUQSGD (as ``hvd_compress.kernels._nuqsgd_code``): the index of the level
         # below r from r's exponent, drawn up by the fraction of r's significand.
-        r = tl.minimum(ratio, 1.0)
+        r = tl.minimum(normalized, 1.0)
         bits = r.to(tl.int32, bitcast=True)
         biased = bits >> 23
         above = biased >= 127 - exponent
@@ -390,7 +390,7 @@ def average_signs(
     scales_per_row,
     blocks,
     residual,
-    ratio,
+    lr_ratio,
     out,
     numel,
     bucket,
@@ -405,7 +405,7 @@ def average_signs(
     """A server's p: the sum over ``count`` rows of packed signs, in order, of each sign
     times its row's scale of the element's block (row r's scales at ``scales`` + r
     ``scales_per_row``), divided by ``divisor``; with FEEDBACK, plus ``residual`` times
-    ``ratio``. The blocks: with BLOCK_INDEX, element i's is ``blocks[i]`` (-1: padding),
+    ``lr_ratio``. The blocks: with BLOCK_INDEX, element i's is ``blocks[i]`` (-1: padding),
     else those of the stretches (``_stretch``). 0 in padding."""
     if BLOCK_INDEX:
         index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -426,7 +426,7 @@ def average_signs(
         acc += _scaled_sign(rows + r * row_bytes, scales + r * scales_per_row, b, index, inside)
     acc = tl.math.div_rn(acc, divisor)
     if FEEDBACK:
-        acc = acc + tl.load(residual + index, mask=inside, other=0.0) * ratio
+        acc = acc + tl.load(residual + index, mask=inside, other=0.0) * lr_ratio
     tl.store(out + index, tl.where(inside, acc, 0.0), mask=span)
 
 

@@ -2,9 +2,9 @@
 becomes when elastic Horovod changes them or a checkpoint from another world is restored.
 
 ``ElasticWorld`` is the part of ``CompressionPipeline`` (``pt/pipeline.py``) that these
-concern: its world size and rank, the two-level exchange's nodes and process sets, each
-compressed tensor's exchange for the world, and the residuals that move when the world
-changes.
+concern: its world size and rank, each compressed tensor's exchange for the world, and the
+residuals that move when the world changes (the two-level exchange's nodes and process sets
+are taken by ``TwoLevelSteps._join_nodes``, ``pt/two_level.py``).
 """
 
 import horovod.torch as hvd
@@ -12,7 +12,6 @@ import torch
 
 from hvd_compress import agreement, cost, watchdog
 from hvd_compress.cost import TWO_LEVEL
-from hvd_compress.topology import averages_by_allreduce
 
 from . import topology
 from .exchange import (
@@ -35,21 +34,6 @@ def max_over_ranks(values, name, process_set, dtype=torch.float64):
 
 class ElasticWorld:
     """The world of a ``CompressionPipeline`` (a mixin of it)."""
-
-    def _join_nodes(self):
-        """Takes the nodes where Horovod's ranks sit as the two-level exchange's layout:
-        this rank's process sets (``topology.join``) and the exchange among the nodes of
-        each tensor's shards. Collective."""
-        self.nodes = topology.current_nodes()
-        self.node_set, self.shard_set = topology.join(self.nodes)
-        self.node_allreduce = averages_by_allreduce(all(p.device.type == "cpu" for p in self.plans))
-        self.between_nodes = {
-            plan.name: cost.two_level_inner(
-                self.codec, self.nodes.shard_length(plan.numel), self.nodes.cross_size
-            )
-            for plan in self.plans.values()
-            if plan.exchange == TWO_LEVEL and self.shard_set is not None
-        }
 
     def _choose_exchanges(self):
         """``exchange="auto"``: the compressed tensors' exchanges for this world, chosen
@@ -204,15 +188,15 @@ class ElasticWorld:
             zeros = param.new_zeros(
                 plan.numel, dtype=torch.promote_types(param.dtype, torch.float32)
             )
-            whole = self._padded(plan, zeros)
+            padded = self._padded(plan, zeros)
             residual = self.state.worker.residuals.pop(plan.name, None)
             if residual is not None:
-                whole.view(self.nodes.local_size, -1)[shard] = residual * scale
-            carried[plan.name] = (plan, whole[: plan.numel])
+                padded.view(self.nodes.local_size, -1)[shard] = residual * scale
+            carried[plan.name] = (plan, padded[: plan.numel])
         self.world_size, self.rank = size, rank
         self._join_nodes()
-        for name, (plan, whole) in carried.items():
-            residual = self._padded(plan, whole)
+        for name, (plan, spread) in carried.items():
+            residual = self._padded(plan, spread)
             if self.node_set is not None:
                 residual = wait(
                     reducescatter_async(

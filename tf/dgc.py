@@ -19,7 +19,7 @@ class DGC(reference.DGC, Codec):
         if isinstance(step, int):
             return super().k(numel, step)
         step = tf.cast(step, tf.int64)
-        density = tf.constant(self.ratio, tf.float64)
+        density = tf.constant(self.density, tf.float64)
         if self.warmup_steps:
             stage = step * reference.WARMUP_STAGES // self.warmup_steps
             warm = tf.maximum(

@@ -22,6 +22,7 @@ what its memory keeps, so they run compensate -> compress -> update on the worke
 """
 
 import contextlib
+import re
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -33,6 +34,17 @@ from hvd_compress.cost import TF_ALLREDUCE_DTYPES
 from . import elias, fused
 from .codec import divide
 from .packing import pack, unpack
+
+
+def collective_name(plan):
+    """A Horovod collective's name for ``plan``: unique, and valid as a TensorFlow op name
+    (Horovod matches collectives across ranks by this name)."""
+    return f"hvdc.{plan.index}.{re.sub(r'[^A-Za-z0-9_.-]', '_', plan.name)}"
+
+
+def codes_name(plan):
+    """The name of the collective, or fusion group member, of ``plan``'s codes."""
+    return collective_name(plan) + ".codes"
 
 
 class Meter(layout.Meter):
@@ -405,8 +417,8 @@ class ShardedServer(layout.ShardedServer, _Exchange):
 
 
 class SparseAllgather(layout.SparseAllgather, _Exchange):
-    def __call__(self, grad, ratio, name):
-        compensated = self.memory.compensate(self.key, grad, ratio)
+    def __call__(self, grad, lr_ratio, name):
+        compensated = self.memory.compensate(self.key, grad, lr_ratio)
         selected = self.codec.select(compensated, grad, self.bin_length)
         message = self.codec.encode_message(compensated, selected, self.bin_length)
         own_values = self.codec.decode_message(message, self.numel, self.bin_length)
@@ -430,8 +442,8 @@ class LeaderAllreduce(layout.LeaderAllreduce, _Exchange):
         super().__init__(*args, **kwargs)
         self.sent_elements = self.codec.k(self.numel)
 
-    def __call__(self, grad, ratio, name):
-        compensated = self.memory.compensate(self.key, grad, ratio)
+    def __call__(self, grad, lr_ratio, name):
+        compensated = self.memory.compensate(self.key, grad, lr_ratio)
         k = self.sent_elements
         leader = tf.cast(self.codec.leader(self.step, self.world_size), tf.int32)
         indices = tf.cond(
@@ -473,8 +485,8 @@ class LeaderAllreduce(layout.LeaderAllreduce, _Exchange):
 
 
 class TopKAllgather(layout.TopKAllgather, _Exchange):
-    def __call__(self, grad, ratio, name):
-        compensated = self.memory.compensate(self.key, grad, ratio)
+    def __call__(self, grad, lr_ratio, name):
+        compensated = self.memory.compensate(self.key, grad, lr_ratio)
         k = self.sent_elements = self.codec.k(self.numel, self.step)
         indices = self.codec.top_k(compensated, k)
         self.selected = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
@@ -508,8 +520,8 @@ class LowRankAllreduce(layout.LowRankAllreduce, _Exchange):
             process_set=self.process_set,
         )
 
-    def __call__(self, grad, ratio, name):
-        compensated = self.memory.compensate(self.key, grad, ratio)
+    def __call__(self, grad, lr_ratio, name):
+        compensated = self.memory.compensate(self.key, grad, lr_ratio)
         matrix = tf.reshape(compensated, self.matrix_shape)
         q = self.codec.orthogonalize(self.factors.residuals[self.key])
         p = self.codec.orthogonalize(self._allreduce(matrix @ q, f"{name}.p"))

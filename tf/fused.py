@@ -78,7 +78,7 @@ def local_scale(codec, grad: tf.Tensor) -> tf.Tensor:
 
 @_unconverted
 def _worker_state(numel, residual, momentum):
-    """What the worker's calls take after the vector and the ratio: the tensors (the
+    """What the worker's calls take after the vector and the lr_ratio: the tensors (the
     residual, the momentum buffer, where given), and the function of their arrays that
     gives the residual (or None) and ``hvd_compress.fused``'s momentum step (or None)."""
     tensors = [] if residual is None else [residual]
@@ -108,9 +108,9 @@ def _set_buffer(momentum, results):
 
 
 @_unconverted
-def compensated_scale(codec, vector: tf.Tensor, residual, ratio, momentum=None) -> tuple:
+def compensated_scale(codec, vector: tf.Tensor, residual, lr_ratio, momentum=None) -> tuple:
     """``ErrorFeedback.compensate`` and ``codec.local_scale`` (``hvd_compress.fused``):
-    (p, scale), p = u + residual * ratio (``ratio`` may be a tensor). u is ``vector``, or
+    (p, scale), p = u + residual * lr_ratio (``lr_ratio`` may be a tensor). u is ``vector``, or
     with a ``momentum`` (``WorkerMomentum.Deferred``) its direction, whose new buffer
     becomes ``momentum.out`` in the same pass. Without either, p is ``vector`` itself."""
     numel = vector.shape[0]
@@ -123,14 +123,14 @@ def compensated_scale(codec, vector: tf.Tensor, residual, ratio, momentum=None) 
         return vector, scale
     state, arrays = _worker_state(numel, residual, momentum)
 
-    def run(vector, ratio, *values):
+    def run(vector, lr_ratio, *values):
         residual, step = arrays(values)
-        p, scale = core.compensated_scale(codec, vector, residual, float(ratio), step)
+        p, scale = core.compensated_scale(codec, vector, residual, float(lr_ratio), step)
         return [p, scale] + ([] if step is None else [step[3]])
 
     results = _call(
         run,
-        [vector, tf.cast(ratio, tf.float32), *state],
+        [vector, tf.cast(lr_ratio, tf.float32), *state],
         [_floats(numel), _scales(codec, numel)] + _buffer_spec(momentum, numel),
     )
     _set_buffer(momentum, results)
@@ -143,7 +143,7 @@ def compensated_encode(
     exchange,
     vector: tf.Tensor,
     residual,
-    ratio,
+    lr_ratio,
     key: tf.Tensor,
     feedback: bool,
     momentum=None,
@@ -157,13 +157,13 @@ def compensated_encode(
     spec = exchange.payload()
     state, arrays = _worker_state(numel, residual, momentum)
 
-    def run(vector, ratio, key, *values):
+    def run(vector, lr_ratio, key, *values):
         residual, step = arrays(values)
         payload, scale, kept = core.compensated_encode(
             codec,
             vector,
             residual,
-            float(ratio),
+            float(lr_ratio),
             step,
             int(key),
             core.empty(spec.shape, spec.dtype.as_numpy_dtype),
@@ -175,7 +175,7 @@ def compensated_encode(
     outputs = [spec, _scales(codec, numel), *([_floats(numel)] if feedback else [])]
     results = _call(
         run,
-        [vector, tf.cast(ratio, tf.float32), key, *state],
+        [vector, tf.cast(lr_ratio, tf.float32), key, *state],
         outputs + _buffer_spec(momentum, numel),
     )
     _set_buffer(momentum, results)
@@ -203,12 +203,14 @@ def server_step(server, codec, messages: tf.Tensor, head: int, block: int, count
     scale) and proposes the new server residual."""
     previous = server.memory.residuals[server.key]
 
-    def run(messages, previous, ratio):
-        return core.server_step(codec, messages, head, block, count, previous, float(ratio), numel)
+    def run(messages, previous, lr_ratio):
+        return core.server_step(
+            codec, messages, head, block, count, previous, float(lr_ratio), numel
+        )
 
     packed, scale, residual = _call(
         run,
-        [messages, previous, tf.cast(server.ratio, tf.float32)],
+        [messages, previous, tf.cast(server.lr_ratio, tf.float32)],
         [_signs(numel), _floats(codec.buckets(numel)), _floats(numel)],
     )
     server.memory.propose(server.key, residual)

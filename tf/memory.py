@@ -29,7 +29,7 @@ class ErrorFeedback(tf.Module):
 
     Residuals are kept in the units of the vectors. When those are gradients that the
     optimizer multiplies by a learning rate eta_t, a residual made at eta_{t-1} must enter
-    step t scaled by eta_{t-1} / eta_t: ``compensate`` takes that ratio.
+    step t scaled by eta_{t-1} / eta_t: ``compensate`` takes that ratio (``lr_ratio``).
 
     ``update`` only proposes the new residual; ``commit`` keeps or drops every proposal of the
     step at once. The pipeline commits when all exchanged gradients of the step are finite and
@@ -51,8 +51,8 @@ class ErrorFeedback(tf.Module):
             }
         self.proposed = {}
 
-    def compensate(self, name, vector, ratio=1.0):
-        return vector + self.residuals[name] * ratio
+    def compensate(self, name, vector, lr_ratio=1.0):
+        return vector + self.residuals[name] * lr_ratio
 
     def update(self, name, compensated, sent, beta=1.0):
         """Proposes ``compensated - sent`` as the new residual; with ``beta`` < 1 a low-pass

@@ -152,15 +152,20 @@ class _DistributedOptimizer:
         by_key = {self._var_key(v): g for v, g in zip(variables, grads)}
         # Variables without a gradient exchange zeros (every rank must take part in the same
         # collectives) and still reach the base optimizer without one.
-        ordered, ratio, whole = [by_key.get(key) for key in self._hvdc_keys], 1.0, None
+        ordered, lr_ratio, uncompressed_step = (
+            [by_key.get(key) for key in self._hvdc_keys],
+            1.0,
+            None,
+        )
         ordered = self._hvdc_pipeline.clip_locally(ordered)
         momentum = None
         if self._hvdc_momentum is not None:
             defer = [self._hvdc_pipeline.fuses(i, g) for i, g in enumerate(ordered)]
-            ordered, ratio, momentum = self._hvdc_momentum.before_exchange(self, ordered, defer)
+            ordered, lr_ratio, momentum = self._hvdc_momentum.before_exchange(self, ordered, defer)
         if self._hvdc_adam is not None:
-            ordered, whole = self._hvdc_adam.before_exchange(ordered), ~self._hvdc_adam.compressing
-        reduced = self._hvdc_pipeline.reduce(ordered, ratio, whole, momentum)
+            ordered = self._hvdc_adam.before_exchange(ordered)
+            uncompressed_step = ~self._hvdc_adam.compressing
+        reduced = self._hvdc_pipeline.reduce(ordered, lr_ratio, uncompressed_step, momentum)
         if self._hvdc_adam is not None:
             reduced = self._hvdc_adam.after_exchange(reduced)
         reduced = dict(zip(self._hvdc_keys, reduced))

@@ -4,10 +4,9 @@
 produced it and the moment the wrapped optimizer reads it back. It is kept apart from the
 wrappers so that ``DistributedGradientTape``, the Keras ``DistributedOptimizer`` and tests
 drive the same code. It is a ``tf.Module``: its step counter and error-feedback residuals
-are variables, so it runs inside ``tf.function`` and ``tf.train.Checkpoint`` saves it.
+are variables, so it runs inside ``tf.function`` and ``tf.train.Checkpoint`` saves it. The
+two-level exchange's stages are ``tf/two_level.py``'s ``TwoLevelSteps``.
 """
-
-import re
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -19,7 +18,6 @@ from hvd_compress.cost import TF_ALLREDUCE_DTYPES, TWO_LEVEL
 from hvd_compress.plan import classifier_names, plan_tensor
 from hvd_compress.registry import resolve
 from hvd_compress.server import ServerStep
-from hvd_compress.topology import averages_by_allreduce
 from hvd_compress.validation import (
     check_error_feedback,
     check_exchange,
@@ -29,9 +27,11 @@ from hvd_compress.validation import (
     check_two_level_process_set,
 )
 
-from . import fused, seeding, topology
+from . import fused, seeding
 from .exchange import (
     Meter,
+    codes_name,
+    collective_name,
     make_exchange,
     make_sparse_exchange,
     mark_exchange_end,
@@ -42,6 +42,7 @@ from .exchange import (
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
+from .two_level import TwoLevelSteps
 from .xla import refuse_xla
 
 
@@ -53,18 +54,7 @@ def uniforms(seed, rank, step, index, shape):
     return tf.reshape(seeding.uniforms(key, tf.TensorShape(shape).num_elements()), shape)
 
 
-def collective_name(plan):
-    """A Horovod collective's name for ``plan``: unique, and valid as a TensorFlow op name
-    (Horovod matches collectives across ranks by this name)."""
-    return f"hvdc.{plan.index}.{re.sub(r'[^A-Za-z0-9_.-]', '_', plan.name)}"
-
-
-def _codes_name(plan):
-    """The name of the collective, or fusion group member, of ``plan``'s codes."""
-    return collective_name(plan) + ".codes"
-
-
-class CompressionPipeline(tf.Module):
+class CompressionPipeline(TwoLevelSteps, tf.Module):
     """Compressed averaging (or summing) of gradients across the ranks of a Horovod
     process set.
 
@@ -241,24 +231,6 @@ class CompressionPipeline(tf.Module):
         # adds it.
         self.state = PipelineState(step, worker, server, factors)
 
-    def _join_nodes(self):
-        """Takes the nodes where Horovod's ranks sit as the two-level exchange's layout:
-        this rank's process sets (``topology.join``) and the exchange among the nodes of
-        each tensor's shards. Collective."""
-        self.nodes = topology.current_nodes()
-        self.node_set, self.shard_set = topology.join(self.nodes)
-        self.node_allreduce = averages_by_allreduce(not tf.config.list_logical_devices("GPU"))
-        self.between_nodes = {
-            plan.name: cost.two_level_inner(
-                self.codec,
-                self.nodes.shard_length(plan.numel),
-                self.nodes.cross_size,
-                TF_ALLREDUCE_DTYPES,
-            )
-            for plan in self.plans
-            if plan.exchange == TWO_LEVEL and self.shard_set is not None
-        }
-
     def _choose_exchanges(self):
         """``exchange="auto"``: the compressed tensors' exchanges, chosen together
         (``cost.choose_exchanges``: sharded tensors share alltoalls)."""
@@ -323,12 +295,12 @@ class CompressionPipeline(tf.Module):
             and not isinstance(grad, tf.IndexedSlices)
         )
 
-    def reduce(self, grads, ratio=1.0, whole=None, momentum=None):
+    def reduce(self, grads, lr_ratio=1.0, uncompressed_step=None, momentum=None):
         """Exchanges one step's gradients, one per variable in the order of construction
         (None for a variable without a gradient: zeros are exchanged, because every rank
         must take part in the same collectives); returns the averaged (or summed) ones.
-        ``ratio`` (eta_{t-1} / eta_t, may be a tensor) rescales residuals kept in gradient
-        units. ``whole`` (a boolean, may be a tensor): this step every tensor goes by a
+        ``lr_ratio`` (eta_{t-1} / eta_t, may be a tensor) rescales residuals kept in gradient
+        units. ``uncompressed_step`` (a boolean, may be a tensor): this step every tensor goes by a
         plain allreduce, and no residual changes (compressed Adam's warm-up). ``momentum``:
         per gradient a ``WorkerMomentum.Deferred`` (only where ``fuses``) or None."""
         if len(grads) != len(self.plans):
@@ -347,21 +319,23 @@ class CompressionPipeline(tf.Module):
         if self.codec.uncompressed_steps:
             # PowerSGD's start_iter: every tensor whole at first.
             warming_up = self.state.step < self.codec.uncompressed_steps
-            whole = warming_up if whole is None else whole | warming_up
+            uncompressed_step = (
+                warming_up if uncompressed_step is None else uncompressed_step | warming_up
+            )
         momentum = momentum or [None] * len(grads)
-        if whole is None:
-            outputs = self._exchange(grads, ratio, momentum)
+        if uncompressed_step is None:
+            outputs = self._exchange(grads, lr_ratio, momentum)
         else:
             outputs = tf.cond(
-                whole,
-                lambda: self._exchange_whole(grads),
-                lambda: self._exchange(grads, ratio, momentum),
+                uncompressed_step,
+                lambda: self._exchange_uncompressed(grads),
+                lambda: self._exchange(grads, lr_ratio, momentum),
             )
         mark_exchange_end(outputs)
         self.state.step.assign_add(1)
         return outputs
 
-    def _exchange_whole(self, grads):
+    def _exchange_uncompressed(self, grads):
         """Every gradient by a plain allreduce, counted like ``_exchange``'s."""
         outputs = []
         for plan, grad in zip(self.plans, grads):
@@ -370,7 +344,7 @@ class CompressionPipeline(tf.Module):
         self._account([plan.numel for plan in self.plans])
         return outputs
 
-    def _exchange(self, grads, ratio, momentum):
+    def _exchange(self, grads, lr_ratio, momentum):
         """Every gradient by its plan, committing the step's residuals."""
         fusions = self._fusion_groups()
         outputs = [None] * len(self.plans)
@@ -383,19 +357,19 @@ class CompressionPipeline(tf.Module):
                     # unless sparse_as_dense densified them.
                     outputs[index] = self._plain(plan, grad)
                     if plan.name in fusions:
-                        fusions[plan.name].withdraw(_codes_name(plan))
+                        fusions[plan.name].withdraw(codes_name(plan))
                 elif self.codec.sparse:
-                    outputs[index] = self._sparse(plan, grad, ratio)
+                    outputs[index] = self._sparse(plan, grad, lr_ratio)
                     sent_elements[index] = self.exchanges[plan.name].sent_elements
                 elif plan.exchange == TWO_LEVEL:
                     started[index] = (
-                        self._start_two_level(plan, grad, ratio, fusions.get(plan.name)),
+                        self._start_two_level(plan, grad, lr_ratio, fusions.get(plan.name)),
                         grad.dtype,
                     )
                 else:
                     vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
                     started[index] = (
-                        self._start(plan, vector, ratio, fusions.get(plan.name), step),
+                        self._start(plan, vector, lr_ratio, fusions.get(plan.name), step),
                         grad.dtype,
                     )
         known = {}  # index -> whether its gradient is finite, as its exchange knows
@@ -487,64 +461,20 @@ class CompressionPipeline(tf.Module):
             )
         ):
             group = AlltoallFusion(
-                [_codes_name(by_name[m]) for m in members], f"{prefix}.{index}", process_set
+                [codes_name(by_name[m]) for m in members], f"{prefix}.{index}", process_set
             )
             groups.update(dict.fromkeys(members, group))
         return groups
 
-    def _sparse(self, plan, grad, ratio):
+    def _sparse(self, plan, grad, lr_ratio):
         vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
         exchange = self.exchanges[plan.name]
-        decoded = exchange(vector, ratio, _codes_name(plan))
+        decoded = exchange(vector, lr_ratio, codes_name(plan))
         if self.state.momentum is not None and exchange.selected is not None:
             self.state.momentum.mask(plan.name, exchange.selected)
         return tf.cast(tf.reshape(decoded, grad.shape), grad.dtype)
 
-    def _start_two_level(self, plan, grad, ratio, alltoall_fusion):
-        """The node's reduce-scatter (or allreduce, ``node_allreduce``) of ``grad``,
-        zero-padded to the node's shards (``hvd_compress.topology``), then the start of the
-        nodes' exchange of this rank's shard; returns what that exchange's ``finish``
-        takes, or on a node alone the shard. On a node of one rank the shard is the
-        gradient."""
-        vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
-        if self.node_set is not None:
-            length = self.nodes.shard_length(plan.numel)
-            padded = tf.pad(vector, [[0, self.nodes.local_size * length - plan.numel]])
-            average = hvd.allreduce if self.node_allreduce else hvd.reducescatter
-            vector = average(
-                self.meter.hand(padded),
-                op=hvd.Average if self.average else hvd.Sum,
-                name=f"{collective_name(plan)}.node",
-                ignore_name_scope=True,
-                process_set=self.node_set,
-            )
-            vector = self._own_shard(vector)
-            vector.set_shape([length])
-        if plan.name not in self.between_nodes:
-            return vector
-        return self._start(plan, vector, ratio, alltoall_fusion)
-
-    def _own_shard(self, average):
-        """This rank's shard of its node's ``average``: a reduce-scatter's output, or its
-        part of an allreduce's."""
-        if not self.node_allreduce:
-            return average
-        _, shard = self.nodes.locate(self.rank)
-        return tf.reshape(average, [self.nodes.local_size, -1])[shard]
-
-    def _gather_shard(self, plan, shard):
-        """The node's allgather of a two-level tensor's decoded ``shard``, cut to the
-        tensor."""
-        if self.node_set is not None:
-            shard = hvd.allgather(
-                self.meter.hand(shard),
-                name=f"{collective_name(plan)}.gather",
-                ignore_name_scope=True,
-                process_set=self.node_set,
-            )
-        return shard[: plan.numel]
-
-    def _start(self, plan, vector, ratio, alltoall_fusion, momentum=None):
+    def _start(self, plan, vector, lr_ratio, alltoall_fusion, momentum=None):
         """Compensates (applying a ``momentum`` step, where ``fuses``), encodes and starts
         the exchange of the flat float32 ``vector`` (a two-level tensor's: its shard, among
         the nodes); returns what its ``finish`` takes."""
@@ -555,7 +485,7 @@ class CompressionPipeline(tf.Module):
         exchange = self.exchanges[plan.name]
         exchange.fusion = alltoall_fusion
         if self.codec.two_way:
-            exchange.server = ServerStep(self.state.server, plan.name, ratio)
+            exchange.server = ServerStep(self.state.server, plan.name, lr_ratio)
         shared = self.codec.scaled and self.codec.shares_scale(exchange_name)
         # A two-level exchange's shard sets hold one rank of each node: the global rank
         # keeps every rank's draws its own.
@@ -563,19 +493,26 @@ class CompressionPipeline(tf.Module):
         key = seeding.stream_seed(self.seed, rank, self.state.step, plan.index)
         if plan.kernels and not shared:
             payload, scale, kept = fused.compensated_encode(
-                self.codec, exchange, vector, residual, ratio, key, residual is not None, momentum
+                self.codec,
+                exchange,
+                vector,
+                residual,
+                lr_ratio,
+                key,
+                residual is not None,
+                momentum,
             )
             if residual is not None:
                 self.state.worker.propose(plan.name, kept)
-            return exchange.start_packed(payload, scale, _codes_name(plan))
+            return exchange.start_packed(payload, scale, codes_name(plan))
         scale = None
         if residual is not None:
             if plan.kernels:
                 vector, scale = fused.compensated_scale(
-                    self.codec, vector, residual, ratio, momentum
+                    self.codec, vector, residual, lr_ratio, momentum
                 )
             else:
-                vector = self.state.worker.compensate(plan.name, vector, ratio)
+                vector = self.state.worker.compensate(plan.name, vector, lr_ratio)
         if self.codec.scaled:
             if scale is None:
                 scale = self.codec.local_scale(vector)
@@ -593,7 +530,7 @@ class CompressionPipeline(tf.Module):
             )
             if residual is not None:
                 self.state.worker.propose(plan.name, kept)
-            return exchange.start_packed(payload, scale, _codes_name(plan))
+            return exchange.start_packed(payload, scale, codes_name(plan))
         draws = None
         if self.codec.stochastic:
             draws = seeding.uniforms(key, vector.shape[0])
@@ -601,7 +538,7 @@ class CompressionPipeline(tf.Module):
         if self.state.worker is not None:
             sent = self.codec.decode(self.codec.values(codes), scale, 1)
             self.state.worker.update(plan.name, vector, sent)
-        return exchange.start(codes, scale, _codes_name(plan))
+        return exchange.start(codes, scale, codes_name(plan))
 
     # ----- accounting -----
 
@@ -691,10 +628,12 @@ def make_pipeline(owner, named_variables, codec, uncompressed, options, modes=No
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"{owner}: variables with duplicate names: {duplicates}")
-    whole = set(uncompressed)
-    unknown = whole - set(names)
+    sent_whole = set(uncompressed)
+    unknown = sent_whole - set(names)
     if unknown:
         raise ValueError(f"{owner}: uncompressed names unknown variables: {sorted(unknown)}")
     if not codec.compress_classifier:
-        whole |= classifier_names(named_variables)
-    return CompressionPipeline(named_variables, codec, uncompressed=whole, modes=modes, **options)
+        sent_whole |= classifier_names(named_variables)
+    return CompressionPipeline(
+        named_variables, codec, uncompressed=sent_whole, modes=modes, **options
+    )
