@@ -18,7 +18,7 @@ import torch
 
 import hvd_compress.pt as hc
 
-from .test_pt_distributed import Net
+from .pt_jobs import Net
 
 
 def _server_mass(pipeline, plan, server):
@@ -32,7 +32,7 @@ def _server_mass(pipeline, plan, server):
     ).shard(rank), server
 
 
-def _mass(pipeline):
+def parameter_mass(pipeline):
     """This rank's share of the residual mass, as the average of a step would carry it:
     its worker residual over the ranks that average it (all N, or for a two-level tensor's
     shard the M nodes), plus its share of the server residual, each at its positions."""
@@ -80,7 +80,7 @@ def main(directory, steps, exchange, changes):
         pipeline._follow_world()
         seen = {
             "before": committed["mass"],
-            "after": _mass(pipeline),
+            "after": parameter_mass(pipeline),
             "world": pipeline.world_size,
             "nodes": pipeline.nodes and pipeline.nodes.node_sets(),
         }
@@ -101,7 +101,7 @@ def main(directory, steps, exchange, changes):
             optimizer.step()
             state.step += 1
             sizes.append(hvd.size())
-            committed["mass"] = _mass(pipeline)
+            committed["mass"] = parameter_mass(pipeline)
             state.commit()
             if state.step in change_steps:
                 if hvd.rank() == 0:

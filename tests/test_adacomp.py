@@ -9,10 +9,9 @@ import hvd_compress
 import hvd_compress.pt as hc
 from hvd_compress.codes import FieldCodes
 
-from . import process_sets
 from .devices import DEVICES
 from .harness import run_parallel
-from .test_pt_distributed import Net, _flat
+from .pt_jobs import adacomp_replay, assert_sparse_ranks_agree, train_sparse
 
 SHAPES_AND_BINS = [(1234, 50), (5000, 500), (7, 50), (1, 1), (100, 7), (512, 64)]
 
@@ -26,25 +25,11 @@ def _gradients(numel, steps, seed):
     return grads
 
 
-def _run_reference(codec, grads, bin_length):
-    """The residue and every step's (G, dW, selection, message, sent) on one worker."""
-    residue = np.zeros_like(grads[0])
-    steps = []
-    for grad in grads:
-        compensated = residue + grad
-        selected = codec.select(compensated, grad, bin_length)
-        message = codec.encode_message(compensated, selected, bin_length)
-        sent = codec.decode_message(message, grad.size, bin_length)
-        residue = compensated - sent
-        steps.append((compensated, grad, selected, message, sent))
-    return residue, steps
-
-
 @pytest.mark.parametrize("numel,bin_length", SHAPES_AND_BINS)
 def test_residue_telescopes_and_the_selection_rule_holds(numel, bin_length):
     codec = hvd_compress.AdaComp()
     grads = _gradients(numel, 30, seed=numel)
-    residue, steps = _run_reference(codec, grads, bin_length)
+    residue, steps = adacomp_replay(codec, grads, bin_length)
     # sum_t sent_t + G_T = sum_t dW_t
     total_sent = np.sum([s[4].astype(np.float64) for s in steps], axis=0)
     np.testing.assert_allclose(
@@ -209,73 +194,10 @@ CODEC = hvd_compress.AdaComp(
 )
 
 
-def train(codec, steps=6, layout=None):
-    """Trains ``Net`` on random data of this rank with a sparse codec, averaged in its
-    process set of ``layout`` (``tests.process_sets``); records, each step, the local
-    gradients, the exchanged gradients, the parameters and the byte accounting, and at the
-    end the worker memory."""
-    import horovod.torch as hvd
-
-    process_set = process_sets.join(hvd, layout)
-    torch.manual_seed(0)
-    model = Net()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    local = {}
-    for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(
-            lambda p, name=name: local.__setitem__(name, p.grad.detach().clone())
-        )
-    optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        model.named_parameters(),
-        compression=codec,
-        process_set=process_set,
-    )
-    data = torch.Generator().manual_seed(100 + hvd.rank())
-    records = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        x = torch.randn(8, 64, generator=data)
-        torch.nn.functional.cross_entropy(
-            model(x), torch.randint(0, 10, (8,), generator=data)
-        ).backward()
-        optimizer.synchronize()
-        exchanged = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        with optimizer.skip_synchronize():
-            optimizer.step()
-        stats = optimizer.compression_stats()
-        records.append(
-            {
-                "local": dict(local),
-                "exchanged": exchanged,
-                "params": _flat(model),
-                "bytes": stats["bytes_handed"],
-                "layers": stats["layers"],
-                "expected": optimizer._hvdc_pipeline.expected_bytes(),
-            }
-        )
-    return {
-        "records": records,
-        "tensors": stats["tensors"],
-        "kinds": {plan.name: plan.layer for plan in optimizer._hvdc_pipeline.plans.values()},
-        "memory": optimizer.state_dict()["hvd_compress"]["worker"],
-    }
-
-
-def assert_ranks_agree(results, step):
-    """Bitwise-equal parameters and exchanged gradients on every rank after ``step``."""
-    first = results[0]["records"][step]
-    for other in results[1:]:
-        rec = other["records"][step]
-        assert torch.equal(rec["params"], first["params"]), f"ranks differ at step {step}"
-        for name, grad in rec["exchanged"].items():
-            assert torch.equal(grad, first["exchanged"][name]), f"{name} at step {step}"
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_agree_and_match_the_reference(world):
-    results = run_parallel(train, world, CODEC)
+    results = run_parallel(train_sparse, world, CODEC)
     names = [name for name, _, exchange, reason in results[0]["tensors"]]
     assert all(
         reason == "compressed" and exchange == "allgather"
@@ -284,7 +206,7 @@ def test_ranks_agree_and_match_the_reference(world):
     kinds = results[0]["kinds"]
     residues = {(rank, n): 0 for rank in range(world) for n in names}
     for step in range(len(results[0]["records"])):
-        assert_ranks_agree(results, step)
+        assert_sparse_ranks_agree(results, step)
         first = results[0]["records"][step]
         for name in names:
             bin_length = CODEC.bin_length(name, kinds[name])

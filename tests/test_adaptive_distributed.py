@@ -8,7 +8,7 @@ from hvd_compress.adaptive import TRIAL_STEPS
 
 from .devices import DEVICES, rank_device
 from .harness import run_parallel
-from .test_pt_distributed import Net
+from .pt_jobs import Net
 
 pytestmark = pytest.mark.multiprocess
 

@@ -100,7 +100,7 @@ def _bucketed_and_alone(kind, cases, steps=3):
     import hvd_compress.pt as hc
     from hvd_compress.pt import fused, triton_fused
 
-    from .test_pt_distributed import Net
+    from .pt_jobs import Net
 
     hvd.init()
     device = rank_device(kind)

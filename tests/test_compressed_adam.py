@@ -11,7 +11,7 @@ import torch
 from . import compressed_adam_reference as reference
 from .compressed_adam_reference import WARMUP
 from .harness import run_parallel
-from .test_pt_distributed import Net, _flat, local_gradients
+from .pt_jobs import Net, flat, local_gradients
 
 STEPS = 12
 SETTINGS = dict(
@@ -57,7 +57,7 @@ def _train(model, optimizer, raw, batches):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         record["grads"].append({n: g.clone() for n, g in raw.items()})
-        record["params"].append(_flat(model))
+        record["params"].append(flat(model))
         for moment, key in (("m", "exp_avg"), ("v", "exp_avg_sq")):
             record[moment].append(
                 {n: optimizer.state[p][key].clone() for n, p in model.named_parameters()}
@@ -75,7 +75,7 @@ def _compressed_adam_job(codec, exchange="auto", resume_at=None):
     hvd.init()
     batches = _batches(hvd.rank(), STEPS)
     model, optimizer, raw = _build(codec, exchange)
-    x0 = _flat(model)
+    x0 = flat(model)
     record = _train(model, optimizer, raw, batches[:resume_at])
     if resume_at is not None:
         checkpoint = io.BytesIO()
@@ -116,7 +116,7 @@ def _adamw_replay(results):
         for name, p in zip(names, model.parameters()):
             p.grad = sum(r["grads"][step][name] for r in results) / len(results)
         optimizer.step()
-        params.append(_flat(model))
+        params.append(flat(model))
     return params
 
 

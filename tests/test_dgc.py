@@ -6,49 +6,10 @@ import pytest
 import torch
 
 import hvd_compress
+from hvd_compress.registry import resolve
 
+from .dgc_reference import CODEC, LR, MU, SHAPES, STEPS, gradient, reference_averages
 from .harness import run_parallel
-
-MU, LR, STEPS = 0.9, 0.1, 7
-# The warm-up's four stages over steps 0-3 (25% ... 0.39%, floored at RATIO), then RATIO.
-CODEC = {"ratio": 0.02, "warmup_steps": 4, "clip_norm": 3.0, "min_size": 100}
-SHAPES = {"conv": (8, 4, 5), "linear": (40, 60), "bias": (40,)}
-
-
-def gradient(step, rank, index, shape):
-    """Rank ``rank``'s gradient of tensor ``index`` at ``step``, the same in every test."""
-    return np.random.default_rng([step, rank, index]).standard_normal(shape).astype(np.float32)
-
-
-def reference_averages(codec, shapes, steps, world_size, mu, nesterov):
-    """Each step's averaged gradients of the numpy reference in float64: every rank's
-    clipping, velocity u, accumulation v of u (or, in Nesterov's form, of g + mu u), top-k
-    and masking simulated. Tensors under the codec's min_size average whole what would
-    have been accumulated."""
-    velocity = {name: [0.0] * world_size for name in shapes}
-    accumulated = {name: [0.0] * world_size for name in shapes}
-    for step in range(steps):
-        averages = {}
-        for index, (name, shape) in enumerate(shapes.items()):
-            grads = [
-                codec.local_clip(gradient(step, r, index, shape), world_size).astype(np.float64)
-                for r in range(world_size)
-            ]
-            total = np.zeros(int(np.prod(shape)))
-            for r, g in enumerate(grads):
-                u = mu * velocity[name][r] + g.reshape(-1)
-                step_value = g.reshape(-1) + mu * u if nesterov else u
-                if codec.why_whole(shape) is not None:
-                    velocity[name][r] = u
-                    total += step_value
-                    continue
-                v = accumulated[name][r] + step_value
-                selected = codec.top_k(v, codec.k(v.size, step))
-                total[selected] += v[selected]
-                v[selected], u[selected] = 0, 0
-                velocity[name][r], accumulated[name][r] = u, v
-            averages[name] = (total / world_size).reshape(shape)
-        yield averages
 
 
 def _train(worker_momentum):
@@ -72,10 +33,10 @@ def _train(worker_momentum):
     selections = []
     start = exchange.TopKAllgather.start
 
-    def recorded(self, grad, ratio, name):
+    def recorded(self, grad, lr_ratio, name):
         previous = self.memory.residuals.get(self.key)
-        compensated = grad.clone() if previous is None else grad + previous * ratio
-        handles = start(self, grad, ratio, name)
+        compensated = grad.clone() if previous is None else grad + previous * lr_ratio
+        handles = start(self, grad, lr_ratio, name)
         selections.append((self.key, compensated, self.selected, self.memory.proposed[self.key]))
         return handles
 
@@ -131,16 +92,16 @@ def test_matches_the_reference_and_sends_exactly_the_k_largest(world_size, worke
             assert torch.equal(residual[others], compensated[others])
             assert not residual[selected].any()
         assert all(masked)  # the momentum forgot what was sent
-        # The last step's k: after the warm-up, ratio x n.
+        # The last step's k: after the warm-up, density x n.
         assert sent == {"conv": codec.k(160, STEPS - 1), "linear": codec.k(2400, STEPS - 1)}
     for other in ranks[1:]:
         for a, b in zip(ranks[0][0], other[0]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))  # bitwise on every rank
 
 
-def test_warmup_schedule_falls_exponentially_to_the_ratio():
-    codec = hvd_compress.DGC(ratio=0.001, warmup_steps=8)
-    assert [codec.density(s) for s in range(10)] == [
+def test_warmup_schedule_falls_exponentially_to_the_density():
+    codec = hvd_compress.DGC(density=0.001, warmup_steps=8)
+    assert [codec.density_at(s) for s in range(10)] == [
         0.25,
         0.25,
         0.0625,
@@ -153,8 +114,8 @@ def test_warmup_schedule_falls_exponentially_to_the_ratio():
         0.001,
     ]
     assert [codec.k(1000, s) for s in (0, 2, 4, 6, 8)] == [250, 63, 16, 4, 1]
-    assert hvd_compress.DGC(ratio=0.1, warmup_steps=8).density(6) == 0.1  # never below
-    assert hvd_compress.DGC(ratio=0.1).density(0) == 0.1  # no warm-up
+    assert hvd_compress.DGC(density=0.1, warmup_steps=8).density_at(6) == 0.1  # never below
+    assert hvd_compress.DGC(density=0.1).density_at(0) == 0.1  # no warm-up
 
 
 def test_local_clip_scales_to_the_threshold_over_sqrt_n():
@@ -169,12 +130,20 @@ def test_local_clip_scales_to_the_threshold_over_sqrt_n():
     assert torch.equal(hc.DGC(clip_norm=40.0).local_clip(grad.clone(), 4), grad)
 
 
+def test_the_former_keyword_ratio_sets_the_density_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="DGC: ratio= is deprecated, pass density="):
+        codec = hvd_compress.DGC(ratio=0.01)
+    assert codec.density == 0.01
+    with pytest.warns(DeprecationWarning):
+        assert resolve("dgc:ratio=0.02").density == 0.02
+
+
 def test_bad_input_names_the_parameter():
     import hvd_compress.pt as hc
 
     for bad in (0, 1.5, -0.1):
-        with pytest.raises(ValueError, match="ratio must be"):
-            hc.DGC(ratio=bad)
+        with pytest.raises(ValueError, match="density must be"):
+            hc.DGC(density=bad)
     with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
         hc.DGC(warmup_steps=-1)
     with pytest.raises(ValueError, match="clip_norm must be"):

@@ -8,10 +8,9 @@ import torch
 import hvd_compress
 from hvd_compress import cost
 
-from . import process_sets
 from .devices import DEVICES
 from .harness import run_parallel
-from .test_pt_distributed import Net, _flat, local_gradients, train_side_by_side
+from .pt_jobs import Net, train_ef, train_side_by_side, virtual_iterate_gap
 
 
 @pytest.mark.parametrize("block", [None, 100, 7])
@@ -63,119 +62,15 @@ def test_port_scales_match_the_float64_reference(block, device):
             )
 
 
-def _train_ef(
-    exchange,
-    steps=50,
-    drop_at=25,
-    codec=None,
-    momentum=0.9,
-    nesterov=True,
-    weight_decay=0.0,
-    layout=None,
-):
-    """Momentum SGD with error feedback on random data (by default dist-EF-blockSGDM with
-    every tensor compressed), averaged in this rank's process set of ``layout``
-    (``tests.process_sets``); records what the invariant needs."""
-    import horovod.torch as hvd
-
-    import hvd_compress.pt as hc
-
-    process_set = process_sets.join(hvd, layout)
-    if codec is None:
-        codec = hc.BlockSign(min_size=0)
-    torch.manual_seed(0)
-    model = Net()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    raw = local_gradients(model)
-    base = torch.optim.SGD(
-        model.parameters(), lr=0.05, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay
-    )
-    optimizer = hc.DistributedOptimizer(
-        base,
-        model.named_parameters(),
-        compression=codec,
-        exchange=exchange,
-        error_feedback=True,
-        worker_momentum=True,
-        process_set=process_set,
-    )
-    schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, [drop_at], gamma=0.1)
-    data = torch.Generator().manual_seed(100 + hvd.rank())
-    x0, params, grads, rates, handed = _flat(model), [], [], [], []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        x = torch.randn(8, 64, generator=data)
-        torch.nn.functional.cross_entropy(
-            model(x), torch.randint(0, 10, (8,), generator=data)
-        ).backward()
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        schedule.step()
-        grads.append(dict(raw))
-        params.append(_flat(model))
-        handed.append(optimizer.compression_stats()["bytes_handed"])
-    state = optimizer.state_dict()["hvd_compress"]
-    return {
-        "x0": x0,
-        "params": params,
-        "grads": grads,
-        "rates": rates,
-        "handed": handed,
-        "worker": state.get("worker", {}),
-        "server": state.get("server", {}),
-        "names": [n for n, _ in model.named_parameters()],
-        "numel": {n: p.numel() for n, p in model.named_parameters()},
-        "expected": optimizer._hvdc_pipeline.expected_bytes(),
-    }
-
-
-def _virtual_iterate_gap(results, exchange, mu=0.9):
-    """max relative | x_T - e~_T - mean_i e_T,i - (x_0 - sum_t eta_t mean_i u_t,i) |."""
-    world = len(results)
-    names, numel = results[0]["names"], results[0]["numel"]
-    rates = results[0]["rates"]
-    last = rates[-1]
-    drift = []
-    for r in results:
-        momentum = {n: 0 for n in names}
-        total = {n: torch.zeros(numel[n], dtype=torch.float64) for n in names}
-        for step, grads in enumerate(r["grads"]):
-            for n in names:
-                g = grads[n].reshape(-1).double()
-                momentum[n] = mu * momentum[n] + g
-                total[n] += rates[step] * (g + mu * momentum[n])
-        drift.append(total)
-    gaps = []
-    offset = 0
-    for n in names:
-        size = numel[n]
-        x0 = results[0]["x0"][offset : offset + size].double()
-        xT = results[0]["params"][-1][offset : offset + size].double()
-        # Tensors sent whole, and one-way codecs' servers, keep no residual.
-        zero = torch.zeros(size, dtype=torch.float64)
-        worker = sum(r["worker"].get(n, zero).double() for r in results) / world
-        if exchange == "sharded" and results[0]["server"]:
-            server = torch.cat([r["server"][n].double() for r in results])[:size]
-        else:
-            server = results[0]["server"].get(n, zero).double()
-        want = x0 - sum(d[n] for d in drift) / world
-        # Residuals are kept in gradient units: eta of the last step turns them into
-        # parameter units.
-        got = xT - last * (server + worker)
-        gaps.append(float((got - want).abs().max() / want.abs().max()))
-        offset += size
-    return max(gaps)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_two_way_error_feedback_invariant_and_rank_consistency(world):
     for exchange in ("allgather", "sharded"):
-        results = run_parallel(_train_ef, world, exchange)
+        results = run_parallel(train_ef, world, exchange)
         for step in range(len(results[0]["params"])):
             for r in results[1:]:
                 assert torch.equal(r["params"][step], results[0]["params"][step]), step
-        assert _virtual_iterate_gap(results, exchange) < 1e-5
+        assert virtual_iterate_gap(results, exchange) < 1e-5
         for r in results:
             assert all(h == r["expected"] for h in r["handed"])
 
@@ -185,11 +80,11 @@ def test_two_way_error_feedback_invariant_and_rank_consistency(world):
 def test_error_feedback_with_any_codec_keeps_what_was_not_sent(codec):
     """x_T - mean_i e_T,i = x_0 - sum_t eta_t mean_i g_t,i for one-way codecs with worker
     error feedback and an LR drop (plain SGD, so u = g)."""
-    results = run_parallel(_train_ef, 2, "auto", 50, 25, codec, 0.0, False)
+    results = run_parallel(train_ef, 2, "auto", 50, 25, codec, 0.0, False)
     for r in results[1:]:
         assert torch.equal(r["params"][-1], results[0]["params"][-1])
     assert results[0]["worker"], "no tensor was compressed"
-    assert _virtual_iterate_gap(results, "auto", mu=0.0) < 1e-5
+    assert virtual_iterate_gap(results, "auto", mu=0.0) < 1e-5
 
 
 def _identity_against_sgd(steps=10):

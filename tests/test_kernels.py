@@ -47,12 +47,16 @@ def _eager_message(codec, p, scale):
 def test_worker_step_is_the_eager_step(block, numel, bad):
     codec, reference = hc.BlockSign(block), hvd_compress.BlockSign(block)
     vector = _vector(numel, numel, bad)
-    for residual, ratio in ((None, 1.0), (_vector(numel, 1) / 10, 1.0), (_vector(numel, 2), 0.3)):
+    for residual, lr_ratio in (
+        (None, 1.0),
+        (_vector(numel, 1) / 10, 1.0),
+        (_vector(numel, 2), 0.3),
+    ):
         memory = ErrorFeedback()
         if residual is not None:
             memory.residuals["x"] = residual
-        want = memory.compensate("x", vector, ratio)
-        p, scale = fused.compensated_scale(codec, vector, residual, ratio)
+        want = memory.compensate("x", vector, lr_ratio)
+        p, scale = fused.compensated_scale(codec, vector, residual, lr_ratio)
         np.testing.assert_array_equal(p.numpy(), want.numpy())
         np.testing.assert_array_equal(scale.numpy(), reference.local_scale(want.numpy()))
         want_packed, want_kept = _eager_message(codec, p, scale)
@@ -84,18 +88,18 @@ def _server_inputs(rows, numel, seed):
 def test_server_step_is_the_eager_server_step(block, numel, rows):
     codec, reference = hc.BlockSign(block), hvd_compress.BlockSign(block)
     bits, scales = _server_inputs(rows, numel, numel + rows)
-    for residual, ratio in ((None, 1.0), (_vector(numel, 3) / 10, 0.5)):
+    for residual, lr_ratio in ((None, 1.0), (_vector(numel, 3) / 10, 0.5)):
         average = unpack_scaled_signs(bits, scales.reshape(rows, 1), numel).sum(dim=0) / rows
         eager_memory, fused_memory = ErrorFeedback(), ErrorFeedback()
         if residual is not None:
             eager_memory.residuals["s"] = fused_memory.residuals["s"] = residual
-        p = eager_memory.compensate("s", average, ratio)
+        p = eager_memory.compensate("s", average, lr_ratio)
         # Messages as the sharded server receives them: a head of 3 block scales (this
         # server's elements in block 1), then the signs.
         heads = torch.stack([scales + 1, scales, scales * 3], dim=1)
         messages = torch.cat([heads.view(torch.uint8), bits], dim=1)
         packed, scale = fused.server_step(
-            ServerStep(fused_memory, "s", ratio), codec, messages, 12, 1, rows, numel
+            ServerStep(fused_memory, "s", lr_ratio), codec, messages, 12, 1, rows, numel
         )
         np.testing.assert_array_equal(scale.numpy(), reference.local_scale(p.numpy()))
         want_packed, want_kept = _eager_message(codec, p, scale)
@@ -172,14 +176,14 @@ def test_deferred_momentum_is_the_eager_momentum_then_compensation(nesterov, blo
     codec, reference = hc.BlockSign(block), hvd_compress.BlockSign(block)
     grad, buffer = _vector(100_003, 6), _vector(100_003, 7)
     want_buffer, u = _eager_momentum(grad, buffer, 0.9, nesterov)
-    for residual, ratio in ((None, 1.0), (_vector(100_003, 8) / 10, 0.7)):
+    for residual, lr_ratio in ((None, 1.0), (_vector(100_003, 8) / 10, 0.7)):
         memory = ErrorFeedback()
         if residual is not None:
             memory.residuals["x"] = residual
-        want = memory.compensate("x", u, ratio)
+        want = memory.compensate("x", u, lr_ratio)
         deferred = WorkerMomentum.Deferred(buffer, 0.9, nesterov, torch.empty_like(grad))
         before = grad.clone()
-        p, scale = fused.compensated_scale(codec, grad, residual, ratio, momentum=deferred)
+        p, scale = fused.compensated_scale(codec, grad, residual, lr_ratio, momentum=deferred)
         assert torch.equal(grad, before)  # u is not written back
         assert torch.equal(deferred.out, want_buffer) and torch.equal(p, want)
         np.testing.assert_array_equal(scale.numpy(), reference.local_scale(want.numpy()))
@@ -212,7 +216,7 @@ def _train_counting_kernels(enabled, exchange):
     parameters and how often each fused call ran."""
     from hvd_compress.pt import fused
 
-    from .test_dist_ef import _train_ef
+    from .pt_jobs import train_ef
 
     fused.ENABLED = enabled
     calls = collections.Counter()
@@ -223,7 +227,7 @@ def _train_counting_kernels(enabled, exchange):
             return _original(*args, **kwargs)
 
         setattr(fused, name, counted)
-    return _train_ef(exchange, steps=20)["params"][-1], dict(calls)
+    return train_ef(exchange, steps=20)["params"][-1], dict(calls)
 
 
 @pytest.mark.multiprocess
@@ -555,12 +559,12 @@ _QUANTIZER_RUNS = [
 
 
 def _train_quantizers_counting_kernels(enabled):
-    """``test_pt_distributed._train`` of every run of ``_QUANTIZER_RUNS`` with the kernels
+    """``pt_jobs.train`` of every run of ``_QUANTIZER_RUNS`` with the kernels
     on or off: the exchanged gradients and parameters of each step, and how often each
     fused call ran."""
     from hvd_compress.pt import fused
 
-    from .test_pt_distributed import _train
+    from .pt_jobs import train
 
     fused.ENABLED = enabled
     calls = collections.Counter()
@@ -574,7 +578,7 @@ def _train_quantizers_counting_kernels(enabled):
     runs = [
         [
             (r["exchanged"], r["params"])
-            for r in _train(codec, exchange, error_feedback=ef)["records"]
+            for r in train(codec, exchange, error_feedback=ef)["records"]
         ]
         for codec, exchange, ef in _QUANTIZER_RUNS
     ]
@@ -608,7 +612,7 @@ def _added_per_step(cases, kernels=True):
     import hvd_compress.pt as hc
     from benchmarks.op_count import host_reads, top_level_aten_ops
 
-    from .test_pt_distributed import Net
+    from .pt_jobs import Net
 
     hvd.init()
     inputs, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))

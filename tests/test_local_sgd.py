@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from .harness import run_parallel
-from .test_pt_distributed import Net, _flat
+from .pt_jobs import Net, flat
 
 pytestmark = pytest.mark.multiprocess
 
@@ -83,11 +83,11 @@ def _train(sync_every, clipping, compression, steps=STEPS, model_class=Net, **op
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     local = []
-    optimizer.register_step_post_hook(lambda *_: local.append(_flat(model)))
+    optimizer.register_step_post_hook(lambda *_: local.append(flat(model)))
     records = []
     with _counting_calls(hvd) as calls:
         for step in range(steps):
-            before = _flat(model)
+            before = flat(model)
             optimizer.zero_grad()
             x, y = _batch(hvd.rank(), step)
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -97,7 +97,7 @@ def _train(sync_every, clipping, compression, steps=STEPS, model_class=Net, **op
                 {
                     "before": before,
                     "local": local[-1],
-                    "after": _flat(model),
+                    "after": flat(model),
                     "bytes": optimizer.last_step_bytes,
                     "residuals": state.get("pipeline", {}).get("worker", {}),
                     "buffers": {n: b.clone() for n, b in model.named_buffers()},
@@ -294,7 +294,7 @@ def _against_clipped_sgd(steps=12, lr=0.1, clip=0.085):
             opt_ours.step()
             for schedule in schedules:
                 schedule.step()
-        results[clipping] = (_flat(ours), _flat(theirs), clipped)
+        results[clipping] = (flat(ours), flat(theirs), clipped)
     return results
 
 
@@ -336,9 +336,9 @@ def _resume(split, steps=10, compression="none"):
             schedule.step()
 
     straight = build()
-    before = _flat(straight[0])
+    before = flat(straight[0])
     hvd.broadcast_optimizer_state(straight[1], root_rank=0)
-    initialized = (straight[1].local_steps, torch.equal(_flat(straight[0]), before))
+    initialized = (straight[1].local_steps, torch.equal(flat(straight[0]), before))
     run(*straight, 0, steps)
     first = build()
     run(*first, 0, split)
@@ -347,7 +347,7 @@ def _resume(split, steps=10, compression="none"):
     for part, state in zip(second, checkpoint):
         part.load_state_dict(state)
     run(*second, split, steps)
-    return {"straight": _flat(straight[0]), "resumed": _flat(second[0]), "initialized": initialized}
+    return {"straight": flat(straight[0]), "resumed": flat(second[0]), "initialized": initialized}
 
 
 @pytest.mark.parametrize("compression", ["none", "terngrad"])

@@ -6,7 +6,7 @@ import torch
 import hvd_compress
 
 from .harness import run_parallel
-from .test_pt_distributed import TERNGRAD, _check_consistent_and_exact, _train
+from .pt_jobs import TERNGRAD, check_consistent_and_exact, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,11 +17,11 @@ def _train_on_mpi4py_comm():
 
     hvd.init(comm=MPI.COMM_WORLD)
     assert hvd.mpi_enabled() and hvd.size() == MPI.COMM_WORLD.Get_size()
-    return _train(hvd_compress.TernGrad(**TERNGRAD), "sharded")
+    return train(hvd_compress.TernGrad(**TERNGRAD), "sharded")
 
 
 def test_mpirun_with_mpi4py_communicator():
     results = run_parallel(_train_on_mpi4py_comm, 2, launcher="mpirun", timeout=180)
     assert [r["rank"] for r in results] == [0, 1]
-    _check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
+    check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
     assert torch.isfinite(results[0]["records"][-1]["params"]).all()

@@ -17,19 +17,25 @@ import hvd_compress
 
 from . import process_sets
 from .harness import run_parallel
-from .test_adacomp import train as train_sparse
-from .test_dist_ef import _train_ef, _virtual_iterate_gap
-from .test_pt_distributed import TERNGRAD, _check_consistent_and_exact, _train
-from .test_scalecom import _check_against_reference
-from .test_tf_distributed import (
-    _check,
+from .pt_jobs import (
+    TERNGRAD,
+    check_consistent_and_exact,
+    replay_clt_k,
+    train,
+    train_ef,
+    train_sparse,
+    virtual_iterate_gap,
+)
+from .tf_jobs import (
+    assert_sparse_ranks_agree,
+    check_clt_k,
+    check_tape_loop,
     check_tape_sources,
     check_tape_sources_outside,
+    sparse_tape_loop,
+    tape_loop,
     tape_sources,
 )
-from .test_tf_distributed import _tape_loop as tape_loop
-from .test_tf_sparse import _assert_ranks_agree, _check_clt_k
-from .test_tf_sparse import _tape_loop as tape_loop_sparse
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,8 +54,8 @@ def _pt_job():
 
     results = {
         layout: {
-            "terngrad": _train(hvd_compress.TernGrad(**TERNGRAD), "sharded", layout=sets),
-            "ef-sign": _train_ef("sharded", steps=6, drop_at=3, layout=sets),
+            "terngrad": train(hvd_compress.TernGrad(**TERNGRAD), "sharded", layout=sets),
+            "ef-sign": train_ef("sharded", steps=6, drop_at=3, layout=sets),
             "clt-k": train_sparse(CLT_K, steps=4, layout=sets),
         }
         for layout, sets in LAYOUTS.items()
@@ -70,7 +76,7 @@ def _tf_job():
         runs = tape_loop(TF_CONFIGS, layout=sets)
         results[layout] = {
             "runs": runs,
-            "clt-k": tape_loop_sparse(CLT_K, 4, True, layout=sets),
+            "clt-k": sparse_tape_loop(CLT_K, 4, True, layout=sets),
             "sources": tape_sources(layout=sets),
         }
     hvd.allreduce(tf.zeros(1), name="test.end")
@@ -80,24 +86,24 @@ def _tf_job():
 def _check_pt_set(results):
     """The PyTorch ranks of one set (in set order) agree and match the reference of their
     own gradients."""
-    _check_consistent_and_exact([r["terngrad"] for r in results], hvd_compress.TernGrad(**TERNGRAD))
+    check_consistent_and_exact([r["terngrad"] for r in results], hvd_compress.TernGrad(**TERNGRAD))
     ef = [r["ef-sign"] for r in results]
     for step in range(len(ef[0]["params"])):
         for other in ef[1:]:
             assert torch.equal(other["params"][step], ef[0]["params"][step]), step
-    assert _virtual_iterate_gap(ef, "sharded") < 1e-5
+    assert virtual_iterate_gap(ef, "sharded") < 1e-5
     for r in ef:
         assert all(handed == r["expected"] for handed in r["handed"])
-    _check_against_reference([r["clt-k"] for r in results], CLT_K)
+    replay_clt_k([r["clt-k"] for r in results], CLT_K)
 
 
 def _check_tf_set(results):
     """The same for the TensorFlow ranks of one set."""
     for index, (codec, exchange, _) in enumerate(TF_CONFIGS):
-        _check(codec, exchange, [r["runs"][index] for r in results])
+        check_tape_loop(codec, exchange, [r["runs"][index] for r in results])
     sparse = [r["clt-k"] for r in results]
-    _assert_ranks_agree(sparse)
-    _check_clt_k(sparse)
+    assert_sparse_ranks_agree(sparse)
+    check_clt_k(sparse)
     check_tape_sources([r["sources"] for r in results])
 
 

@@ -1,172 +1,21 @@
 """The PyTorch DistributedOptimizer in real Horovod jobs of 2 and 4 processes over Gloo."""
 
-import numpy as np
 import pytest
 import torch
 
 import hvd_compress
-from hvd_compress import seeding, simulate
-from hvd_compress.seeding import stream_seed
 
-from . import process_sets
 from .devices import rank_device
 from .harness import run_parallel
+from .pt_jobs import TERNGRAD, Net, check_consistent_and_exact, flat, train, train_side_by_side
 
 pytestmark = pytest.mark.multiprocess
-
-TERNGRAD = {"min_size": 1000, "compress_classifier": False}
-
-
-class Net(torch.nn.Module):
-    """Weights of 10,240 and 2,000 elements (compressed) and small biases (sent whole)."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = torch.nn.Linear(64, 160)
-        self.middle = torch.nn.Linear(160, 12)
-        self.out = torch.nn.Linear(12, 10)
-
-    def forward(self, x):
-        return self.out(torch.relu(self.middle(torch.relu(self.hidden(x)))))
-
-
-def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def local_gradients(model):
-    """{name: this rank's last local gradient}, kept by hooks that run before those of a
-    ``DistributedOptimizer`` made afterwards."""
-    local = {}
-    for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(
-            lambda p, name=name: local.__setitem__(name, p.grad.detach().clone())
-        )
-    return local
-
-
-def _train(
-    codec,
-    exchange,
-    steps=3,
-    passes=1,
-    clip_norm=None,
-    nan_at=None,
-    op="average",
-    error_feedback=None,
-    layout=None,
-):
-    """Trains ``Net`` on random data of this rank (averaged in its process set of
-    ``layout``, ``tests.process_sets``); records, each step, the local gradient, the
-    exchanged gradient and the parameters."""
-    import horovod.torch as hvd
-
-    import hvd_compress.pt as hc
-
-    process_set = process_sets.join(hvd, layout)
-    torch.manual_seed(0)
-    model = Net()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    local = {}
-
-    def capture(p, name):
-        if (
-            nan_at is not None
-            and hvd.rank() == 1
-            and len(records) == nan_at
-            and name == "hidden.weight"
-        ):
-            p.grad[3, 5] = float("nan")
-        local[name] = p.grad.detach().clone()
-
-    records = []
-    for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: capture(p, name))
-    optimizer = hc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        model.named_parameters(),
-        compression=codec,
-        exchange=exchange,
-        backward_passes_per_step=passes,
-        op=hvd.Average if op == "average" else hvd.Sum,
-        error_feedback=error_feedback,
-        process_set=process_set,
-    )
-    data = torch.Generator().manual_seed(100 + hvd.rank())
-    for _ in range(steps):
-        optimizer.zero_grad()
-        for _ in range(passes):
-            x = torch.randn(8, 64, generator=data)
-            y = torch.randint(0, 10, (8,), generator=data)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.synchronize()
-        exchanged = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        if clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-        with optimizer.skip_synchronize():
-            optimizer.step()
-        records.append(
-            {
-                "local": dict(local),
-                "exchanged": exchanged,
-                "params": _flat(model),
-                "bytes": optimizer.compression_stats()["bytes_handed"],
-            }
-        )
-    stats = optimizer.compression_stats()
-    return {
-        "records": records,
-        "expected_bytes": optimizer._hvdc_pipeline.expected_bytes(),
-        "tensors": stats["tensors"],
-        "rank": hvd.rank(),
-    }
-
-
-def _reference(results, codec, step, average=True):
-    """The exchanged gradients that the numpy reference computes from every rank's local
-    gradients and replayed random draws."""
-    world = len(results)
-    expected = {}
-    for index, (name, _numel, exchange, reason) in enumerate(results[0]["tensors"]):
-        grads = [r["records"][step]["local"][name].numpy() for r in results]
-        if reason != "compressed":
-            total = np.sum(np.stack(grads), axis=0)
-            expected[name] = (total / world if average else total, exchange)
-            continue
-        uniforms = [
-            seeding.uniforms(stream_seed(0, rank, step, index), grads[rank].size)
-            for rank in range(world)
-        ]
-        expected[name] = (
-            simulate.exchange_step(codec, grads, uniforms, exchange, average),
-            exchange,
-        )
-    return expected
-
-
-def _check_consistent_and_exact(results, codec, average=True):
-    for step in range(len(results[0]["records"])):
-        first = results[0]["records"][step]
-        for other in results[1:]:
-            rec = other["records"][step]
-            assert torch.equal(rec["params"], first["params"]), f"ranks differ at step {step}"
-            for name, grad in rec["exchanged"].items():
-                assert torch.equal(grad, first["exchanged"][name])
-        for name, (want, exchange) in _reference(results, codec, step, average).items():
-            got = first["exchanged"][name].numpy()
-            if exchange.startswith("allreduce (") or codec.name == "fp16":
-                np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6, err_msg=name)
-            else:
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9, err_msg=name)
-        if codec.wire == "fixed":  # variable-length payloads have no formula
-            for r in results:
-                assert r["records"][step]["bytes"] == r["expected_bytes"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("exchange", ["allreduce", "allgather", "sharded", "auto"])
 def test_terngrad_ranks_agree_and_match_reference(world, exchange):
-    results = run_parallel(_train, world, hvd_compress.TernGrad(**TERNGRAD), exchange)
+    results = run_parallel(train, world, hvd_compress.TernGrad(**TERNGRAD), exchange)
     tensors = {name: (ex, reason) for name, _, ex, reason in results[0]["tensors"]}
     assert (
         tensors["hidden.weight"][1] == "compressed" and tensors["middle.weight"][1] == "compressed"
@@ -176,7 +25,7 @@ def test_terngrad_ranks_agree_and_match_reference(world, exchange):
     if exchange == "auto":
         # 10240 elements: at N = 4 sharded would save 1.9 kB, less than its alltoall costs.
         assert tensors["hidden.weight"][0] == "allgather"
-    _check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
+    check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
 
 
 QSGD_FAMILY = [
@@ -187,7 +36,7 @@ QSGD_FAMILY = [
 
 
 def _train_many(configs):
-    return [_train(codec, exchange) for codec, exchange in configs]
+    return [train(codec, exchange) for codec, exchange in configs]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -200,23 +49,23 @@ def test_qsgd_family_ranks_agree_and_match_reference(world):
     configs += [(hvd_compress.NUQSGD(bucket_size=1000, min_size=1000, wire="elias"), "auto")]
     per_rank = run_parallel(_train_many, world, configs)
     for (codec, _exchange), results in zip(configs, zip(*per_rank)):
-        _check_consistent_and_exact(list(results), codec)
+        check_consistent_and_exact(list(results), codec)
 
 
 def test_fp16_and_sum_op_and_accumulation():
     codec = hvd_compress.FP16()
     for exchange in ("allreduce", "sharded"):
-        results = run_parallel(_train, 2, codec, exchange, passes=2)
-        _check_consistent_and_exact(results, codec)
-    results = run_parallel(_train, 2, hvd_compress.TernGrad(**TERNGRAD), "allgather", op="sum")
-    _check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD), average=False)
+        results = run_parallel(train, 2, codec, exchange, passes=2)
+        check_consistent_and_exact(results, codec)
+    results = run_parallel(train, 2, hvd_compress.TernGrad(**TERNGRAD), "allgather", op="sum")
+    check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD), average=False)
 
 
 def test_backward_passes_and_clipping_through_synchronize():
     results = run_parallel(
-        _train, 2, hvd_compress.TernGrad(**TERNGRAD), "sharded", steps=3, passes=2, clip_norm=0.05
+        train, 2, hvd_compress.TernGrad(**TERNGRAD), "sharded", steps=3, passes=2, clip_norm=0.05
     )
-    _check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
+    check_consistent_and_exact(results, hvd_compress.TernGrad(**TERNGRAD))
     # Clipping acted on the exchanged gradient: the step moved the weights by at most
     # lr * clip_norm * (1 + momentum terms) in norm.
     for r in results:
@@ -242,19 +91,6 @@ def _compare_with_horovod(steps=4):
         torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9), theirs.named_parameters()
     )
     return train_side_by_side([(ours, opt_ours), (theirs, opt_theirs)], steps, hvd.rank())
-
-
-def train_side_by_side(pairs, steps, seed):
-    """Trains every (model, optimizer) pair on the same batches; returns their parameters."""
-    data = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(8, 64, generator=data)
-        y = torch.randint(0, 10, (8,), generator=data)
-        for model, optimizer in pairs:
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-    return [_flat(model) for model, _ in pairs]
 
 
 def test_none_matches_horovods_own_optimizer():
@@ -290,7 +126,7 @@ def _broadcast_after_checkpoint(tmpdir):
         x = torch.randn(8, 64, generator=data)
         torch.nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
         optimizer.step()
-    return momentum, _flat(model), state["hvd_compress"]["step"]
+    return momentum, flat(model), state["hvd_compress"]["step"]
 
 
 def test_broadcasts_after_rank0_loads_checkpoint(tmp_path):
@@ -314,7 +150,7 @@ def test_broadcasts_after_rank0_loads_checkpoint(tmp_path):
 
 def test_nan_on_one_rank_reaches_every_rank():
     results = run_parallel(
-        _train, 2, hvd_compress.TernGrad(**TERNGRAD), "allgather", steps=3, nan_at=1
+        train, 2, hvd_compress.TernGrad(**TERNGRAD), "allgather", steps=3, nan_at=1
     )
     for r in results:
         exchanged = r["records"][1]["exchanged"]["hidden.weight"]

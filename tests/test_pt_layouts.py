@@ -28,7 +28,7 @@ CODECS = (
     "clt-k:min_size=0",
     "powersgd:start_iter=1",
     # With the SGD's momentum on the worker, masked where sent (momentum factor masking).
-    "dgc:min_size=0:ratio=0.1",
+    "dgc:min_size=0:density=0.1",
 )
 
 
@@ -124,7 +124,7 @@ def _converted(codec, before=None, after=None, midway=None):
 KERNEL_CODECS = ("terngrad:min_size=0", "qsgd-inf:min_size=0", "ef-sign:min_size=0")
 # Codecs with state of every kind: residuals, worker momentum (ef-sign's, DGC's velocity)
 # and PowerSGD's factors.
-STATEFUL_CODECS = ("ef-sign:min_size=0", "dgc:min_size=0:ratio=0.1", "powersgd:start_iter=1")
+STATEFUL_CODECS = ("ef-sign:min_size=0", "dgc:min_size=0:density=0.1", "powersgd:start_iter=1")
 # The step before which ``_converted``'s ``midway`` converts the model.
 MIDWAY = 3
 

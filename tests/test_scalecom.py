@@ -11,7 +11,7 @@ from hvd_compress import cost
 
 from .devices import DEVICES
 from .harness import run_parallel
-from .test_adacomp import assert_ranks_agree, train
+from .pt_jobs import replay_clt_k, train_sparse
 
 
 @pytest.mark.parametrize("numel,k", [(1000, 10), (1000, 1), (7, 7), (513, 100)])
@@ -61,59 +61,11 @@ def test_traffic_is_k_indices_and_k_values_whatever_the_world_size():
     assert cost.choose_exchanges(codec, [100_000], 8) == ["allreduce"]
 
 
-def _check_against_reference(results, codec):
-    """Replays CLT-k in numpy from every rank's gradients; returns the leader's indices of
-    each step and tensor."""
-    world = len(results)
-    names = list(results[0]["records"][0]["local"])
-    memory = {(rank, n): 0 for rank in range(world) for n in names}
-    chosen = []
-    for step in range(len(results[0]["records"])):
-        leader = step % world
-        assert_ranks_agree(results, step)
-        first = results[0]["records"][step]
-        indices = {}
-        for name in names:
-            compensated = [
-                memory[rank, name] + r["records"][step]["local"][name].numpy().ravel()
-                for rank, r in enumerate(results)
-            ]
-            k = codec.k(compensated[0].size)
-            index = codec.top_k(compensated[leader], k)
-            indices[name] = [codec.top_k(p, k) for p in compensated]
-            total = np.zeros_like(compensated[0])
-            for rank, p in enumerate(compensated):
-                sent = np.zeros_like(p)
-                sent[index] = p[index]
-                total += sent
-                memory[rank, name] = (1 - codec.beta) * memory[rank, name] + codec.beta * (p - sent)
-            got = first["exchanged"][name].numpy().ravel()
-            # The ring allreduce sums in another order than this loop: float32 rounding.
-            np.testing.assert_allclose(
-                got,
-                total / world,
-                rtol=1e-5,
-                atol=1e-6 * np.abs(total).max(),
-                err_msg=f"{name} step {step}",
-            )
-            # Only the leader's indices carry values.
-            assert set(np.flatnonzero(got)) <= set(index.tolist())
-        chosen.append(indices)
-        for r in results:
-            assert r["records"][step]["bytes"] == r["records"][step]["expected"]
-    for rank, r in enumerate(results):
-        for name in names:
-            np.testing.assert_allclose(
-                r["memory"][name].numpy().ravel(), memory[rank, name], rtol=1e-5, atol=1e-6
-            )
-    return chosen
-
-
 @pytest.mark.multiprocess
 def test_one_worker_is_top_k_with_error_feedback():
     codec = hvd_compress.CyclicLocalTopK(ratio=20, min_size=0)
-    results = run_parallel(train, 1, codec)
-    _check_against_reference(results, codec)
+    results = run_parallel(train_sparse, 1, codec)
+    replay_clt_k(results, codec)
     # sum_t sent_t + m_T = sum_t g_t (beta = 1: plain error feedback).
     records = results[0]["records"]
     for name, memory in results[0]["memory"].items():
@@ -126,8 +78,8 @@ def test_one_worker_is_top_k_with_error_feedback():
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_use_the_rotating_leaders_indices(world):
     codec = hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, min_size=0)
-    results = run_parallel(train, world, codec, steps=2 * world)
-    chosen = _check_against_reference(results, codec)
+    results = run_parallel(train_sparse, world, codec, steps=2 * world)
+    chosen = replay_clt_k(results, codec)
     # The workers' own top-k differ, so whose indices were used is observable: the reference
     # above used the leader's (rank step mod N), and another choice would not have matched.
     for step, indices in enumerate(chosen):

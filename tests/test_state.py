@@ -4,129 +4,28 @@ with non-finite gradients that leave no trace."""
 import pytest
 import torch
 
-from . import process_sets
-from .devices import DEVICES, rank_device
+from .devices import DEVICES
 from .harness import run_parallel
-from .test_pt_distributed import Net, _flat
+from .pt_jobs import (
+    CHECKPOINT_CASES,
+    Net,
+    flat,
+    resume,
+    setup_case,
+    step_case,
+    train_and_checkpoint,
+)
 
 pytestmark = pytest.mark.multiprocess
-
-# (label, codec name, codec hyperparameters, error_feedback): every codec, and error feedback
-# on a one-way codec.
-CASES = [
-    ("none", "none", {}, None),
-    ("fp16", "fp16", {}, None),
-    ("terngrad", "terngrad", {"min_size": 100}, None),
-    ("terngrad+ef", "terngrad", {"min_size": 100}, True),
-    ("qsgd", "qsgd", {"min_size": 100}, None),
-    ("qsgd-inf", "qsgd-inf", {"min_size": 100}, None),
-    ("nuqsgd-elias", "nuqsgd", {"min_size": 100, "wire": "elias"}, None),
-    ("ef-sign", "ef-sign", {"min_size": 0}, None),
-    ("adacomp", "adacomp", {}, None),
-    ("clt-k", "clt-k", {}, None),
-    ("powersgd", "powersgd", {"start_iter": 1}, None),
-]
-
-
-def _setup(name, params, error_feedback, exchange="auto", device="cpu"):
-    import hvd_compress.pt as hc
-
-    torch.manual_seed(0)
-    model = Net().to(rank_device(device))
-    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    optimizer = hc.DistributedOptimizer(
-        base,
-        model.named_parameters(),
-        compression=hc.CODECS[name](**params),
-        error_feedback=error_feedback,
-        seed=3,
-        exchange=exchange,
-    )
-    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
-    return model, optimizer, schedule
-
-
-def _step(model, optimizer, schedule, step, rank, scaler=None, poison=False):
-    data = torch.Generator().manual_seed(1000 * step + rank)
-    device = next(model.parameters()).device
-    x = torch.randn(8, 64, generator=data).to(device)
-    y = torch.randint(0, 10, (8,), generator=data).to(device)
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    if poison:
-        loss = loss * float("nan")
-    optimizer.zero_grad()
-    if scaler is None:
-        loss.backward()
-        optimizer.step()
-    else:
-        scaler.scale(loss).backward()
-        optimizer.synchronize()
-        scaler.unscale_(optimizer)
-        with optimizer.skip_synchronize():
-            scaler.step(optimizer)
-        scaler.update()
-    schedule.step()
-
-
-def _train_and_checkpoint(
-    directory, steps, save_at, device, cases=CASES, exchange="auto", layout=None
-):
-    """Every case trains ``steps`` steps; each rank saves its own checkpoint at ``save_at``
-    (worker residuals are per rank). ``layout``: the process sets (``tests.process_sets``)."""
-    import horovod.torch as hvd
-
-    process_sets.join(hvd, layout)
-    trajectories = {}
-    for label, name, params, error_feedback in cases:
-        model, optimizer, schedule = _setup(name, params, error_feedback, exchange, device)
-        hvd.broadcast_parameters(model.state_dict(), 0)
-        trajectory = []
-        for step in range(steps):
-            if step == save_at:
-                torch.save(
-                    {
-                        "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(),
-                    },
-                    f"{directory}/{label}-rank{hvd.rank()}.pt",
-                )
-            _step(model, optimizer, schedule, step, hvd.rank())
-            trajectory.append(_flat(model).cpu())
-        trajectories[label] = trajectory
-    return trajectories
-
-
-def _resume(directory, steps, save_at, device, cases=CASES, exchange="auto", layout=None):
-    """Resumes every case from its checkpoint, loaded the usual way: onto the CPU, whatever
-    the device it was saved from (the state must follow the parameters to theirs)."""
-    import horovod.torch as hvd
-
-    process_sets.join(hvd, layout)
-    trajectories = {}
-    for label, name, params, error_feedback in cases:
-        model, optimizer, schedule = _setup(name, params, error_feedback, exchange, device)
-        checkpoint = torch.load(
-            f"{directory}/{label}-rank{hvd.rank()}.pt", map_location="cpu", weights_only=True
-        )
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        schedule.load_state_dict(checkpoint["schedule"])
-        trajectory = []
-        for step in range(save_at, steps):
-            _step(model, optimizer, schedule, step, hvd.rank())
-            trajectory.append(_flat(model).cpu())
-        trajectories[label] = trajectory
-    return trajectories
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_resumed_runs_continue_bitwise_identically(tmp_path, device):
     steps, save_at = 12, 5  # the learning rate halves at steps 4 and 8
-    uninterrupted = run_parallel(_train_and_checkpoint, 2, str(tmp_path), steps, save_at, device)
-    resumed = run_parallel(_resume, 2, str(tmp_path), steps, save_at, device, own_job=True)
+    uninterrupted = run_parallel(train_and_checkpoint, 2, str(tmp_path), steps, save_at, device)
+    resumed = run_parallel(resume, 2, str(tmp_path), steps, save_at, device, own_job=True)
     for rank in range(2):
-        for label, *_ in CASES:
+        for label, *_ in CHECKPOINT_CASES:
             for offset, params in enumerate(resumed[rank][label]):
                 assert torch.equal(params, uninterrupted[rank][label][save_at + offset]), (
                     label,
@@ -140,17 +39,17 @@ def _ef_sign_trained(exchange, steps=3):
     ``exchange``: (model, optimizer, schedule)."""
     import horovod.torch as hvd
 
-    model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, exchange)
+    model, optimizer, schedule = setup_case("ef-sign", {"min_size": 0}, None, exchange)
     hvd.broadcast_parameters(model.state_dict(), 0)
     for step in range(steps):
-        _step(model, optimizer, schedule, step, hvd.rank())
+        step_case(model, optimizer, schedule, step, hvd.rank())
     return model, optimizer, schedule
 
 
 def _ef_sign_resumed(checkpoint, exchange):
     """ef-sign under ``exchange`` with ``checkpoint``'s model and optimizer state loaded:
     (model, optimizer, schedule)."""
-    model, optimizer, schedule = _setup("ef-sign", {"min_size": 0}, None, exchange)
+    model, optimizer, schedule = setup_case("ef-sign", {"min_size": 0}, None, exchange)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     return model, optimizer, schedule
@@ -165,14 +64,14 @@ def _exchange_changes():
 
     import horovod.torch as hvd
 
-    from .elastic_train import _mass
+    from .elastic_train import parameter_mass
 
     hvd.init()
     results = []
     for saved_with, resumed_with in (("allgather", "sharded"), ("sharded", "allgather")):
         for named in (True, False):
             model, optimizer, _ = _ef_sign_trained(saved_with)
-            before = _mass(optimizer._hvdc_pipeline)
+            before = parameter_mass(optimizer._hvdc_pipeline)
             saved = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
             saved.seek(0)
@@ -182,10 +81,10 @@ def _exchange_changes():
             model, optimizer, schedule = _ef_sign_resumed(checkpoint, resumed_with)
             pipeline = optimizer._hvdc_pipeline
             pipeline._follow_restored_servers()  # what the next step starts with
-            after = _mass(pipeline)
+            after = parameter_mass(pipeline)
             exchanges = {p.exchange for p in pipeline.plans.values() if p.reason == "compressed"}
-            _step(model, optimizer, schedule, 3, hvd.rank())
-            results.append((before, after, exchanges, _flat(model)))
+            step_case(model, optimizer, schedule, 3, hvd.rank())
+            results.append((before, after, exchanges, flat(model)))
     return results
 
 
@@ -212,13 +111,13 @@ def _save_sharded(directory):
     the residual mass it holds."""
     import horovod.torch as hvd
 
-    from .elastic_train import _mass
+    from .elastic_train import parameter_mass
 
     hvd.init()
     model, optimizer, _ = _ef_sign_trained("sharded")
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save(state, f"{directory}/rank{hvd.rank()}.pt")
-    return _mass(optimizer._hvdc_pipeline)
+    return parameter_mass(optimizer._hvdc_pipeline)
 
 
 def _resume_on_two(directory):
@@ -226,16 +125,16 @@ def _resume_on_two(directory):
     holds once the pipeline took the new world, and the parameters one step later."""
     import horovod.torch as hvd
 
-    from .elastic_train import _mass
+    from .elastic_train import parameter_mass
 
     hvd.init()
     checkpoint = torch.load(f"{directory}/rank{hvd.rank()}.pt", weights_only=True)
     model, optimizer, schedule = _ef_sign_resumed(checkpoint, "allgather")
     pipeline = optimizer._hvdc_pipeline
     pipeline._follow_world()  # what the next step starts with
-    after = _mass(pipeline)
-    _step(model, optimizer, schedule, 3, hvd.rank())
-    return after, _flat(model)
+    after = parameter_mass(pipeline)
+    step_case(model, optimizer, schedule, 3, hvd.rank())
+    return after, flat(model)
 
 
 def test_a_state_resumed_in_a_smaller_world_under_another_exchange_keeps_its_mass(tmp_path):
@@ -271,12 +170,12 @@ def _poisoned_step(name, params, error_feedback, exchange, steps, poison_at, ker
 def _poisoned_run(name, params, error_feedback, exchange, steps, poison_at):
     import horovod.torch as hvd
 
-    model, optimizer, schedule = _setup(name, params, error_feedback, exchange)
+    model, optimizer, schedule = setup_case(name, params, error_feedback, exchange)
     hvd.broadcast_parameters(model.state_dict(), 0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     records = []
     for step in range(steps):
-        _step(
+        step_case(
             model,
             optimizer,
             schedule,
@@ -287,7 +186,7 @@ def _poisoned_run(name, params, error_feedback, exchange, steps, poison_at):
         )
         state = optimizer.state_dict()
         records.append(
-            {"params": _flat(model), "compression": state["hvd_compress"], "sgd": state["state"]}
+            {"params": flat(model), "compression": state["hvd_compress"], "sgd": state["state"]}
         )
     return records
 
@@ -312,7 +211,7 @@ def _flatten(state):
     "label,name,params,error_feedback,exchange,kernels",
     [
         case + ("auto", kernels)
-        for case in CASES
+        for case in CHECKPOINT_CASES
         if case[0] in ("terngrad+ef", "ef-sign", "powersgd")
         for kernels in (True, False)
     ]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from . import compressed_adam_reference as reference
+from . import keras_perceptron
 from .compressed_adam_reference import WARMUP
 from .harness import run_parallel
 from .logs import record_messages
-from .test_tf_momentum import _batch, _model, _trainer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,7 +28,7 @@ def _build(codec, exchange):
     import hvd_compress.tf as htf
 
     keras.utils.set_random_seed(0)
-    model = _model(keras)
+    model = keras_perceptron.model(keras)
     optimizer = htf.DistributedOptimizer(
         _adamw(keras), compression=codec, exchange=exchange, compressed_adam=WARMUP
     )
@@ -52,12 +52,12 @@ def _train(model, optimizer, steps):
 
     from hvd_compress.tf.pipeline import variable_name
 
-    step = _trainer(model, optimizer)
+    step = keras_perceptron.trainer(model, optimizer)
     variables = model.trainable_variables
     names = [variable_name(v) for v in variables]
     record = {"grads": [], "params": [], "m": [], "v": [], "handed": []}
     for t in steps:
-        grads = step(*_batch(hvd.rank(), t))
+        grads = step(*keras_perceptron.batch(hvd.rank(), t))
         record["grads"].append({n: g.numpy() for n, g in zip(names, grads)})
         record["params"].append(np.concatenate([v.numpy().ravel() for v in variables]))
         for key, moments in (("m", optimizer._momentums), ("v", optimizer._velocities)):
@@ -78,7 +78,7 @@ def _adamw_replay(records):
     import tensorflow as tf
 
     keras.utils.set_random_seed(0)
-    model, optimizer = _model(keras), _adamw(keras)
+    model, optimizer = keras_perceptron.model(keras), _adamw(keras)
     variables = model.trainable_variables
 
     @tf.function

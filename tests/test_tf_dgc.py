@@ -7,8 +7,8 @@ import pytest
 
 import hvd_compress
 
+from .dgc_reference import CODEC, LR, MU, SHAPES, STEPS, gradient, reference_averages
 from .harness import run_parallel
-from .test_dgc import CODEC, LR, MU, SHAPES, STEPS, gradient, reference_averages
 
 
 def _train():
@@ -63,7 +63,7 @@ def test_warmup_k_in_a_graph_equals_the_reference():
 
     import hvd_compress.tf as hc
 
-    port, reference = hc.DGC(ratio=0.003, warmup_steps=8), hvd_compress.DGC(0.003, 8)
+    port, reference = hc.DGC(density=0.003, warmup_steps=8), hvd_compress.DGC(0.003, 8)
     k = tf.function(lambda step: port.k(2401, step))
     for step in range(12):
         assert int(k(tf.constant(step, tf.int64))) == reference.k(2401, step)

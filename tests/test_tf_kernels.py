@@ -64,11 +64,11 @@ def _sign_cases(blocks, lengths):
     from hvd_compress.tf.momentum import WorkerMomentum
     from hvd_compress.tf.packing import pack, unpack
 
-    def accelerated(codec, vector, buffer, residual, ratio, nesterov):
+    def accelerated(codec, vector, buffer, residual, lr_ratio, nesterov):
         """The compensation with the worker momentum step of ``nesterov`` (None: none):
         (p, scale, new m or None)."""
         step = None if nesterov is None else WorkerMomentum.Deferred(buffer, MU, nesterov)
-        p, scale = fused.compensated_scale(codec, vector, residual, ratio, step)
+        p, scale = fused.compensated_scale(codec, vector, residual, lr_ratio, step)
         return p, scale, None if step is None else step.out
 
     differ = []
@@ -87,13 +87,13 @@ def _sign_cases(blocks, lengths):
                 vector = tf.constant(_vector(numel, numel, bad))
                 residual = tf.constant(_vector(numel, 1) / 10)
                 buffer = tf.constant(_vector(numel, 2))
-                for ratio, nesterov in ((1.0, None), (0.3, None), (0.3, False), (0.3, True)):
+                for lr_ratio, nesterov in ((1.0, None), (0.3, None), (0.3, False), (0.3, True)):
                     # ``WorkerMomentum.before_exchange``'s ops.
                     u, want_m = vector, None
                     if nesterov is not None:
                         want_m = buffer * MU + vector
                         u = vector + want_m * MU if nesterov else want_m
-                    want = u + residual * ratio
+                    want = u + residual * lr_ratio
                     want_scale = hvd_compress.BlockSign(block).local_scale(want.numpy())
                     want_sent = codec.decode(
                         codec.values(codec.encode(want, None, None)), want_scale, 1
@@ -102,8 +102,10 @@ def _sign_cases(blocks, lengths):
                         pack(codec.encode(want, None, None)[None], SignCodes()), [-1]
                     )
                     for how, (compensate, signs) in traced.items():
-                        p, scale, m = compensate(codec, vector, buffer, residual, ratio, nesterov)
-                        case = f"{label} {how} ratio={ratio} nesterov={nesterov}"
+                        p, scale, m = compensate(
+                            codec, vector, buffer, residual, lr_ratio, nesterov
+                        )
+                        case = f"{label} {how} lr_ratio={lr_ratio} nesterov={nesterov}"
                         _check(differ, f"{case}: p", p, want)
                         if want_m is not None:
                             _check(differ, f"{case}: momentum", m, want_m)

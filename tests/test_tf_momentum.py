@@ -8,53 +8,12 @@ Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
 import numpy as np
 import pytest
 
+from . import keras_perceptron
 from .harness import run_parallel
 
 pytestmark = pytest.mark.multiprocess
 
 MU = 0.9
-
-
-def _model(keras):
-    # Named, so that every model built gets the same variable paths (a second one restores
-    # the first's checkpoint).
-    return keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(160, activation="relu", name="hidden"),
-            keras.layers.Dense(12, activation="relu", name="middle"),
-            keras.layers.Dense(10, name="out"),
-        ],
-        name="net",
-    )
-
-
-def _batch(rank, step):
-    data = np.random.default_rng(1000 * step + rank)
-    return (
-        data.standard_normal((8, 64)).astype(np.float32),
-        data.integers(0, 10, 8).astype(np.int32),
-    )
-
-
-def _trainer(model, optimizer):
-    """A traced step that applies ``optimizer`` and returns this rank's gradients."""
-    import keras
-    import tensorflow as tf
-
-    variables = model.trainable_variables
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(
-                keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
-            )
-        grads = tape.gradient(loss, variables)
-        optimizer.apply_gradients(zip(grads, variables))
-        return grads
-
-    return step
 
 
 def _train_ef(exchange, steps=40, drop_at=20):
@@ -68,7 +27,7 @@ def _train_ef(exchange, steps=40, drop_at=20):
 
     hvd.init()
     keras.utils.set_random_seed(hvd.rank())  # different on every rank until the broadcast
-    model = _model(keras)
+    model = keras_perceptron.model(keras)
     variables = model.trainable_variables
     hvd.broadcast_variables([v.value for v in variables], root_rank=0)
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([drop_at - 1], [0.05, 0.005])
@@ -79,7 +38,7 @@ def _train_ef(exchange, steps=40, drop_at=20):
     )
     assert optimizer._hvdc_worker_momentum  # on by default for ef-sign with momentum
 
-    step = _trainer(model, optimizer)
+    step = keras_perceptron.trainer(model, optimizer)
 
     def flat():
         return np.concatenate([v.numpy().ravel() for v in variables])
@@ -87,7 +46,7 @@ def _train_ef(exchange, steps=40, drop_at=20):
     x0, params, grads, rates = flat(), [], [], []
     for t in range(steps):
         rates.append(float(optimizer.learning_rate))
-        grads.append([g.numpy().ravel() for g in step(*_batch(hvd.rank(), t))])
+        grads.append([g.numpy().ravel() for g in step(*keras_perceptron.batch(hvd.rank(), t))])
         params.append(flat())
     pipeline = optimizer._hvdc_pipeline
     return {
@@ -165,12 +124,12 @@ def _identity_against_sgd(steps=10):
 
     hvd.init()
     settings = dict(learning_rate=0.05, momentum=MU, nesterov=True, weight_decay=1e-2)
-    x = np.concatenate([_batch(0, t)[0] for t in range(steps)])
-    y = np.concatenate([_batch(0, t)[1] for t in range(steps)])
+    x = np.concatenate([keras_perceptron.batch(0, t)[0] for t in range(steps)])
+    y = np.concatenate([keras_perceptron.batch(0, t)[1] for t in range(steps)])
     weights = []
     for mode in (True, "nesterov", None):
         keras.utils.set_random_seed(0)
-        model = _model(keras)
+        model = keras_perceptron.model(keras)
         optimizer = keras.optimizers.SGD(**{**settings, "nesterov": mode != "nesterov"})
         if mode is not None:
             optimizer = htf.DistributedOptimizer(

@@ -10,9 +10,17 @@ import pytest
 import hvd_compress
 
 from .harness import run_parallel
-from .test_powersgd import RANK, SHAPES, START_ITER, STEPS, _matrix, gradient, reference_averages
+from .powersgd_reference import (
+    RANK,
+    SHAPES,
+    START_ITER,
+    STEPS,
+    gradient,
+    matrix,
+    reference_averages,
+)
 
-# ``test_powersgd.SHAPES`` in Keras's layouts (out-features last), in the same order.
+# ``powersgd_reference.SHAPES`` in Keras's layouts (out-features last), in the same order.
 TF_SHAPES = {
     "conv/kernel": (3, 3, 3, 6),
     "dense/kernel": (24, 10),
@@ -46,7 +54,7 @@ def _steps(steps):
 
     def grads(step):
         return [
-            tf.constant(gradient(step, hvd.rank(), i, shape, _matrix(codec, shape)))
+            tf.constant(gradient(step, hvd.rank(), i, shape, matrix(codec, shape)))
             for i, shape in enumerate(TF_SHAPES.values())
         ]
 

@@ -13,9 +13,14 @@ import pytest
 
 import hvd_compress
 
-from . import process_sets
 from .harness import run_parallel
-from .tf_perceptron import tape_steps
+from .tf_jobs import (
+    CLT_K,
+    assert_sparse_ranks_agree,
+    check_clt_k,
+    compressed_names,
+    sparse_tape_loop,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -152,11 +157,11 @@ def test_adacomp_messages_equal_numpy_and_pytorch(tf_results, case):
 
     import hvd_compress.pt as hc
 
-    from .test_adacomp import _run_reference
+    from .pt_jobs import adacomp_replay
 
     numel, bin_length, grads = _adacomp_inputs()[case]
     reference, port = hvd_compress.AdaComp(), hc.AdaComp()
-    _, steps = _run_reference(reference, grads, bin_length)
+    _, steps = adacomp_replay(reference, grads, bin_length)
     residue = torch.zeros(numel)
     for step, (grad, (_compensated, _, _selected, message, sent)) in enumerate(zip(grads, steps)):
         grad = torch.from_numpy(grad)
@@ -219,74 +224,18 @@ def test_layer_kinds_of_a_keras_model_and_misuse(tf_results):
 ADACOMP = hvd_compress.AdaComp(
     named_bin_lengths={"middle/kernel:0": 64}, bin_lengths={"other": 20}, min_size=0
 )
-CLT_K = hvd_compress.CyclicLocalTopK(ratio=10, beta=0.5, min_size=0)
-
-
-def _tape_loop(codec, steps, traced, layout=None):
-    """Trains the perceptron with ``codec`` (its output layer sent whole when ``traced``),
-    averaged in this rank's process set of ``layout`` (``tests.process_sets``); records per
-    step the local gradients, the exchanged ones, the weights and the byte accounting, and
-    at the end the worker memory."""
-    import horovod.tensorflow as hvd
-
-    from hvd_compress.tf.pipeline import variable_name
-
-    process_set = process_sets.join(hvd, layout)
-    records = []
-    for local, exchanged, variables, pipeline in tape_steps(
-        steps,
-        traced,
-        compression=codec,
-        uncompressed=("out/kernel", "out/bias") if traced else (),
-        process_set=process_set,
-    ):
-        names = [variable_name(v) for v in variables]  # TensorFlow's: "hidden/kernel:0"
-        stats = pipeline.compression_stats()
-        records.append(
-            {
-                "local": {n: g.numpy() for n, g in zip(names, local)},
-                "exchanged": {n: g.numpy() for n, g in zip(names, exchanged)},
-                "params": np.concatenate([v.numpy().ravel() for v in variables]),
-                "bytes": stats["bytes_handed"],
-                "layers": stats["layers"],
-                "expected": pipeline.expected_bytes(),
-            }
-        )
-    return {
-        "records": records,
-        "tensors": stats["tensors"],
-        "kinds": {plan.name: plan.layer for plan in pipeline.plans},
-        "memory": {name: r.numpy() for name, r in pipeline.state.worker.residuals.items()},
-    }
-
-
-def _assert_ranks_agree(results):
-    for step, first in enumerate(results[0]["records"]):
-        for other in results[1:]:
-            record = other["records"][step]
-            np.testing.assert_array_equal(
-                record["params"], first["params"], err_msg=f"ranks differ at step {step}"
-            )
-            for name, grad in record["exchanged"].items():
-                np.testing.assert_array_equal(
-                    grad, first["exchanged"][name], err_msg=f"{name} at step {step}"
-                )
-
-
-def _compressed(results):
-    return [name for name, _, _, reason in results[0]["tensors"] if reason == "compressed"]
 
 
 def _check_adacomp(results):
-    """Replays AdaComp in numpy (``test_adacomp``'s reference) from every rank's local
+    """Replays AdaComp in numpy (``pt_jobs.adacomp_replay``) from every rank's local
     gradients."""
-    from .test_adacomp import _run_reference
+    from .pt_jobs import adacomp_replay
 
     kinds = results[0]["kinds"]
-    for name in _compressed(results):
+    for name in compressed_names(results):
         bin_length = ADACOMP.bin_length(name, kinds[name])
         replays = [
-            _run_reference(
+            adacomp_replay(
                 ADACOMP, [record["local"][name].ravel() for record in r["records"]], bin_length
             )
             for r in results
@@ -310,52 +259,16 @@ def _check_adacomp(results):
             assert 0 < layers["linear"]["density"] < 0.5
 
 
-def _check_clt_k(results):
-    """Replays CLT-k in numpy (``test_scalecom``'s reference) from every rank's local
-    gradients; the leader's indices must have been used."""
-    import torch
-
-    from .test_scalecom import _check_against_reference
-
-    names = _compressed(results)
-    as_torch = [
-        {
-            "records": [
-                {
-                    "local": {n: torch.from_numpy(record["local"][n]) for n in names},
-                    "exchanged": {n: torch.from_numpy(g) for n, g in record["exchanged"].items()},
-                    "params": torch.from_numpy(record["params"]),
-                    "bytes": record["bytes"],
-                    "expected": record["expected"],
-                }
-                for record in r["records"]
-            ],
-            "memory": {n: torch.from_numpy(r["memory"][n]) for n in names},
-        }
-        for r in results
-    ]
-    world = len(results)
-    chosen = _check_against_reference(as_torch, CLT_K)
-    for step, indices in enumerate(chosen):
-        assert any(
-            not np.array_equal(own[step % world], own[(step + 1) % world])
-            for own in indices.values()
-        )
-    for r in results:
-        for record in r["records"]:
-            assert record["layers"]["linear"]["density"] == pytest.approx(0.1, abs=0.01)
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
-    "codec,check", [(ADACOMP, _check_adacomp), (CLT_K, _check_clt_k)], ids=["adacomp", "clt-k"]
+    "codec,check", [(ADACOMP, _check_adacomp), (CLT_K, check_clt_k)], ids=["adacomp", "clt-k"]
 )
 def test_tape_loop_ranks_agree_and_match_reference(world, codec, check):
     # One job per size: eagerly at 2 ranks, traced at 4 (with the output layer sent whole).
     traced = world == 4
-    results = run_parallel(_tape_loop, world, codec, 2 * world, traced, timeout=800)
-    names = _compressed(results)
+    results = run_parallel(sparse_tape_loop, world, codec, 2 * world, traced, timeout=800)
+    names = compressed_names(results)
     assert "hidden/kernel:0" in names and ("out/kernel:0" in names) != traced
-    _assert_ranks_agree(results)
+    assert_sparse_ranks_agree(results)
     check(results)

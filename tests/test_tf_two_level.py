@@ -12,8 +12,8 @@ from hvd_compress.topology import Nodes
 
 from . import process_sets
 from .harness import run_parallel
-from .test_tf_distributed import _tape_loop
-from .test_two_level import CONFIGS, by_reduce_scatter, check
+from .tf_jobs import tape_loop
+from .two_level_checks import CONFIGS, by_reduce_scatter, check
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,14 +21,14 @@ pytestmark = pytest.mark.multiprocess
 def _tape_loop_both_ways(configs, reduce_scattered, **options):
     """``_tape_loop`` of ``configs``, then of ``reduce_scattered`` with each node averaging
     by a reduce-scatter."""
-    return _tape_loop(configs, **options) + by_reduce_scatter(
-        "tf", _tape_loop, reduce_scattered, **options
+    return tape_loop(configs, **options) + by_reduce_scatter(
+        "tf", tape_loop, reduce_scattered, **options
     )
 
 
 def _by_name(run):
-    """A run of ``test_tf_distributed._tape_loop`` with each step's local and exchanged
-    gradients by tensor name, as ``test_two_level.check`` reads them."""
+    """A run of ``tf_jobs.tape_loop`` with each step's local and exchanged
+    gradients by tensor name, as ``two_level_checks.check`` reads them."""
     names = [name for name, *_ in run["tensors"]]
     for record in run["records"]:
         for key in ("local", "exchanged"):

@@ -258,7 +258,7 @@ def test_ef_sign_buckets_code_and_serve_as_the_eager_ops(spec, exchange, device,
     """ef-sign's gradient buckets: the worker's packed signs and residual, a server's
     average, residual, codes or decode (the allgather's replicated server; rank 1's shard
     of a bucket sharded member by member), and the decode of every server's message,
-    against the eager ops, with the residual ratio a number and a tensor."""
+    against the eager ops, with the residual lr_ratio a number and a tensor."""
     from hvd_compress.pt.exchange import Allgather, Meter
     from hvd_compress.pt.memory import ErrorFeedback
     from hvd_compress.server import ServerStep
@@ -283,11 +283,11 @@ def test_ef_sign_buckets_code_and_serve_as_the_eager_ops(spec, exchange, device,
         kept *= _placed(members, bucket.members, length).to(device)
     else:
         kept *= shards.worker_blocks >= 0
-    for ratio in (0.5, torch.tensor(0.25, dtype=torch.float64, device=device)):
+    for lr_ratio in (0.5, torch.tensor(0.25, dtype=torch.float64, device=device)):
         memories = ErrorFeedback(), ErrorFeedback()
         for memory in memories:
             memory.residuals["b"] = kept
-        device_step, eager_step = (ServerStep(m, "b", ratio) for m in memories)
+        device_step, eager_step = (ServerStep(m, "b", lr_ratio) for m in memories)
         if shards is None:
             messages = torch.cat([own.view(torch.uint8), bits], dim=1)
             got = Allgather(blocked, length, world, Meter(), world, device_step)._serve(
@@ -382,7 +382,7 @@ TYPES = {"p": "*fp32", "scale": "*fp32", "residual": "*fp32", "total": "*i32",
          "scales": "*fp32", "rows": "*u8", "out": "*u8", "levels": "fp32", "divisor": "fp32",
          "lo": "i64", "multiplier": "i64", "table": "*i64", "members": "*i64", "words": "*i64",
          "decoded": "*fp32", "heads": "*fp32", "blocks": "*i32", "order": "*i32",
-         "ratio": "fp32"}
+         "lr_ratio": "fp32"}
 # A tensor's kernels take no program tables.
 ALONE = dict(SEGMENTED=False, table=None, members=None)
 # Kernels whose ``out`` is float32, and the quantizer's when it writes values.
@@ -457,7 +457,7 @@ def _device_and_eager_steps(cases, steps=2):
     from benchmarks.op_count import host_reads
     from hvd_compress.pt import fused
 
-    from .test_pt_distributed import Net
+    from .pt_jobs import Net
 
     hvd.init()
 

@@ -15,6 +15,8 @@ from hvd_compress.validation import (
     check_two_level_process_set,
 )
 
+from .horovod_keywords import NOT_DEFAULT
+
 
 def test_unknown_codec_name_lists_the_choices():
     names = ", ".join(repr(name) for name in sorted(hvd_compress.CODECS))
@@ -108,17 +110,6 @@ def test_every_hyperparameter_is_documented():
         for name in hvd_compress.resolve(cls.name).params():
             documented = "\n".join([cls.__doc__ or "", hvd_compress.Codec.__doc__])
             assert f"{name} (" in documented, f"{cls.__name__} does not document {name}"
-
-
-# A value other than Horovod's default for every keyword of its wrappers that hvd_compress
-# takes at the default only.
-NOT_DEFAULT = {
-    "num_groups": 2,
-    "groups": [[]],
-    "device_dense": "/gpu:0",
-    "device_sparse": "/cpu:0",
-    "name": "mine",
-}
 
 
 @pytest.mark.parametrize("keyword", sorted(HOROVOD_DEFAULTS))
