@@ -15,7 +15,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export MALLOC_MMAP_THRESHOLD_ := 1073741824
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
-.PHONY: setup demo demo-full lint test test-fast bench gpu-build gpu-check
+.PHONY: setup demo demo-full lint test test-fast test-launchers bench gpu-build gpu-check
 
 setup:
 	bash launch/setup.sh
@@ -36,6 +36,11 @@ test:
 
 test-fast: setup
 	$(PY) -m pytest -ra -q --durations=5 -n 2 -m "not multiprocess" tests
+
+# The launchers and engines clusters run, started for real (tests/test_launchers.py): about
+# 5 minutes, outside `make test`'s budget.
+test-launchers: setup
+	$(PY) -m pytest -ra -q --durations=10 -m launchers tests
 
 bench: setup
 	$(PY) -m hvd_compress.examples.cli bench

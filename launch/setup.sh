@@ -47,9 +47,15 @@ as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }
 
+# The launchers and engines the tests start for real (tests/test_launchers.py): sshd for
+# `horovodrun -H` and `mpirun -H` over ssh, a one-machine Slurm cluster (slurmctld, slurmd,
+# MUNGE), and the Java runtime of Spark (pyspark, launch/requirements.txt).
+LAUNCHER_PACKAGES=(openssh-server openssh-client slurmctld slurmd slurm-client munge
+    openjdk-17-jre-headless)
+
 install_system_packages() {
     local missing=()
-    for pkg in libopenmpi-dev openmpi-bin cmake g++ iproute2; do
+    for pkg in libopenmpi-dev openmpi-bin cmake g++ iproute2 "${LAUNCHER_PACKAGES[@]}"; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
     done
     if [ "${#missing[@]}" -gt 0 ]; then

@@ -27,7 +27,8 @@ timed lint bash -c "$PY -m ruff check . && $PY -m ruff format --check . && $PY -
     exit "$status"
 timed "single-process tests" \
     "$PY" -m pytest -ra -q --durations=10 -n 2 -m "not multiprocess" tests
-timed "multi-process tests" "$PY" -m pytest -ra -q --durations=15 -m multiprocess tests
+timed "multi-process tests" \
+    "$PY" -m pytest -ra -q --durations=15 -m "multiprocess and not launchers" tests
 
 echo
 echo "make test: $(IFS=,; echo "${parts[*]}" | sed 's/,/, /g'); ${total} s in all" \
