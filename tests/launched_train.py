@@ -17,9 +17,14 @@ import os
 import sys
 
 
+def _split(runs):
+    """(codec, exchange) of each ``"codec[:hyperparameters]:exchange"`` of ``runs``."""
+    return [run.rsplit(":", 1) for run in runs]
+
+
 def train(runs, steps):
-    """Trains ``Net`` for ``steps`` steps on this rank's random data with each (codec,
-    exchange) of ``runs``; returns this rank's placement and, per run, a digest of its
+    """Trains ``Net`` for ``steps`` steps on this rank's random data with each
+    ``"codec:exchange"`` of ``runs``; returns this rank's placement and, per run, a digest of its
     parameters after every step and the bytes each step handed to Horovod with what the
     cost model predicts."""
     import horovod.torch as hvd
@@ -31,7 +36,7 @@ def train(runs, steps):
 
     hvd.init(process_sets="dynamic")
     results = []
-    for codec, exchange in runs:
+    for codec, exchange in _split(runs):
         torch.manual_seed(0)
         model = Net()
         optimizer = hc.DistributedOptimizer(
@@ -57,7 +62,7 @@ def train(runs, steps):
 
 def train_keras(runs, steps):
     """``train`` with Keras: a perceptron fitted ``steps`` batches through the Keras
-    ``DistributedOptimizer`` with each (codec, exchange) of ``runs``."""
+    ``DistributedOptimizer`` with each ``"codec:exchange"`` of ``runs``."""
     import horovod.tensorflow as hvd
     import keras
     import numpy as np
@@ -68,7 +73,7 @@ def train_keras(runs, steps):
 
     hvd.init(process_sets="dynamic")
     results = []
-    for codec, exchange in runs:
+    for codec, exchange in _split(runs):
         keras.utils.set_random_seed(0)
         model = keras_perceptron.model(keras)
         optimizer = htf.DistributedOptimizer(
@@ -119,7 +124,7 @@ def _placement(hvd, runs):
 
 
 def main(out, steps, *runs):
-    result = train([run.rsplit(":", 1) for run in runs], int(steps))
+    result = train(runs, int(steps))
     with open(os.path.join(out, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f)
 

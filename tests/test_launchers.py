@@ -146,10 +146,6 @@ def test_sbatch_runs_the_cpu_template(tmp_path):
     assert all(r["mpi"] for r in _check(_reports(tmp_path, 2), nodes=1, per_node=2))
 
 
-def _runs():
-    return [run.rsplit(":", 1) for run in RUNS]
-
-
 def test_horovod_spark_run_trains_with_both_wrappers(monkeypatch):
     """``horovod.spark.run`` of 2 processes on a local Spark, the PyTorch and the Keras
     training alike."""
@@ -171,7 +167,7 @@ def test_horovod_spark_run_trains_with_both_wrappers(monkeypatch):
     )
     try:
         for function in (train, train_keras):
-            ranks = run(function, args=(_runs(), STEPS), num_proc=2, use_gloo=True)
+            ranks = run(function, args=(RUNS, STEPS), num_proc=2, use_gloo=True)
             assert all(r["gloo"] for r in _check(ranks, nodes=1, per_node=2)), function
     finally:
         spark.stop()
@@ -191,7 +187,7 @@ def test_horovod_ray_executor_trains():
         )
         executor.start()
         try:
-            ranks = executor.run(train, args=[_runs(), STEPS])
+            ranks = executor.run(train, args=[RUNS, STEPS])
         finally:
             executor.shutdown()
     finally:
