@@ -1,6 +1,7 @@
 """Codecs by name: ``compression="terngrad"`` anywhere a codec is accepted."""
 
 import ast
+import importlib
 
 from .adacomp import AdaComp
 from .blocksign import BlockSign
@@ -29,10 +30,17 @@ CODECS = {
 }
 
 
-def port_codecs(namespace: dict) -> dict:
-    """A port's codecs by registry name, in ``CODECS``' order: the class of ``namespace``
-    (the port package's globals) named as the core's class of that name."""
-    return {name: namespace[cls.__name__] for name, cls in CODECS.items()}
+def port_codecs(package: str) -> dict:
+    """A port's codecs by registry name, in ``CODECS``' order: for each of the core's
+    classes, the class of that name in the port ``package``'s module of the same name
+    (``hvd_compress.terngrad.TernGrad`` -> ``hvd_compress.pt.terngrad.TernGrad``), as the
+    ports mirror the core file for file."""
+    return {
+        name: getattr(
+            importlib.import_module(f"{package}.{cls.__module__.rpartition('.')[2]}"), cls.__name__
+        )
+        for name, cls in CODECS.items()
+    }
 
 
 # What a wrapper's ``compression`` argument takes (``resolve``): a registry name (with

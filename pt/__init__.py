@@ -2,21 +2,18 @@
 ``DistributedOptimizer`` that exchanges their codes through Horovod collectives."""
 
 from hvd_compress.adaptive import Adaptive
-from hvd_compress.registry import port_codecs
 
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
+from .codecs import CODECS
 from .dgc import DGC
+from .local_sgd import LocalClipSGD
+from .optimizer import DistributedOptimizer
 from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
 from .terngrad import TernGrad
-
-CODECS = port_codecs(globals())
-
-from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
-from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
 
 __all__ = [
     "AdaComp",

@@ -30,7 +30,7 @@ from hvd_compress.plan import classifier_names
 from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import check_bool, check_choice, check_float, check_int
 
-from . import CODECS
+from .codecs import CODECS
 from .exchange import (
     Meter,
     allreducible,

@@ -28,7 +28,7 @@ from hvd_compress.validation import (
     check_reduction,
 )
 
-from . import CODECS
+from .codecs import CODECS
 from .compressed_adam import CompressedAdam
 from .momentum import WorkerMomentum
 from .pipeline import CompressionPipeline

@@ -2,22 +2,18 @@
 ``DistributedGradientTape`` and a Keras ``DistributedOptimizer`` that exchange their codes
 through Horovod's TensorFlow collectives."""
 
-from hvd_compress.registry import port_codecs
-
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
+from .codecs import CODECS
 from .dgc import DGC
+from .local_sgd import LocalClipSGD
+from .optimizer import DistributedOptimizer
 from .powersgd import PowerSGD
 from .qsgd import NUQSGD, QSGD, QSGDInf
 from .scalecom import CyclicLocalTopK
+from .tape import DistributedGradientTape
 from .terngrad import TernGrad
-
-CODECS = port_codecs(globals())
-
-from .local_sgd import LocalClipSGD  # noqa: E402  (needs CODECS)
-from .optimizer import DistributedOptimizer  # noqa: E402  (needs CODECS)
-from .tape import DistributedGradientTape  # noqa: E402  (needs CODECS)
 
 __all__ = [
     "AdaComp",

@@ -36,7 +36,7 @@ import tensorflow as tf
 from hvd_compress.registry import Compression, resolve
 from hvd_compress.validation import check_bool, check_choice, check_float, check_int
 
-from . import CODECS
+from .codecs import CODECS
 from .exchange import Meter
 from .optimizer import wrap_in_subclass
 from .pipeline import make_pipeline, variable_name

@@ -30,7 +30,7 @@ from hvd_compress.validation import (
     check_int,
 )
 
-from . import CODECS
+from .codecs import CODECS
 from .compressed_adam import CompressedAdam
 from .local_aggregation import LocalAggregation
 from .local_variables import LocalVariables

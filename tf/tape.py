@@ -14,7 +14,7 @@ from hvd_compress.adaptive import Adaptive
 from hvd_compress.registry import Compression
 from hvd_compress.validation import check_horovod_defaults
 
-from . import CODECS
+from .codecs import CODECS
 from .local_variables import LocalVariables
 from .pipeline import check_options, make_pipeline, variable_name
 
