@@ -28,8 +28,8 @@ import threading
 
 from tqdm import tqdm
 
-from . import network, plots, report
-from .job import HorovodJob, LocalHosts, NamespacedHosts
+from . import network, plots, report, ssh_hosts
+from .job import HorovodJob, LocalHosts, NamespacedHosts, SshLaunchedHosts
 from .methods import (
     ACCURACY_CHOICES,
     ACCURACY_CODECS,
@@ -38,7 +38,14 @@ from .methods import (
     PEER_METHODS,
     TWO_LEVEL_METHODS,
 )
-from .protocol import EVENT, LONG_SECONDS, OP_COUNT_PATHS, STEP_BUDGET_SECONDS, TF_METHODS
+from .protocol import (
+    LONG_SECONDS,
+    OP_COUNT_PATHS,
+    STEP_BUDGET_SECONDS,
+    TF_METHODS,
+    event_of,
+    shaped_path,
+)
 from .shapes import MODELS
 
 DEFAULT_WORKERS = (2, 4)
@@ -259,27 +266,20 @@ def run_job(hosts, spec, timeout, shape, progress, events, program):
         env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout)), "HOROVOD_CACHE_CAPACITY": "16384"}
         with (
             open(log_path, "w") as log,
-            HorovodJob(
-                hosts,
-                [sys.executable, "-m", program, spec_path],
-                env=env,
-                rank0_pipes=True,
-                log=log,
-            ) as job,
+            hosts.job([sys.executable, "-m", program, spec_path], env, log) as job,
         ):
             outcome = {}
             monitor = threading.Thread(target=_wait, args=(job, timeout, outcome), daemon=True)
             monitor.start()
             done = False
-            for line in job.rank0.stdout:
-                if not line.startswith(EVENT):
+            for line in job.output:
+                event = event_of(line)
+                if event is None:
                     log.write(line)
                     continue
-                event = json.loads(line[len(EVENT) :])
                 if event["kind"] == "shape":
                     shape(event["rate"])
-                    job.rank0.stdin.write("\n")
-                    job.rank0.stdin.flush()
+                    open(shaped_path(workdir, event["reply"]), "w").close()
                     continue
                 done = event["kind"] == "done"
                 events.append(event)
@@ -392,7 +392,16 @@ def bench(args):
     try:
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
             for workers in args.workers:
-                if reason is None:
+                if reason is None and args.per_node > 1:
+                    # Nodes of several workers are hosts that horovodrun reaches over ssh:
+                    # Horovod places the ranks and derives their local and cross ranks.
+                    with (
+                        network.TestNetwork(workers, args.per_node) as net,
+                        ssh_hosts.SshHosts(net) as reachable,
+                    ):
+                        hosts = SshLaunchedHosts(reachable)
+                        run_jobs(hosts, spec, args.timeout, net.shape, progress, events)
+                elif reason is None:
                     with network.TestNetwork(workers, args.per_node) as net:
                         run_jobs(
                             NamespacedHosts(net), spec, args.timeout, net.shape, progress, events

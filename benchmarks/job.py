@@ -1,12 +1,16 @@
-"""A Horovod job over Gloo started without ssh or ``horovodrun``: Horovod's own rendezvous
-server, and each worker given the environment ``horovodrun --gloo`` would have set.
+"""The benchmark's Horovod jobs over Gloo, and the hosts they run on.
 
-    with HorovodJob(NamespacedHosts(network), [python, "train.py"]) as job:
-        ...job.rank0 is rank 0's process...
+    with hosts.job([python, "train.py"], env, log) as job:
+        for line in job.output: ...       # rank 0's lines (horovodrun's: every rank's)
+        job.wait(timeout)
 
-``NamespacedHosts`` puts the workers in the node namespaces of a ``TestNetwork`` (the
-rendezvous server runs in the switch namespace); ``LocalHosts`` runs every worker on this
-machine's loopback, the fallback when namespaces cannot be created. Every worker is started
+``SshLaunchedHosts`` are the nodes of a ``TestNetwork`` that answer over ssh
+(``benchmarks.ssh_hosts``): ``horovodrun --gloo -H`` starts the job from node 0
+(``HorovodrunJob``) and derives every rank's local and cross ranks itself, as on a cluster.
+``NamespacedHosts`` (a node namespace per worker) and ``LocalHosts`` (every worker on this
+machine's loopback, the fallback when namespaces cannot be created) start their workers
+without ssh or ``horovodrun`` (``HorovodJob``): Horovod's own rendezvous server, and each
+worker given the environment ``horovodrun --gloo`` would have set. Every worker is started
 in its own process group, and leaving the ``with`` block kills the ones still running.
 """
 
@@ -51,6 +55,9 @@ class NamespacedHosts:
     def rendezvous_prefix(self):
         return self.network.switch_exec_prefix()
 
+    def job(self, command, env=None, log=None):
+        return HorovodJob(self, command, env, rank0_output=True, log=log)
+
 
 class LocalHosts:
     """Every worker on this machine's loopback, unshaped; placed on ``hosts``
@@ -74,6 +81,23 @@ class LocalHosts:
     def rendezvous_prefix(self):
         return []
 
+    def job(self, command, env=None, log=None):
+        return HorovodJob(self, command, env, rank0_output=True, log=log)
+
+
+class SshLaunchedHosts:
+    """The nodes of ``hosts`` (an entered ``benchmarks.ssh_hosts.SshHosts``), on which
+    ``horovodrun`` starts the jobs over ssh."""
+
+    shaped = True
+
+    def __init__(self, hosts):
+        self.ssh = hosts
+        self.workers = hosts.network.workers
+
+    def job(self, command, env=None, log=None):
+        return HorovodrunJob(self.ssh, command, env, log)
+
 
 class HorovodJob:
     """``command`` on every worker of ``hosts``.
@@ -82,17 +106,17 @@ class HorovodJob:
         hosts: ``NamespacedHosts`` or ``LocalHosts``.
         command: the worker program and its arguments.
         env: extra environment variables for every worker.
-        rank0_pipes: give rank 0 a pipe for stdin and stdout (``job.rank0``) instead of
+        rank0_output: give rank 0's standard output a pipe (``job.output``) instead of
             this process's; the other ranks' output goes to ``log`` (or is inherited).
         log: a file that receives the output of ranks other than 0.
     """
 
-    def __init__(self, hosts, command, env=None, rank0_pipes=False, log=None):
+    def __init__(self, hosts, command, env=None, rank0_output=False, log=None):
         self.hosts, self.command = hosts, list(command)
-        self.env, self.rank0_pipes, self.log = dict(env or {}), rank0_pipes, log
+        self.env, self.rank0_output, self.log = dict(env or {}), rank0_output, log
         self.processes = []
         self.rendezvous = None
-        self.rank0 = None
+        self.output = None
 
     def __enter__(self):
         try:
@@ -136,30 +160,25 @@ class HorovodJob:
         for slot in plan:
             worker_env = dict(env, **create_slot_env_vars(slot))
             self.processes.append(self._spawn(slot.rank, worker_env))
-        self.rank0 = self.processes[0]
+        if self.rank0_output:
+            self.output = self.processes[0].stdout
 
     def _spawn(self, rank, env):
         """Starts worker ``rank`` with ``env`` in its own session; returns its process."""
-        pipes = self.rank0_pipes and rank == 0
+        pipe = self.rank0_output and rank == 0
         return subprocess.Popen(
             self.hosts.worker_prefix(rank) + self.command,
             cwd=REPO,
             env=env,
             start_new_session=True,
             text=True,
-            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if pipes else self.log,
-            stderr=None if pipes or self.log is None else subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipe else self.log,
+            stderr=None if pipe or self.log is None else subprocess.STDOUT,
         )
 
     def _base_env(self):
-        return dict(
-            os.environ,
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-            PYTHONUNBUFFERED="1",
-            **self.env,
-            PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-        )
+        return _worker_env(self.env)
 
     def wait(self, timeout, stop_at_failure=True):
         """Waits for every worker; kills them all after ``timeout`` seconds or, as
@@ -188,3 +207,83 @@ class HorovodJob:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def _worker_env(extra):
+    """This process's environment for a worker: one thread, unbuffered output, ``extra``,
+    the checkout importable."""
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        PYTHONUNBUFFERED="1",
+        **extra,
+        PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+    )
+
+
+class HorovodrunJob:
+    """``command`` on every worker of ``hosts`` (an entered ``benchmarks.ssh_hosts.SshHosts``),
+    started by ``horovodrun --gloo -H`` in node 0's namespace, which reaches every node over
+    ssh and forwards its environment (``env`` added) to every rank. ``output`` is the
+    launcher's: every rank's lines, each prefixed ``[<rank>]<stdout>:``."""
+
+    def __init__(self, hosts, command, env=None, log=None):
+        self.hosts, self.command, self.env, self.log = hosts, list(command), env or {}, log
+        self.process = None
+        self.output = None
+
+    def __enter__(self):
+        self.process = subprocess.Popen(
+            self.hosts.launcher_prefix()
+            + [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--gloo"]
+            + ["-np", str(self.hosts.network.workers), "-H", self.hosts.hosts()]
+            # The nodes' interface: horovodrun would otherwise probe every node for the
+            # interfaces they share, through services it starts over ssh.
+            + ["--network-interface", "eth0"]
+            + self.command,
+            cwd=REPO,
+            env=self.hosts.launcher_env(
+                _worker_env(
+                    dict(
+                        self.env,
+                        MASTER_ADDR=self.hosts.network.address(0),
+                        MASTER_PORT=str(DDP_PORT),
+                    )
+                )
+            ),
+            start_new_session=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self.log or subprocess.STDOUT,
+        )
+        self.output = self.process.stdout
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+    def wait(self, timeout, stop_at_failure=True):
+        """Waits for ``horovodrun``, which ends the job when a rank fails; kills the job
+        after ``timeout`` seconds. Returns its exit code."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"the Horovod job did not finish within {timeout:.0f}s") from None
+
+    def kill(self):
+        """Kills the launcher and, in every node's namespace, the job's ranks that the
+        ssh sessions it held may have left running."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        program = " ".join(self.command).encode()
+        for node in range(self.hosts.network.nodes):
+            for pid in self.hosts.network.pids(node):
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        running = f.read().replace(b"\0", b" ").strip()
+                    if running.endswith(program):
+                        os.kill(pid, signal.SIGKILL)

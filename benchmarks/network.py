@@ -193,6 +193,13 @@ class TestNetwork:
         """The command prefix that runs a program inside worker ``rank``'s node namespace."""
         return ["ip", "netns", "exec", self.namespace(self.node(rank))]
 
+    def pids(self, node):
+        """The processes running in ``node``'s namespace."""
+        listing = subprocess.run(
+            ["ip", "netns", "pids", self.namespace(node)], capture_output=True, text=True
+        ).stdout
+        return [int(pid) for pid in listing.split()]
+
     def switch_exec_prefix(self):
         return ["ip", "netns", "exec", self.switch]
 

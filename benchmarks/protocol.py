@@ -3,20 +3,27 @@ PyTorch, ``benchmarks.tf_worker`` for TensorFlow) share: the events they exchang
 settings of the measurements, the TensorFlow methods' names and the interface counters the
 workers read. Free of any framework, so that either worker imports only its own.
 
-Rank 0 reports each measurement as one line ``@@bench {json}`` on its standard output; to
-change the link rate it prints a ``shape`` event and waits for the driver's reply on its
-standard input, and every rank waits for it at a barrier.
+Rank 0 reports each measurement as one line ``@@bench {json}`` on its standard output
+(through ``horovodrun``'s, on nodes reached over ssh); to change the link rate it prints a
+``shape`` event and waits for the driver's reply, a file ``shaped.<k>`` beside the spec (a
+launcher forwards no standard input to its ranks), and every rank waits for it at a barrier.
 """
 
 import json
+import os
+import re
 import statistics
-import sys
 import time
 
 from hvd_compress import cost
 from hvd_compress.accounting import HALF, UNCOMPRESSED
 
 EVENT = "@@bench "
+# ``horovodrun``'s prefix of each line a rank prints: ``[<rank>]<stdout>:``.
+LAUNCHER_PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")
+# How long rank 0 waits for the driver to reshape the links (``tc`` takes well under a second).
+SHAPE_SECONDS = 60.0
+POLL_SECONDS = 0.01
 # The paths a step can take on CPU tensors, whose ops ``benchmarks.op_count`` counts: by
 # key, its name and the kernels it turns on (the CPU kernels, Triton's kernels with CPU
 # tensors under the interpreter); neither is the eager ops.
@@ -58,13 +65,16 @@ class Driver:
         allreduce: ``allreduce(name, value)``, a blocking Max-allreduce of the number
             ``value`` in the worker's framework under a collective name: the largest
             value over the ranks.
+        directory: where the driver answers ``shape`` events (the spec's directory).
     """
 
-    def __init__(self, rank, size, allreduce):
+    def __init__(self, rank, size, allreduce, directory):
         self.rank0 = rank == 0
         self.size = size
         self.allreduce = allreduce
+        self.directory = directory
         self.collectives = 0  # the driver's own, each under a name of its own
+        self.shapes = 0
 
     def emit(self, kind, **fields):
         if self.rank0:
@@ -73,9 +83,17 @@ class Driver:
     def shape(self, rate):
         """Has the driver set every link to ``rate``; returns when all ranks know it."""
         if self.rank0:
-            self.emit("shape", rate=rate)
-            if not sys.stdin.readline():
-                raise RuntimeError("the benchmark driver closed its pipe to rank 0")
+            self.shapes += 1
+            self.emit("shape", rate=rate, reply=self.shapes)
+            reply = shaped_path(self.directory, self.shapes)
+            deadline = time.monotonic() + SHAPE_SECONDS
+            while not os.path.exists(reply):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the benchmark driver did not set the links to {rate} within "
+                        f"{SHAPE_SECONDS:.0f} s"
+                    )
+                time.sleep(POLL_SECONDS)
         self.barrier()
 
     def barrier(self):
@@ -105,6 +123,18 @@ class Driver:
         """The largest of the ranks' ``value``, by the next of the driver's collectives."""
         self.collectives += 1
         return self.allreduce(f"bench.{kind}.{self.collectives}", value)
+
+
+def shaped_path(directory, count):
+    """The file by which the driver says that it set the links for ``count``-th ``shape``."""
+    return os.path.join(directory, f"shaped.{count}")
+
+
+def event_of(line):
+    """The event a line of a job's output carries (``horovodrun``'s prefix or none), or
+    None for any other line."""
+    line = LAUNCHER_PREFIX.sub("", line, count=1)
+    return json.loads(line[len(EVENT) :]) if line.startswith(EVENT) else None
 
 
 def interface_bytes(interface):

@@ -273,7 +273,7 @@ def main(spec_path):
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    driver = Driver(hvd.rank(), hvd.size(), _largest)
+    driver = Driver(hvd.rank(), hvd.size(), _largest, os.path.dirname(spec_path))
     interface = os.environ.get("HOROVOD_GLOO_IFACE")
     driver.barrier()
     for model in spec["models"]:

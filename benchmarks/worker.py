@@ -229,7 +229,7 @@ def main(spec_path):
     flush_subnormals()
     if needs_ddp(spec["methods"]) or needs_ddp(spec["accuracy"]["methods"]):
         init_ddp()
-    driver = Driver(hvd.rank(), hvd.size(), _largest)
+    driver = Driver(hvd.rank(), hvd.size(), _largest, os.path.dirname(spec_path))
     interface = os.environ.get("HOROVOD_GLOO_IFACE")
     driver.barrier()
     before = interface_bytes(interface)

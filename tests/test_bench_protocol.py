@@ -2,8 +2,13 @@
 configuration is measured, decided alike on every rank."""
 
 import itertools
+import json
+import threading
 
-from benchmarks.protocol import LONG_SECONDS, Driver
+import pytest
+
+from benchmarks import protocol
+from benchmarks.protocol import EVENT, LONG_SECONDS, Driver, event_of, shaped_path
 
 
 def _driver(other_ranks_seconds):
@@ -15,7 +20,7 @@ def _driver(other_ranks_seconds):
         names.append(name)
         return max(value, other_ranks_seconds)
 
-    return Driver(1, 4, largest), names
+    return Driver(1, 4, largest, directory=None), names
 
 
 def test_a_configuration_is_measured_count_times_unless_its_first_run_is_long():
@@ -53,3 +58,34 @@ def test_the_pace_is_the_median_of_the_least_steps_not_the_first():
     runs = iter([0.9] + [0.1] * 10)
     driver, _ = _driver(0.0)
     assert driver.repeated(lambda: next(runs), 3, 7, 1.0) == [0.9] + [0.1] * 6
+
+
+def test_events_are_read_with_or_without_the_launchers_prefix():
+    event = {"kind": "step", "seconds": 0.5}
+    line = EVENT + json.dumps(event) + "\n"
+    assert event_of(line) == event
+    assert event_of("[0]<stdout>:" + line) == event
+    assert event_of("[3]<stdout>:a worker's own line\n") is None
+    assert event_of("Epoch 1: loss 0.3\n") is None
+
+
+def test_rank_0_waits_for_the_drivers_file_before_the_barrier(tmp_path, capsys, monkeypatch):
+    """Rank 0 prints a ``shape`` event and returns only once the driver's file is there;
+    a driver that never answers is an error, not a hang."""
+    barriers = []
+    driver = Driver(0, 2, lambda name, value: barriers.append(name) or value, str(tmp_path))
+    answer = threading.Timer(0.2, lambda: open(shaped_path(tmp_path, 1), "w").close())
+    answer.start()
+    driver.shape("1G")
+    answer.join()
+    assert event_of(capsys.readouterr().out) == {
+        "kind": "shape",
+        "workers": 2,
+        "rate": "1G",
+        "reply": 1,
+    }
+    assert len(barriers) == 1
+    monkeypatch.setattr(protocol, "SHAPE_SECONDS", 0.1)
+    with pytest.raises(RuntimeError, match="did not set the links to 100M"):
+        driver.shape("100M")
+    assert len(barriers) == 1

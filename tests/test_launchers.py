@@ -5,18 +5,20 @@ namespaces of this machine, each with an sshd of its own: ``benchmarks.ssh_hosts
 (``tests.slurm_cluster``), ``horovod.spark.run`` on a local Spark and
 ``horovod.ray.RayExecutor`` on a local Ray. Horovod derives the local and cross ranks
 itself; the flat codecs and the two-level exchange train (``tests.launched_train``), every
-rank holds the same parameters after every step, and the bytes each step handed to Horovod
-are what the cost model says."""
+rank holds the same parameters after every step, the bytes each step handed to Horovod are
+what the cost model says, and the exchanged gradients are the numpy reference's."""
 
-import json
 import os
+import pickle
 import subprocess
 
 import pytest
 
 from benchmarks import network, ssh_hosts
+from hvd_compress import cost, registry
+from hvd_compress.topology import Nodes
 
-from . import slurm_cluster
+from . import pt_jobs, slurm_cluster, two_level_checks
 from .harness import BIN, REPO, job_env, run_job
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.launchers]
@@ -44,25 +46,31 @@ def hosts():
 
 def _reports(out, ranks):
     """The reports ``tests.launched_train`` wrote to ``out``, by rank."""
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(ranks)]
 
 
 def _check(ranks, nodes=NODES, per_node=PER_NODE):
     """Every rank's report from ``tests.launched_train``: placed as on ``nodes`` nodes of
-    ``per_node`` ranks, in step with the others, each step's bytes the cost model's."""
+    ``per_node`` ranks, its parameters bitwise those of the others after every step, each
+    step's bytes the cost model's, and PyTorch's exchanged gradients the numpy reference's
+    (``simulate``) where it has one: every stateless codec, flat or two-level."""
     for r, result in enumerate(ranks):
         assert result["rank"] == r and result["size"] == nodes * per_node
         assert (result["local_rank"], result["local_size"]) == (r % per_node, per_node)
         assert (result["cross_rank"], result["cross_size"]) == (r // per_node, nodes)
+    placed = Nodes(tuple(tuple(range(m * per_node, (m + 1) * per_node)) for m in range(nodes)))
     for index, run in enumerate(ranks[0]["runs"]):
-        assert len(run["digests"]) == STEPS
-        for other in ranks[1:]:
-            assert other["runs"][index]["digests"] == run["digests"], run["codec"]
-        for result in ranks:
-            mine = result["runs"][index]
-            assert mine["handed"] == [mine["expected"]] * STEPS, (mine["codec"], mine["exchange"])
+        results = [result["runs"][index] for result in ranks]
+        codec = registry.resolve(run["codec"])
+        reference = ranks[0]["framework"] == "torch" and not codec.two_way
+        assert len(run["records"]) == STEPS
         if run["exchange"] == "two-level":
-            assert "two-level" in run["routes"], run["routes"]
+            assert cost.TWO_LEVEL in {route for _, _, route, _ in run["tensors"]}
+            two_level_checks.check(results, codec, placed, reference)
+        elif reference:
+            pt_jobs.check_consistent_and_exact(results, codec)
+        else:
+            two_level_checks.check(results, codec, placed, reference=False)
     return ranks
 
 
@@ -173,23 +181,26 @@ def test_horovod_spark_run_trains_with_both_wrappers(monkeypatch):
         spark.stop()
 
 
-def test_horovod_ray_executor_trains():
-    """``horovod.ray.RayExecutor`` with 2 CPU workers on a local Ray."""
+def test_horovod_ray_executor_trains_with_both_wrappers():
+    """``horovod.ray.RayExecutor`` with 2 CPU workers on a local Ray, the PyTorch and the
+    Keras training alike."""
     ray = pytest.importorskip("ray")
     from horovod.ray import RayExecutor
 
-    from .launched_train import train
+    from .launched_train import train, train_keras
 
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": job_env()})
     try:
-        executor = RayExecutor(
-            RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1
-        )
-        executor.start()
-        try:
-            ranks = executor.run(train, args=[RUNS, STEPS])
-        finally:
-            executor.shutdown()
+        for function in (train, train_keras):
+            executor = RayExecutor(
+                RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1
+            )
+            executor.start()
+            try:
+                ranks = executor.run(function, args=[RUNS, STEPS])
+            finally:
+                executor.shutdown()
+            ranks = sorted(ranks, key=lambda r: r["rank"])
+            assert all(r["gloo"] for r in _check(ranks, 1, 2)), function
     finally:
         ray.shutdown()
-    assert all(r["gloo"] for r in _check(sorted(ranks, key=lambda r: r["rank"]), 1, 2))
