@@ -19,6 +19,7 @@ so: the harness still runs, but the times are not those of a limited link.
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -357,6 +358,18 @@ def _local_hosts(workers, per_node):
     return LocalHosts(workers, ",".join(f"node{k}:{per_node}" for k in range(nodes)))
 
 
+@contextlib.contextmanager
+def _namespaced_hosts(net):
+    """The hosts of ``net`` (an entered ``TestNetwork``): nodes of several workers are
+    hosts that horovodrun reaches over ssh, so that Horovod places the ranks and derives
+    their local and cross ranks itself; a node of one worker has none to derive."""
+    if net.per_node == 1:
+        yield NamespacedHosts(net)
+        return
+    with ssh_hosts.SshHosts(net) as reachable:
+        yield SshLaunchedHosts(reachable)
+
+
 def bench(args):
     for workers in args.workers:
         network.check_topology(workers, args.per_node)
@@ -392,20 +405,12 @@ def bench(args):
     try:
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
             for workers in args.workers:
-                if reason is None and args.per_node > 1:
-                    # Nodes of several workers are hosts that horovodrun reaches over ssh:
-                    # Horovod places the ranks and derives their local and cross ranks.
+                if reason is None:
                     with (
                         network.TestNetwork(workers, args.per_node) as net,
-                        ssh_hosts.SshHosts(net) as reachable,
+                        _namespaced_hosts(net) as hosts,
                     ):
-                        hosts = SshLaunchedHosts(reachable)
                         run_jobs(hosts, spec, args.timeout, net.shape, progress, events)
-                elif reason is None:
-                    with network.TestNetwork(workers, args.per_node) as net:
-                        run_jobs(
-                            NamespacedHosts(net), spec, args.timeout, net.shape, progress, events
-                        )
                 else:
                     hosts = _local_hosts(workers, args.per_node)
                     run_jobs(hosts, spec, args.timeout, lambda rate: None, progress, events)

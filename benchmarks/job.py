@@ -34,8 +34,6 @@ class NamespacedHosts:
     """The workers of ``network`` (a ``TestNetwork``) in its node namespaces, each node a
     host with a slot per worker."""
 
-    shaped = True
-
     def __init__(self, network):
         self.network = network
         self.workers = network.workers
@@ -64,8 +62,6 @@ class LocalHosts:
     (``"nodeA:2,nodeB:2"``: Horovod's local and cross ranks as on two nodes) or all on
     localhost."""
 
-    shaped = False
-
     def __init__(self, workers, hosts=None):
         self.workers = workers
         self.interface = "lo"
@@ -88,8 +84,6 @@ class LocalHosts:
 class SshLaunchedHosts:
     """The nodes of ``hosts`` (an entered ``benchmarks.ssh_hosts.SshHosts``), on which
     ``horovodrun`` starts the jobs over ssh."""
-
-    shaped = True
 
     def __init__(self, hosts):
         self.ssh = hosts
@@ -234,13 +228,9 @@ class HorovodrunJob:
 
     def __enter__(self):
         self.process = subprocess.Popen(
-            self.hosts.launcher_prefix()
-            + [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--gloo"]
-            + ["-np", str(self.hosts.network.workers), "-H", self.hosts.hosts()]
             # The nodes' interface: horovodrun would otherwise probe every node for the
             # interfaces they share, through services it starts over ssh.
-            + ["--network-interface", "eth0"]
-            + self.command,
+            self.hosts.horovodrun("--network-interface", "eth0") + self.command,
             cwd=REPO,
             env=self.hosts.launcher_env(
                 _worker_env(
@@ -263,7 +253,7 @@ class HorovodrunJob:
     def __exit__(self, *exc):
         self.kill()
 
-    def wait(self, timeout, stop_at_failure=True):
+    def wait(self, timeout):
         """Waits for ``horovodrun``, which ends the job when a rank fails; kills the job
         after ``timeout`` seconds. Returns its exit code."""
         try:

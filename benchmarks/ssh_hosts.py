@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -61,6 +62,13 @@ class SshHosts:
         return ",".join(
             f"{self.name(k)}:{self.network.per_node}" for k in range(self.network.nodes)
         )
+
+    def horovodrun(self, *options):
+        """``horovodrun --gloo`` in node 0's namespace, a rank on every slot of every node,
+        with ``options`` (the program and its arguments follow)."""
+        launcher = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        hosts = ["-np", str(self.network.workers), "-H", self.hosts()]
+        return self.launcher_prefix() + [launcher, "--gloo"] + hosts + list(options)
 
     def launcher_prefix(self):
         """The command prefix that runs a launcher in node 0's namespace."""

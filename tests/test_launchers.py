@@ -79,16 +79,7 @@ def _train_command(out):
 
 
 def test_horovodrun_over_ssh(hosts, tmp_path):
-    command = hosts.launcher_prefix() + [
-        os.path.join(BIN, "horovodrun"),
-        "--gloo",
-        "-np",
-        str(NODES * PER_NODE),
-        "-H",
-        hosts.hosts(),
-        "--gloo-timeout-seconds",
-        "120",
-    ]
+    command = hosts.horovodrun("--gloo-timeout-seconds", "120")
     run_job(
         command + _train_command(tmp_path), "horovodrun", 300, env=hosts.launcher_env(job_env())
     )
