@@ -18,7 +18,7 @@ import torch
 
 import hvd_compress.pt as hc
 
-from .pt_jobs import Net
+from .pt_jobs import Net, random_batch
 
 
 def _server_mass(pipeline, plan, server):
@@ -94,10 +94,8 @@ def main(directory, steps, exchange, changes):
         while state.step < steps:
             data = torch.Generator().manual_seed(1000 * state.step + hvd.rank())
             optimizer.zero_grad()
-            x = torch.randn(8, 64, generator=data)
-            torch.nn.functional.cross_entropy(
-                model(x), torch.randint(0, 10, (8,), generator=data)
-            ).backward()
+            x, y = random_batch(data)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
             state.step += 1
             sizes.append(hvd.size())

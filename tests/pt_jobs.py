@@ -28,6 +28,11 @@ class Net(torch.nn.Module):
         return self.out(torch.relu(self.middle(torch.relu(self.hidden(x)))))
 
 
+def random_batch(data):
+    """A batch of ``Net``'s inputs and labels drawn from the generator ``data``."""
+    return torch.randn(8, 64, generator=data), torch.randint(0, 10, (8,), generator=data)
+
+
 def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
@@ -94,8 +99,7 @@ def train(
     for _ in range(steps):
         optimizer.zero_grad()
         for _ in range(passes):
-            x = torch.randn(8, 64, generator=data)
-            y = torch.randint(0, 10, (8,), generator=data)
+            x, y = random_batch(data)
             torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.synchronize()
         exchanged = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -165,8 +169,7 @@ def train_side_by_side(pairs, steps, seed):
     """Trains every (model, optimizer) pair on the same batches; returns their parameters."""
     data = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        x = torch.randn(8, 64, generator=data)
-        y = torch.randint(0, 10, (8,), generator=data)
+        x, y = random_batch(data)
         for model, optimizer in pairs:
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -215,10 +218,8 @@ def train_ef(
     x0, params, grads, rates, handed = flat(model), [], [], [], []
     for _ in range(steps):
         optimizer.zero_grad()
-        x = torch.randn(8, 64, generator=data)
-        torch.nn.functional.cross_entropy(
-            model(x), torch.randint(0, 10, (8,), generator=data)
-        ).backward()
+        x, y = random_batch(data)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
@@ -320,10 +321,8 @@ def train_sparse(codec, steps=6, layout=None):
     records = []
     for _ in range(steps):
         optimizer.zero_grad()
-        x = torch.randn(8, 64, generator=data)
-        torch.nn.functional.cross_entropy(
-            model(x), torch.randint(0, 10, (8,), generator=data)
-        ).backward()
+        x, y = random_batch(data)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.synchronize()
         exchanged = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         with optimizer.skip_synchronize():
@@ -445,8 +444,7 @@ def setup_case(name, params, error_feedback, exchange="auto", device="cpu"):
 def step_case(model, optimizer, schedule, step, rank, scaler=None, poison=False):
     data = torch.Generator().manual_seed(1000 * step + rank)
     device = next(model.parameters()).device
-    x = torch.randn(8, 64, generator=data).to(device)
-    y = torch.randint(0, 10, (8,), generator=data).to(device)
+    x, y = (tensor.to(device) for tensor in random_batch(data))
     loss = torch.nn.functional.cross_entropy(model(x), y)
     if poison:
         loss = loss * float("nan")

@@ -8,7 +8,7 @@ from hvd_compress.adaptive import TRIAL_STEPS
 
 from .devices import DEVICES, rank_device
 from .harness import run_parallel
-from .pt_jobs import Net
+from .pt_jobs import Net, random_batch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,8 +45,7 @@ def _adaptive_run():
     reports, routes = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
-        x = torch.randn(8, 64, generator=data)
-        y = torch.randint(0, 10, (8,), generator=data)
+        x, y = random_batch(data)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         if step == WARMUP - 1 and hvd.rank() == 1:
             time.sleep(LATE_SECONDS)
@@ -91,8 +90,7 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
             pipeline.state.planner.paths["hidden.weight"] = "fp32"
             pipeline.follow_paths()
         optimizer.zero_grad()
-        x = torch.randn(8, 64, generator=data)
-        y = torch.randint(0, 10, (8,), generator=data)
+        x, y = random_batch(data)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.synchronize()
         exchanged.append(model.hidden.weight.grad.detach().clone())

@@ -11,7 +11,7 @@ import torch
 from . import compressed_adam_reference as reference
 from .compressed_adam_reference import WARMUP
 from .harness import run_parallel
-from .pt_jobs import Net, flat, local_gradients
+from .pt_jobs import Net, flat, local_gradients, random_batch
 
 STEPS = 12
 SETTINGS = dict(
@@ -43,10 +43,7 @@ def _build(codec, exchange="auto"):
 
 def _batches(rank, steps):
     data = torch.Generator().manual_seed(100 + rank)
-    return [
-        (torch.randn(8, 64, generator=data), torch.randint(0, 10, (8,), generator=data))
-        for _ in range(steps)
-    ]
+    return [random_batch(data) for _ in range(steps)]
 
 
 def _train(model, optimizer, raw, batches):

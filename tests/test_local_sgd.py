@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from .harness import run_parallel
-from .pt_jobs import Net, flat
+from .pt_jobs import Net, flat, random_batch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,7 +34,7 @@ class NormNet(torch.nn.Module):
 
 def _batch(rank, step):
     data = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 64, generator=data), torch.randint(0, 10, (8,), generator=data)
+    return random_batch(data)
 
 
 @contextlib.contextmanager
