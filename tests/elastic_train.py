@@ -11,13 +11,13 @@ that finish write ``<dir>/rank<r>.pt``.
 
 import os
 import sys
-import time
 
 import horovod.torch as hvd
 import torch
 
 import hvd_compress.pt as hc
 
+from .elastic_changes import change_hosts
 from .pt_jobs import Net, random_batch
 
 
@@ -102,16 +102,8 @@ def main(directory, steps, exchange, changes):
             committed["mass"] = parameter_mass(pipeline)
             state.commit()
             if state.step in change_steps:
-                if hvd.rank() == 0:
-                    hosts = changes[change_steps.index(state.step)][1]
-                    with open(os.path.join(directory, "hosts"), "w") as f:
-                        f.write(hosts.replace(",", "\n") + "\n")
-                # Wait for the driver to see the new hosts (it polls the discovery script),
-                # so the change happens at this step however loaded the machine is; every
-                # rank takes part in each check, and all are interrupted together.
-                for _ in range(600):
-                    time.sleep(0.5)
-                    state.check_host_updates()
+                hosts = changes[change_steps.index(state.step)][1]
+                change_hosts(state, hvd.rank(), directory, hosts)
 
     train(state)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -133,8 +133,8 @@ MISMATCHES = {
 
 def _mismatched(kind):
     """Each wrapper built with a different codec, codec parameter, exchange, model or
-    ``sparse_as_dense`` on rank 1: the message each rank raises, per wrapper (None if it
-    built)."""
+    ``sparse_as_dense`` on rank 1: the message each rank raises at its first step, per
+    wrapper (None if it stepped)."""
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
@@ -150,9 +150,11 @@ def _mismatched(kind):
     model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(10)])
     messages = {}
     try:
-        htf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=codec, **options).build(
-            model.trainable_variables
+        optimizer = htf.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), compression=codec, **options
         )
+        optimizer.build(model.trainable_variables)
+        optimizer.apply([tf.zeros_like(v) for v in model.trainable_variables])
         messages["optimizer"] = None
     except ValueError as error:
         messages["optimizer"] = str(error)

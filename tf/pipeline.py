@@ -11,7 +11,7 @@ two-level exchange's stages are ``tf/two_level.py``'s ``TwoLevelSteps``.
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvd_compress import accounting, agreement, cost, fusion, watchdog
+from hvd_compress import accounting, agreement, fusion
 from hvd_compress.accounting import UNCOMPRESSED, Sent
 from hvd_compress.adaptive import Adaptive
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES, TWO_LEVEL
@@ -36,13 +36,12 @@ from .exchange import (
     make_sparse_exchange,
     mark_exchange_end,
     mark_exchange_start,
-    meet,
-    watched,
 )
 from .fusion import AlltoallFusion
 from .memory import ErrorFeedback, FactorMemory
 from .state import PipelineState
 from .two_level import TwoLevelSteps
+from .world import ElasticWorld
 from .xla import refuse_xla
 
 
@@ -54,7 +53,7 @@ def uniforms(seed, rank, step, index, shape):
     return tf.reshape(seeding.uniforms(key, tf.TensorShape(shape).num_elements()), shape)
 
 
-class CompressionPipeline(TwoLevelSteps, tf.Module):
+class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
     """Compressed averaging (or summing) of gradients across the ranks of a Horovod
     process set.
 
@@ -135,37 +134,22 @@ class CompressionPipeline(TwoLevelSteps, tf.Module):
                 zip(named_variables, self.shapes, self.dtypes)
             )
         ]
-        # Before any collective: ranks built differently would hang in them. Eagerly (the
-        # pipeline may be built while a tf.function traces), as allgather_object needs.
-        # The same gather tells every rank where the others' watchdogs answer.
-        if self.included:
-            with tf.init_scope(), watched("allgather", "hvdc.agreement", process_set):
-                gathered = hvd.allgather_object(
-                    (
-                        agreement.describe(
-                            codec,
-                            exchange,
-                            average,
-                            [
-                                (plan.name, shape, dtype.name, plan.reason)
-                                for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
-                            ],
-                        )
-                        | (modes or {}),
-                        watchdog.address(),
-                    ),
-                    name="hvdc.agreement",
-                    process_set=process_set,
-                )
-            meet(process_set, [address for _, address in gathered], self.rank)
-            problem = agreement.disagreement([description for description, _ in gathered])
-            if problem:
-                raise ValueError(problem)
+        # What every rank must compress alike, and whether the ranks of this world have
+        # checked it and taken one step counter (``_agree``, at the first step: a worker
+        # that joins an elastic job builds its optimizer where the others do not).
+        self._description = agreement.describe(
+            codec,
+            exchange,
+            average,
+            [
+                (plan.name, shape, dtype.name, plan.reason)
+                for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
+            ],
+        ) | (modes or {})
+        self._agreed = False
         self._choose_exchanges()
         if exchange == TWO_LEVEL and self.included:
             self._join_nodes()
-        count = self.world_size if average else 1
-        compressed = [plan for plan in self.plans if plan.exchange != UNCOMPRESSED]
         with tf.init_scope():
             step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.last_step_bytes = tf.Variable(
@@ -179,11 +163,10 @@ class CompressionPipeline(TwoLevelSteps, tf.Module):
             self.last_sent_elements = tf.Variable(
                 tf.zeros([len(self.plans)], tf.int64), trainable=False, name="last_sent_elements"
             )
-        # The tensors this rank encodes: all compressed ones but the two-level tensors of a
-        # job on one node, whose shards cross no network.
-        encoded = [p for p in compressed if p.exchange != TWO_LEVEL or p.name in self.between_nodes]
         worker = (
-            ErrorFeedback({plan.name: self._coded_numel(plan) for plan in encoded}, name="worker")
+            ErrorFeedback(
+                {plan.name: self._coded_numel(plan) for plan in self._encoded()}, name="worker"
+            )
             if error_feedback
             else None
         )
@@ -191,62 +174,61 @@ class CompressionPipeline(TwoLevelSteps, tf.Module):
             FactorMemory(
                 {
                     plan.name: codec.initial_factor(seed, plan.index, plan.shape)
-                    for plan in compressed
+                    for plan in self.plans
+                    if plan.exchange != UNCOMPRESSED
                 },
                 name="factors",
             )
             if codec.message == "factors"
             else None
         )
-        if codec.sparse:
+        # Everything the steps carry forward; ``_make_exchanges`` adds the server
+        # residuals, an optimizer that applies a worker momentum the momentum.
+        self.state = PipelineState(step, worker, None, factors)
+        self._make_exchanges()
+
+    def _encoded(self):
+        """The plans of the tensors this rank encodes: all compressed ones but the
+        two-level tensors of a job on one node, whose shards cross no network."""
+        return [
+            plan
+            for plan in self.plans
+            if plan.exchange != UNCOMPRESSED
+            and (plan.exchange != TWO_LEVEL or plan.name in self.between_nodes)
+        ]
+
+    def _make_exchanges(self):
+        """Each compressed tensor's exchange in this world, and the server residuals (zeros)
+        that a two-way codec's exchanges keep."""
+        count = self.world_size if self.average else 1
+        if self.codec.sparse:
             # The exchange selects from the worker's memory, and updates it, itself.
+            factors = self.state.factors
             self.exchanges = {
                 plan.name: make_sparse_exchange(
-                    codec,
+                    self.codec,
                     plan,
                     self.world_size,
                     self.meter,
                     count,
-                    worker,
-                    step,
-                    process_set=process_set,
+                    self.state.worker,
+                    self.state.step,
+                    process_set=self.process_set,
                     **({"factors": factors} if factors is not None else {}),
                 )
-                for plan in compressed
+                for plan in self.plans
+                if plan.exchange != UNCOMPRESSED
             }
         else:
-            self.exchanges = {plan.name: self._make_exchange(plan) for plan in encoded}
-        server = (
-            ErrorFeedback(
+            self.exchanges = {plan.name: self._make_exchange(plan) for plan in self._encoded()}
+        if self.codec.two_way:
+            self.state.server = ErrorFeedback(
                 {
                     name: exchange.server_numel(self._coding_rank(name))
                     for name, exchange in self.exchanges.items()
                 },
                 name="server",
             )
-            if codec.two_way
-            else None
-        )
-        # Everything the steps carry forward; an optimizer that applies a worker momentum
-        # adds it.
-        self.state = PipelineState(step, worker, server, factors)
-
-    def _choose_exchanges(self):
-        """``exchange="auto"``: the compressed tensors' exchanges, chosen together
-        (``cost.choose_exchanges``: sharded tensors share alltoalls)."""
-        if self.exchange != "auto":
-            return
-        compressed = [plan for plan in self.plans if plan.reason == "compressed"]
-        for plan, exchange in zip(
-            compressed,
-            cost.choose_exchanges(
-                self.codec,
-                [plan.numel for plan in compressed],
-                self.world_size,
-                TF_ALLREDUCE_DTYPES,
-            ),
-        ):
-            plan.exchange = exchange
 
     def _coded_numel(self, plan):
         """Elements that this rank encodes of ``plan``'s tensor: a two-level tensor's
@@ -311,6 +293,10 @@ class CompressionPipeline(TwoLevelSteps, tf.Module):
         if not self.included:
             self.state.step.assign_add(1)
             return list(grads)
+        self._follow_world()
+        if not self._agreed:
+            self._agree()
+        self.check_traced_world()
         mark_exchange_start(self.state.step, self.process_set)
         grads = [
             tf.zeros(shape, dtype) if grad is None else grad

@@ -24,6 +24,18 @@ from .pipeline import check_options, make_pipeline, variable_name
 _PIPELINES: dict[tuple, tuple[list, Any]] = {}
 
 
+def pipelines_over(variables: Iterable[Any]) -> list:
+    """The ``CompressionPipeline`` of every tape that has differentiated any of
+    ``variables`` (the objects given to ``gradient`` as sources), in the order they were
+    made."""
+    ids = {id(v) for v in variables}
+    return [
+        pipeline
+        for sources, pipeline in _PIPELINES.values()
+        if any(id(source) in ids for source in sources)
+    ]
+
+
 def _source_key(index, source):
     """What identifies a source across steps: a variable itself; a watched tensor, new at
     every step, by its place among the sources, shape and dtype."""
