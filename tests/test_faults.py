@@ -20,9 +20,8 @@ from .logs import record_messages
 pytestmark = pytest.mark.multiprocess
 
 BOUND = 2  # seconds: HVD_COMPRESS_TIMEOUT of these jobs
-# How long a rank that raised stays alive, in its own code, before it leaves: past the
-# others' bound, so that they find it "in no collective" rather than gone.
-LINGER = BOUND + 2
+# The longest a rank that raised waits for the others to reach the failing step (``_linger``).
+LINGER = 60
 STEPS = 4
 FAULT_STEP = 2  # the step in which the last rank fails
 # A rank's step is this long; the slow rank takes SLOWER times as long.
@@ -30,7 +29,18 @@ STEP_SECONDS, SLOWER = 0.05, 10
 JOB_TIMEOUT = 90
 
 
-def _pt_fault(codec, fault):
+def _linger(directory, size):
+    """Keeps the faulty rank alive, in its own code, until every other rank has reached the
+    failing step (each leaves a mark in ``directory``, at most ``LINGER`` seconds) and has
+    waited there past its bound: they must find it "in no collective" rather than gone,
+    however slowly a loaded machine brings them to their wait."""
+    deadline = time.monotonic() + LINGER
+    while len(os.listdir(directory)) < size - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(BOUND + 2)
+
+
+def _pt_fault(codec, fault, directory):
     """Trains STEPS steps; at FAULT_STEP the last rank raises (and stays alive, in its own
     code), is killed during its backward pass (collectives in flight), or sleeps SLOWER
     steps' time before each step. Returns what ended each rank's training: None (all
@@ -48,7 +58,8 @@ def _pt_fault(codec, fault):
         model.named_parameters(),
         compression=f"{codec}:min_size=0",
     )
-    faulty = hvd.rank() == hvd.size() - 1
+    rank, size = hvd.rank(), hvd.size()  # Horovod may be shut down by the time they are used
+    faulty = rank == size - 1
     data = torch.Generator().manual_seed(hvd.rank())
     faulted_at = None
     try:
@@ -58,6 +69,8 @@ def _pt_fault(codec, fault):
             loss = model(torch.randn(16, 32, generator=data)).pow(2).mean()
             if step == FAULT_STEP:
                 faulted_at = time.monotonic()
+                if not faulty:
+                    open(os.path.join(directory, f"reached.{rank}"), "w").close()
                 if faulty and fault == "raises":
                     raise RuntimeError("the faulty rank's own error")
                 if faulty and fault == "killed":
@@ -67,7 +80,7 @@ def _pt_fault(codec, fault):
     except Exception as error:  # noqa: BLE001 - what ended training is the result
         seconds = time.monotonic() - faulted_at
         if faulty:
-            time.sleep(LINGER)
+            _linger(directory, size)
         return type(error).__name__, str(error), seconds
     return None, [p.detach().clone() for p in model.parameters()], time.monotonic() - faulted_at
 
@@ -81,12 +94,12 @@ def _fault(framework):
     [("pytorch", "ef-sign", 2), ("pytorch", "terngrad", 4), ("tensorflow", "ef-sign", 2)],
 )
 def test_a_rank_that_raises_ends_the_others_with_the_collective_and_the_absent_rank(
-    framework, codec, np
+    tmp_path, framework, codec, np
 ):
     """The PyTorch port raises ``CollectiveTimeout``; the TensorFlow port's monitor logs
     it and shuts Horovod down, which fails the step."""
     results = run_parallel(
-        _fault(framework), np, codec, "raises", own_job=True, timeout=JOB_TIMEOUT
+        _fault(framework), np, codec, "raises", str(tmp_path), own_job=True, timeout=JOB_TIMEOUT
     )
     *others, (kind, message, _) = results
     assert (kind, message) == ("RuntimeError", "the faulty rank's own error")
@@ -100,11 +113,17 @@ def test_a_rank_that_raises_ends_the_others_with_the_collective_and_the_absent_r
 
 
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
-def test_a_rank_killed_in_a_collective_ends_the_others(framework):
+def test_a_rank_killed_in_a_collective_ends_the_others(tmp_path, framework):
     """Horovod's Gloo connections see the killed rank go and shut Horovod down, which
     ends the others' waits at once (``horovodrun`` and ``mpirun`` kill the others too)."""
     *others, killed = run_parallel(
-        _fault(framework), 2, "ef-sign", "killed", survivors=True, timeout=JOB_TIMEOUT
+        _fault(framework),
+        2,
+        "ef-sign",
+        "killed",
+        str(tmp_path),
+        survivors=True,
+        timeout=JOB_TIMEOUT,
     )
     assert killed is None
     for kind, message, seconds in others:
@@ -113,9 +132,9 @@ def test_a_rank_killed_in_a_collective_ends_the_others(framework):
 
 
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
-def test_a_rank_ten_times_slower_completes(framework):
+def test_a_rank_ten_times_slower_completes(tmp_path, framework):
     results = run_parallel(
-        _fault(framework), 2, "terngrad", "slow", own_job=True, timeout=JOB_TIMEOUT
+        _fault(framework), 2, "terngrad", "slow", str(tmp_path), own_job=True, timeout=JOB_TIMEOUT
     )
     for error, params, _ in results:
         assert error is None, params
@@ -123,7 +142,7 @@ def test_a_rank_ten_times_slower_completes(framework):
         assert (a == b).all()
 
 
-def _tf_fault(codec, fault):
+def _tf_fault(codec, fault, directory):
     """``_pt_fault`` for a traced step of the TensorFlow tape; a rank whose monitor ended
     the step also returns what the monitor logged."""
     os.environ["HVD_COMPRESS_TIMEOUT"] = str(BOUND)
@@ -149,7 +168,8 @@ def _tf_fault(codec, fault):
         for v, g in zip(model.trainable_variables, grads):
             v.assign_sub(0.1 * g)
 
-    faulty = hvd.rank() == hvd.size() - 1
+    rank, size = hvd.rank(), hvd.size()  # Horovod may be shut down by the time they are used
+    faulty = rank == size - 1
     data = tf.random.Generator.from_seed(hvd.rank())
     faulted_at = None
     try:
@@ -157,6 +177,8 @@ def _tf_fault(codec, fault):
             time.sleep(STEP_SECONDS * (SLOWER if faulty and fault == "slow" else 1))
             if s == FAULT_STEP:
                 faulted_at = time.monotonic()
+                if not faulty:
+                    open(os.path.join(directory, f"reached.{rank}"), "w").close()
                 if faulty and fault == "raises":
                     raise RuntimeError("the faulty rank's own error")
                 if faulty and fault == "killed":
@@ -165,6 +187,6 @@ def _tf_fault(codec, fault):
     except Exception as error:  # noqa: BLE001 - what ended training is the result
         seconds = time.monotonic() - faulted_at
         if faulty:
-            time.sleep(LINGER)
+            _linger(directory, size)
         return type(error).__name__, "\n".join(logged) or str(error), seconds
     return None, [v.numpy() for v in model.trainable_variables], time.monotonic() - faulted_at
