@@ -60,7 +60,7 @@ def _pt_fault(codec, fault, directory):
     )
     rank, size = hvd.rank(), hvd.size()  # Horovod may be shut down by the time they are used
     faulty = rank == size - 1
-    data = torch.Generator().manual_seed(hvd.rank())
+    data = torch.Generator().manual_seed(rank)
     faulted_at = None
     try:
         for step in range(STEPS):
@@ -170,7 +170,7 @@ def _tf_fault(codec, fault, directory):
 
     rank, size = hvd.rank(), hvd.size()  # Horovod may be shut down by the time they are used
     faulty = rank == size - 1
-    data = tf.random.Generator.from_seed(hvd.rank())
+    data = tf.random.Generator.from_seed(rank)
     faulted_at = None
     try:
         for s in range(STEPS):

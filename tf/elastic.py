@@ -98,10 +98,13 @@ class KerasState(ObjectState):
             return [self._optimizer_pipeline]
         return pipelines_over(self.model.variables + _tf_variables(self.model.variables))
 
+    def _keras_variables(self):
+        """The model's and the optimizer's variables, which every rank holds alike."""
+        return _tf_variables(self.model.variables + self.optimizer.variables)
+
     def _variables(self):
         """Every variable a step changes."""
-        variables = _tf_variables(self.model.variables + self.optimizer.variables)
-        return variables + [v for p in self._pipelines() for v in p.variables]
+        return self._keras_variables() + [v for p in self._pipelines() for v in p.variables]
 
     def _save_variables(self):
         self._saved = [(v, v.read_value()) for v in self._variables()]
@@ -120,9 +123,7 @@ class KerasState(ObjectState):
         if self._optimizer_pipeline is not None:
             state = self._optimizer_pipeline.state
             shared = [state.step] + ([] if state.factors is None else list(state.factors.variables))
-        hvd.broadcast_variables(
-            _tf_variables(self.model.variables + self.optimizer.variables) + shared, root_rank=0
-        )
+        hvd.broadcast_variables(self._keras_variables() + shared, root_rank=0)
         self._save_variables()
         super().sync()
 
