@@ -48,8 +48,19 @@ LONG_SECONDS = 4.0
 # below each one's own.
 STEP_BUDGET_SECONDS = 2.0
 # The TensorFlow port's methods (``benchmarks.tf_worker``), as rows of the same tables.
-TF_METHODS = ("tf-hvd-none", "tf-hvd-fp16", "tf-terngrad", "tf-qsgd-inf", "tf-ef-sign")
+TF_METHODS = (
+    "tf-hvd-none",
+    "tf-hvd-fp16",
+    "tf-terngrad",
+    "tf-qsgd-inf",
+    "tf-ef-sign",
+    "tf-terngrad-auto",
+    "tf-qsgd-inf-auto",
+    "tf-ef-sign-auto",
+)
 TF_PREFIX = "tf-"
+# A codec's method with ``adaptive=True`` (``<codec>-auto``), in either port.
+AUTO_SUFFIX = "-auto"
 # The PyTorch methods of a codec's two-level exchange (``<codec>-2l``).
 TWO_LEVEL_SUFFIX = "-2l"
 # The bare exchange inside the nodes of a two-level step (``benchmarks.worker.node_average``):

@@ -45,7 +45,7 @@ import collections
 import statistics
 
 from .network import parse_rate
-from .protocol import NODE_AVERAGE, TF_PREFIX, TWO_LEVEL_SUFFIX
+from .protocol import AUTO_SUFFIX, NODE_AVERAGE, TF_PREFIX, TWO_LEVEL_SUFFIX
 
 BASELINE, FP16_BASELINE = "hvd-none", "hvd-fp16"
 # Horovod's own exchanges are exactly these bare collectives.
@@ -53,7 +53,6 @@ HOROVOD_BARE = {BASELINE: "fp32 allreduce", FP16_BASELINE: "fp16 allreduce"}
 # What a codec's adaptive mode must keep up with: the uncompressed exchanges of Horovod and
 # DDP, and the same codec forced on every tensor.
 AUTO_RIVALS = ("hvd-none", "hvd-fp16", "ddp", "ddp-fp16")
-AUTO_SUFFIX = "-auto"
 AUTO_BOUND = 1.05
 
 
@@ -143,7 +142,7 @@ def rows(events, per_node=1):
         if method.endswith(AUTO_SUFFIX):
             rivals = {
                 m: steps[workers, model, rate, m]["seconds"]
-                for m in AUTO_RIVALS + (method[: -len(AUTO_SUFFIX)],)
+                for m in tuple(port + r for r in AUTO_RIVALS) + (method[: -len(AUTO_SUFFIX)],)
                 if (workers, model, rate, m) in steps
             }
             fastest = min(rivals, key=rivals.get) if rivals else None

@@ -9,6 +9,7 @@
 ``tf-qsgd-inf``    the same, QSGD with max-norm scaling, 4 bits, buckets of 512
 ``tf-ef-sign``     the same, dist-EF-blockSGD's scaled sign with worker and server error
                    feedback (the tape has no worker momentum: Keras's SGD applies it)
+``tf-<codec>-auto`` the same codec with ``adaptive=True``
 =================  =========================================================================
 
 Each step is one ``tf.function``: the forward and backward pass of the model, the tape's
@@ -39,6 +40,7 @@ from hvd_compress import cost  # noqa: E402
 from hvd_compress.examples.datasets import load_mnist1d  # noqa: E402
 
 from .protocol import (  # noqa: E402
+    AUTO_SUFFIX,
     COMPUTE_STEPS,
     TF_PREFIX,
     TIMING_LR,
@@ -183,11 +185,14 @@ class Trainer:
         return sum(int(np.prod(v.shape)) for v in self.variables) * itemsize
 
 
-def codec_trainer(work, codec, world_size, exchange="auto"):
-    """The ``Trainer`` of ``hvd_compress.tf``'s tape with ``codec`` and ``exchange``."""
+def codec_trainer(work, codec, world_size, exchange="auto", adaptive=False):
+    """The ``Trainer`` of ``hvd_compress.tf``'s tape with ``codec``, ``exchange`` and
+    ``adaptive``."""
 
     def codec_tape(tape):
-        return htf.DistributedGradientTape(tape, compression=codec, exchange=exchange)
+        return htf.DistributedGradientTape(
+            tape, compression=codec, exchange=exchange, adaptive=adaptive
+        )
 
     return Trainer(work, codec_tape, world_size)
 
@@ -210,7 +215,11 @@ def trainer(method, work, world_size):
             return handed, cost.allreduce_traffic(handed, world_size).sent
 
         return run, horovod_bytes
-    run = codec_trainer(work, method[len(TF_PREFIX) :], world_size)
+    codec = method[len(TF_PREFIX) :]
+    adaptive = codec.endswith(AUTO_SUFFIX)
+    if adaptive:
+        codec = codec[: -len(AUTO_SUFFIX)]
+    run = codec_trainer(work, codec, world_size, adaptive=adaptive)
 
     def codec_bytes():
         pipeline = run.tape.pipeline
@@ -245,6 +254,9 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
         driver.barrier()  # as benchmarks.worker: the last step's bytes are counted
         tx, rx = difference(interface_bytes(interface), before, len(seconds))
         handed, sent = sizes()
+        extra = {}
+        if method.endswith(AUTO_SUFFIX):
+            extra["adaptive"] = run.tape.pipeline.compression_stats()["adaptive"]
         driver.emit(
             "step",
             model=work.name,
@@ -256,6 +268,7 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
             sent=sent,
             wire_tx=tx,
             wire_rx=rx,
+            **extra,
         )
     del run
     gc.collect()

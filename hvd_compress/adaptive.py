@@ -67,7 +67,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from . import cost
 from .validation import check_float, check_int
@@ -136,6 +136,12 @@ class Adaptive:
             raise ValueError(f"Adaptive: pin maps parameter names to one of {PATHS}; got {bad}")
         object.__setattr__(self, "pin", dict(self.pin))
 
+    def __hash__(self):
+        # Hashable despite its dict, so that equal options find one pipeline (the tape's).
+        return hash(
+            (self.warmup_steps, self.every, tuple(sorted(self.pin.items())), self.trial_seconds)
+        )
+
     @classmethod
     def of(cls, adaptive: bool | Adaptive | None) -> Adaptive | None:
         """The options a wrapper's ``adaptive`` argument asks for; None when off."""
@@ -147,6 +153,22 @@ class Adaptive:
             return adaptive
         raise TypeError(
             f"adaptive must be True, False or an hvd_compress.Adaptive, got {adaptive!r}"
+        )
+
+
+def check_pipeline(codec, exchange: str) -> None:
+    """Refuses a pipeline whose tensors the adaptive mode cannot move between paths: a
+    two-level exchange (the mode chooses between a flat exchange and allreduces) and the
+    codecs that select what they send from their memory."""
+    if exchange == cost.TWO_LEVEL:
+        raise ValueError(
+            "adaptive: the adaptive mode chooses between a flat exchange and "
+            "allreduces; it does not take exchange='two-level'"
+        )
+    if codec.sparse:
+        raise ValueError(
+            f"adaptive: {codec.name} selects what it sends from its "
+            f"memory; the adaptive mode takes the dense codecs"
         )
 
 
@@ -194,6 +216,32 @@ class Link:
         (b0, t0), (b1, t1) = small, large
         per_byte = max((t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
         return cls(max(t0 - per_byte * b0, 0.0), per_byte)
+
+
+def fit_links(
+    probe: Callable[[list[tuple[str, int]]], list[float]], world_size: int
+) -> dict[str, Link]:
+    """Every carrier's ``Link``, fitted to a small and a large probe collective; the large
+    one grows (``next_probe``) until the link's bandwidth shows. ``probe`` times a list of
+    (carrier, nbytes) collectives, each the slowest rank's, so that every rank grows and
+    fits alike."""
+    small = dict(zip(CARRIERS, probe([(carrier, PROBE_SMALL) for carrier in CARRIERS])))
+    sizes = dict.fromkeys(CARRIERS, PROBE_START)
+    large: dict[str, float] = {}
+    growing = list(CARRIERS)
+    while growing:
+        seconds = probe([(carrier, sizes[carrier]) for carrier in growing])
+        large.update(zip(growing, seconds))
+        grown = {carrier: next_probe(sizes[carrier], large[carrier]) for carrier in growing}
+        growing = [carrier for carrier, nbytes in grown.items() if nbytes is not None]
+        sizes.update((carrier, nbytes) for carrier, nbytes in grown.items() if nbytes)
+    return {
+        carrier: Link.fit(
+            (probe_sent(carrier, PROBE_SMALL, world_size), small[carrier]),
+            (probe_sent(carrier, sizes[carrier], world_size), large[carrier]),
+        )
+        for carrier in CARRIERS
+    }
 
 
 @dataclasses.dataclass(frozen=True)

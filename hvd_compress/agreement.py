@@ -7,13 +7,14 @@ raises the same error, naming what differs and on which ranks, before the first 
 """
 
 
-def describe(codec, exchange, average, parameters, bucket_bytes=0):
+def describe(codec, exchange, average, parameters, bucket_bytes=0, adaptive=None):
     """A comparable description of one rank's configuration; ``parameters`` are
     (name, shape, dtype, reason) in the order the optimizer holds them, ``reason`` why the
     tensor is sent whole or ``"compressed"`` (``plan.plan_tensor``: the ``uncompressed``
     names, ``min_size``, the classifier decide it), ``bucket_bytes`` the size of its
-    gradient buckets (``bucketing``), which decides their collectives. The optimizer adds
-    its own modes (``modes``)."""
+    gradient buckets (``bucketing``), which decides their collectives, ``adaptive`` the
+    adaptive mode's options (``adaptive.Adaptive``) or None, whose decisions and probes
+    are collectives too. The optimizer adds its own modes (``modes``)."""
     return {
         "codec": repr(codec),
         "exchange": exchange,
@@ -22,6 +23,7 @@ def describe(codec, exchange, average, parameters, bucket_bytes=0):
             (name, tuple(shape), str(dtype), reason) for name, shape, dtype, reason in parameters
         ],
         "bucket_bytes": bucket_bytes,
+        "adaptive": repr(adaptive),
     }
 
 

@@ -13,12 +13,8 @@ import torch
 
 from hvd_compress.adaptive import (
     CARRIERS,
-    PROBE_SMALL,
-    PROBE_START,
-    Link,
-    next_probe,
+    fit_links,
     path_traffic,
-    probe_sent,
 )
 
 from .exchange import allgather_async, allreduce_async_, wait
@@ -144,26 +140,8 @@ class AdaptiveSteps:
             )
 
     def _probe_links(self, device):
-        """Every carrier's ``Link``, fitted to a small and a large probe collective on
-        ``device`` (``adaptive.CARRIERS``); the large one grows until the link's bandwidth
-        shows. Each probe's time is the slowest rank's, so every rank grows and fits alike."""
-        small = dict(zip(CARRIERS, self._probe([(c, PROBE_SMALL) for c in CARRIERS], device)))
-        sizes = dict.fromkeys(CARRIERS, PROBE_START)
-        large = {}
-        growing = list(CARRIERS)
-        while growing:
-            seconds = self._probe([(carrier, sizes[carrier]) for carrier in growing], device)
-            large.update(zip(growing, seconds))
-            grown = {carrier: next_probe(sizes[carrier], large[carrier]) for carrier in growing}
-            growing = [carrier for carrier, nbytes in grown.items() if nbytes is not None]
-            sizes.update((carrier, grown[carrier]) for carrier in growing)
-        return {
-            carrier: Link.fit(
-                (probe_sent(carrier, PROBE_SMALL, self.world_size), small[carrier]),
-                (probe_sent(carrier, sizes[carrier], self.world_size), large[carrier]),
-            )
-            for carrier in CARRIERS
-        }
+        """Every carrier's ``Link`` (``adaptive.fit_links``), probed on ``device``."""
+        return fit_links(lambda probes: self._probe(probes, device), self.world_size)
 
     def _probe(self, probes, device):
         """Seconds of the fastest of ``_PROBE_REPEATS`` collectives of each (carrier,

@@ -20,7 +20,7 @@ import torch
 
 from hvd_compress import accounting, agreement, cost, fusion
 from hvd_compress.accounting import HALF, UNCOMPRESSED, Sent
-from hvd_compress.adaptive import Planner
+from hvd_compress.adaptive import Planner, check_pipeline
 from hvd_compress.bucketing import BUCKET_BYTES
 from hvd_compress.cost import TWO_LEVEL
 from hvd_compress.plan import plan_tensor
@@ -186,16 +186,7 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, AdaptiveSteps):
         )
         planner = None
         if adaptive is not None:
-            if exchange == TWO_LEVEL:
-                raise ValueError(
-                    "adaptive: the adaptive mode chooses between a flat exchange and "
-                    "allreduces; it does not take exchange='two-level'"
-                )
-            if codec.sparse:
-                raise ValueError(
-                    f"adaptive: {codec.name} selects what it sends from its "
-                    f"memory; the adaptive mode takes the dense codecs"
-                )
+            check_pipeline(codec, exchange)
             planner = Planner(
                 adaptive, [plan.name for plan in self.plans.values() if plan.reason == "compressed"]
             )
@@ -231,6 +222,7 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, AdaptiveSteps):
             average,
             [(plan.name, p.shape, p.dtype, plan.reason) for p, plan in self.plans.items()],
             self.bucket_bytes,
+            adaptive,
         )
         self._agreed = False
         self.last_tensor_bytes = collections.Counter()

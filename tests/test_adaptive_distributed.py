@@ -1,6 +1,8 @@
-"""The adaptive mode in real Horovod jobs: the same decisions on every rank, pins, a late
-rank at the probe, and error feedback kept whole when a tensor leaves its codec."""
+"""The adaptive mode in real Horovod jobs, of both ports: the same decisions on every rank,
+pins, a late rank at the probe, and error feedback kept whole when a tensor leaves its
+codec. Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +21,10 @@ pytestmark = pytest.mark.multiprocess
 WARMUP, EVERY = 2, 3
 STEPS = WARMUP + 2 * TRIAL_STEPS + EVERY
 LATE_SECONDS = 1.5
+# A tensor that leaves its codec: for fp32 after SWITCH_AT of SWITCH_STEPS steps.
+SWITCH_AT, SWITCH_STEPS = 3, 5
+# The tensor each run pins to its codec (the middle layer's weights, 1,920 elements).
+PINNED = {"torch": "middle.weight", "tensorflow": "middle/kernel:0"}
 
 
 def _adaptive_run():
@@ -37,9 +43,7 @@ def _adaptive_run():
         torch.optim.SGD(model.parameters(), lr=0.1),
         model.named_parameters(),
         compression=hc.TernGrad(min_size=1000, compress_classifier=False),
-        adaptive=hc.Adaptive(
-            warmup_steps=WARMUP, every=EVERY, pin={"middle.weight": "codec"}, trial_seconds=0
-        ),
+        adaptive=_options("torch"),
     )
     data = torch.Generator().manual_seed(100 + hvd.rank())
     reports, routes = [], []
@@ -56,14 +60,55 @@ def _adaptive_run():
     return {
         "reports": reports,
         "routes": routes,
-        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(),
     }
 
 
-def _leave_codec(codec, exchange, switch_at=3, steps=5):
+def _options(framework):
+    import hvd_compress
+
+    return hvd_compress.Adaptive(
+        warmup_steps=WARMUP, every=EVERY, pin={PINNED[framework]: "codec"}, trial_seconds=0
+    )
+
+
+def _tf_adaptive_run():
+    """``_adaptive_run`` with the TensorFlow tape in a traced step: rank 1 arrives late at
+    the step that ends in the first decision."""
+    import time
+
+    import horovod.tensorflow as hvd
+
+    import hvd_compress.tf as htf
+
+    from .tf_perceptron import tape_steps
+
+    hvd.init()
+    reports, routes = [], []
+    steps = tape_steps(
+        STEPS,
+        True,
+        compression=htf.TernGrad(min_size=1000, compress_classifier=False),
+        adaptive=_options("tensorflow"),
+    )
+    for step, taken in enumerate(steps):
+        *_, variables, pipeline = taken
+        stats = pipeline.compression_stats()
+        reports.append(stats["adaptive"])
+        routes.append({name: route for name, _, route, _ in stats["tensors"]})
+        if step == WARMUP - 2 and hvd.rank() == 1:
+            time.sleep(LATE_SECONDS)
+    return {
+        "reports": reports,
+        "routes": routes,
+        "params": np.concatenate([v.numpy().reshape(-1) for v in variables]),
+    }
+
+
+def _leave_codec(codec, exchange):
     """ef-sign (worker and server residuals) whose large tensor leaves the codec for fp32
-    after ``switch_at`` steps, as a decision would send it; returns every step's local
-    gradients and exchanged averages of that tensor."""
+    after ``SWITCH_AT`` steps, as a decision would send it; returns every step's local
+    gradients and exchanged averages of that tensor, and whether it kept residuals."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
@@ -73,7 +118,7 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     local = []
     model.hidden.weight.register_post_accumulate_grad_hook(
-        lambda p: local.append(p.grad.detach().clone())
+        lambda p: local.append(p.grad.detach().numpy().copy())
     )
     optimizer = hc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05),
@@ -84,26 +129,25 @@ def _leave_codec(codec, exchange, switch_at=3, steps=5):
     )
     pipeline = optimizer._hvdc_pipeline
     data = torch.Generator().manual_seed(200 + hvd.rank())
-    exchanged, residuals = [], []
-    for step in range(steps):
-        if step == switch_at:
+    exchanged, kept = [], []
+    for step in range(SWITCH_STEPS):
+        if step == SWITCH_AT:
             pipeline.state.planner.paths["hidden.weight"] = "fp32"
             pipeline.follow_paths()
         optimizer.zero_grad()
         x, y = random_batch(data)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.synchronize()
-        exchanged.append(model.hidden.weight.grad.detach().clone())
-        residuals.append(
-            sorted(
-                name
+        exchanged.append(model.hidden.weight.grad.detach().numpy().copy())
+        kept.append(
+            any(
+                "hidden.weight" in memory.residuals
                 for memory in (pipeline.state.worker, pipeline.state.server)
-                for name in memory.residuals
             )
         )
         with optimizer.skip_synchronize():
             optimizer.step()
-    return {"local": local, "exchanged": exchanged, "residuals": residuals}
+    return {"local": local, "exchanged": exchanged, "kept": kept}
 
 
 def _leave_codec_runs():
@@ -116,6 +160,44 @@ def _leave_codec_runs():
         exchange: _leave_codec(hc.BlockSign(min_size=1000), exchange)
         for exchange in ("allgather", "sharded")
     }
+
+
+def _tf_leave_codec_runs():
+    """``_leave_codec_runs`` with the TensorFlow tape in a traced step, whose path the
+    variable it reads changes without tracing it again."""
+    import horovod.tensorflow as hvd
+
+    import hvd_compress
+    import hvd_compress.tf as htf
+
+    from .tf_perceptron import tape_steps
+
+    hvd.init()
+    runs = {}
+    for exchange in ("allgather", "sharded"):
+        steps = tape_steps(
+            SWITCH_STEPS,
+            True,
+            compression=htf.BlockSign(min_size=1000),
+            exchange=exchange,
+            adaptive=hvd_compress.Adaptive(warmup_steps=100),
+        )
+        local, exchanged, kept = [], [], []
+        for step, (grads, averages, _, pipeline) in enumerate(steps):
+            local.append(grads[0].numpy())
+            exchanged.append(averages[0].numpy())
+            name = pipeline.plans[0].name
+            kept.append(
+                any(
+                    np.any(memory.residuals[name].numpy())
+                    for memory in (pipeline.state.worker, pipeline.state.server)
+                )
+            )
+            if step == SWITCH_AT - 1:
+                pipeline.state.planner.paths[name] = "fp32"
+                pipeline.follow_paths()
+        runs[exchange] = {"local": local, "exchanged": exchanged, "kept": kept}
+    return runs
 
 
 def _warm_up_costs(device_kind):
@@ -152,16 +234,35 @@ def test_the_warm_up_measures_each_compressed_tensor_on_its_device(device):
             assert costs[name, "codec", phase] > 0, (name, phase, costs)
 
 
-@pytest.fixture(scope="module")
-def adaptive_runs():
-    return run_parallel(_adaptive_run, 2, timeout=240)
+def _torch_job():
+    """Every PyTorch run of the tests below, in one Horovod job."""
+    return {"decisions": _adaptive_run(), "leave": _leave_codec_runs()}
+
+
+def _tf_job():
+    """Every TensorFlow run of the tests below, in one Horovod job."""
+    return {"decisions": _tf_adaptive_run(), "leave": _tf_leave_codec_runs()}
+
+
+@pytest.fixture(scope="module", params=["torch", "tensorflow"])
+def runs(request):
+    # A shared job holds one framework's Horovod: the TensorFlow bodies take their own.
+    tensorflow = request.param == "tensorflow"
+    job = _tf_job if tensorflow else _torch_job
+    return request.param, run_parallel(job, 2, timeout=360, own_job=tensorflow)
+
+
+@pytest.fixture
+def adaptive_runs(runs):
+    framework, results = runs
+    return framework, [result["decisions"] for result in results]
 
 
 def test_every_rank_takes_the_same_decisions(adaptive_runs):
-    first, second = adaptive_runs
+    _, (first, second) = adaptive_runs
     assert first["reports"] == second["reports"]
     assert first["routes"] == second["routes"]
-    torch.testing.assert_close(first["params"], second["params"], rtol=0, atol=0)
+    np.testing.assert_array_equal(first["params"], second["params"])
     decided = [r["decided_at_step"] for r in first["reports"]]
     # Decided after the warm-up; then, after its trials (the decision's if it changed
     # paths, a challenger's if it did not or its trial fell), every EVERY steps.
@@ -190,37 +291,35 @@ def test_every_rank_takes_the_same_decisions(adaptive_runs):
 
 
 def test_pinned_tensor_keeps_its_codec(adaptive_runs):
-    for routes in adaptive_runs[0]["routes"]:
-        assert routes["middle.weight"] != "allreduce (uncompressed)"
-        assert routes["middle.weight"] != "allreduce (fp16)"
-    assert adaptive_runs[0]["reports"][-1]["paths"]["middle.weight"] == "codec"
+    framework, (first, _) = adaptive_runs
+    pinned = PINNED[framework]
+    for routes in first["routes"]:
+        assert routes[pinned] != "allreduce (uncompressed)"
+        assert routes[pinned] != "allreduce (fp16)"
+    assert first["reports"][-1]["paths"][pinned] == "codec"
 
 
 def test_a_late_rank_delays_the_probe_but_is_not_measured_as_the_link(adaptive_runs):
-    report = adaptive_runs[0]["reports"][WARMUP - 1]
+    report = adaptive_runs[1][0]["reports"][WARMUP - 1]
     assert report["decided_at_step"] == WARMUP
     assert set(report["links"]) == {"fp32", "fp16", "bytes"}
     assert all(link["latency_seconds"] < LATE_SECONDS / 10 for link in report["links"].values())
 
 
-def test_leaving_the_codec_delivers_every_residual():
+def test_leaving_the_codec_delivers_every_residual(runs):
     """Sum over steps of the exchanged averages equals the sum of the averaged local
     gradients once the tensor went to fp32: its worker and server residuals travelled with
     its first allreduce, and nothing of them is kept after."""
-    results = run_parallel(_leave_codec_runs, 2, timeout=240)
     for exchange in ("allgather", "sharded"):
-        first, second = (result[exchange] for result in results)
-        steps = len(first["exchanged"])
-        for step in range(steps):
-            torch.testing.assert_close(
-                first["exchanged"][step], second["exchanged"][step], rtol=0, atol=0
-            )
-        true_sum = sum((a + b) / 2 for a, b in zip(first["local"], second["local"]))
-        sent_sum = sum(first["exchanged"])
-        before_switch = sum((a + b) / 2 for a, b in zip(first["local"][:3], second["local"][:3]))
+        first, second = (result["leave"][exchange] for result in runs[1])
+        for mine, theirs in zip(first["exchanged"], second["exchanged"]):
+            np.testing.assert_array_equal(mine, theirs)
+        averaged = [(a + b) / 2 for a, b in zip(first["local"], second["local"])]
         # Before the switch the codec held something back; after it, nothing.
-        assert not torch.allclose(sum(first["exchanged"][:3]), before_switch, atol=1e-5), exchange
-        torch.testing.assert_close(sent_sum, true_sum, rtol=1e-5, atol=1e-6)
-        assert "hidden.weight" in first["residuals"][2], exchange
-        assert "hidden.weight" not in first["residuals"][3], exchange
-        assert "hidden.weight" not in first["residuals"][4], exchange
+        held_back = sum(first["exchanged"][:SWITCH_AT]) - sum(averaged[:SWITCH_AT])
+        assert np.abs(held_back).max() > 1e-5, exchange
+        np.testing.assert_allclose(
+            sum(first["exchanged"]), sum(averaged), rtol=1e-5, atol=1e-6, err_msg=exchange
+        )
+        switched = SWITCH_STEPS - SWITCH_AT
+        assert first["kept"] == [True] * SWITCH_AT + [False] * switched, exchange

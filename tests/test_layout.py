@@ -149,7 +149,6 @@ def test_the_cycle_check_finds_a_loop_of_three():
 
 # The files of one port only, each named in CONTRIBUTING.md's layout with the reason.
 ONE_PORT_ONLY = {
-    "pt/adaptive.py",
     "pt/bucketing.py",
     "pt/flight.py",
     "pt/triton_fused.py",

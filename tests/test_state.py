@@ -247,7 +247,8 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_leaves_no_trace(
 
 def _mismatched(kind):
     """The optimizer built with a different codec, codec parameter, exchange, model, bucket
-    size or worker momentum on rank 1: the message each rank raises at the first step."""
+    size, adaptive mode or worker momentum on rank 1: the message each rank raises at the
+    first step."""
     import horovod.torch as hvd
 
     import hvd_compress.pt as hc
@@ -257,7 +258,11 @@ def _mismatched(kind):
     codec = {"codec": "qsgd-inf", "hyperparameters": "terngrad:clip=2.0"}.get(kind, "terngrad")
     codec = codec if odd else "terngrad"
     # Gradient buckets of another size would start other collectives.
-    options = {"bucket_bytes": {"bucket_bytes": 0}, "exchange": {"exchange": "allgather"}}
+    options = {
+        "bucket_bytes": {"bucket_bytes": 0},
+        "exchange": {"exchange": "allgather"},
+        "adaptive": {"adaptive": True},
+    }
     momentum = 0.9 if kind == "optimizer" and odd else 0.0  # worker momentum for ef-sign
     optimizer = hc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
@@ -280,6 +285,7 @@ MISMATCHES = {
     "exchange": "exchange",
     "parameters": "parameters",
     "bucket_bytes": "bucket_bytes",
+    "adaptive": "adaptive",
     "optimizer": "optimizer",
 }
 

@@ -97,7 +97,13 @@ def _tf_cases(codecs, packing_cases):
             tf.GradientTape(), compression="adacomp", error_feedback=False
         ),
         lambda: htf.DistributedGradientTape(
-            tf.GradientTape(), compression="terngrad", adaptive=True
+            tf.GradientTape(), compression="adacomp", adaptive=True
+        ),
+        lambda: htf.DistributedGradientTape(
+            tf.GradientTape(), compression="terngrad", exchange="two-level", adaptive=True
+        ),
+        lambda: htf.DistributedGradientTape(
+            tf.GradientTape(), compression="terngrad", adaptive={"warmup_steps": 2}
         ),
     ]
     for call in misuse:
@@ -238,7 +244,7 @@ def test_uniforms_are_the_references_in_graphs_and_xla(tf_results):
 
 
 def test_misuse_errors_say_what_to_do(tf_results):
-    codes, exchange, optimizer, missing, two_way, sparse, adaptive = tf_results["errors"]
+    codes, exchange, optimizer, missing, two_way, sparse, *adaptive = tf_results["errors"]
     assert "cannot run inside Horovod's own DistributedOptimizer" in codes
     assert "hvd_compress.tf.DistributedOptimizer(optimizer, compression='terngrad')" in codes
     assert "ef-sign codes cannot travel by exchange='allreduce'" in exchange
@@ -248,5 +254,8 @@ def test_misuse_errors_say_what_to_do(tf_results):
     assert "ef-sign compresses on the workers and again on the server" in two_way
     assert "adacomp chooses what to send from its error-feedback memory" in sparse
     assert all("cannot run with error_feedback=False" in e for e in (two_way, sparse))
-    assert "adaptive is not available in the TensorFlow port; leave it False" in adaptive
+    selecting, two_level, options = adaptive
+    assert "adacomp selects what it sends from its memory" in selecting
+    assert "it does not take exchange='two-level'" in two_level
+    assert "adaptive must be True, False or an hvd_compress.Adaptive" in options
     assert tf_results["fp16_in_horovods_hook"] == "float16"

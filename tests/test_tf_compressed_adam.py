@@ -173,14 +173,17 @@ def _refusals():
 
     hvd.init()
     refused = []
-    for optimizer, value in (
-        (keras.optimizers.AdamW(), -1),
-        (keras.optimizers.AdamW(), True),
-        (keras.optimizers.SGD(0.1), 5),
-        (keras.optimizers.Adam(amsgrad=True), 5),
+    for optimizer, value, adaptive in (
+        (keras.optimizers.AdamW(), -1, False),
+        (keras.optimizers.AdamW(), True, False),
+        (keras.optimizers.SGD(0.1), 5, False),
+        (keras.optimizers.Adam(amsgrad=True), 5, False),
+        (keras.optimizers.AdamW(), 5, True),
     ):
         try:
-            htf.DistributedOptimizer(optimizer, compression="ef-sign", compressed_adam=value)
+            htf.DistributedOptimizer(
+                optimizer, compression="ef-sign", compressed_adam=value, adaptive=adaptive
+            )
         except (TypeError, ValueError) as error:
             refused.append(f"{type(error).__name__}: {error}")
     return refused
@@ -188,11 +191,12 @@ def _refusals():
 
 def test_bad_compressed_adam_is_refused():
     (refused,) = run_parallel(_refusals, 1)
-    assert len(refused) == 4
+    assert len(refused) == 5
     assert refused[0].startswith("ValueError") and "compressed_adam" in refused[0]
     assert refused[1].startswith("TypeError") and "compressed_adam" in refused[1]
     assert "compressed_adam needs a keras.optimizers.Adam" in refused[2]
     assert "compressed_adam does not support amsgrad" in refused[3]
+    assert "does not combine with adaptive" in refused[4]
 
 
 def _remedies():

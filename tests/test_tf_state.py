@@ -127,13 +127,14 @@ MISMATCHES = {
     "hyperparameters": "codec",
     "exchange": "exchange",
     "parameters": "parameters",
+    "adaptive": "adaptive",
     "optimizer": "optimizer",
 }
 
 
 def _mismatched(kind):
-    """Each wrapper built with a different codec, codec parameter, exchange, model or
-    ``sparse_as_dense`` on rank 1: the message each rank raises at its first step, per
+    """Each wrapper built with a different codec, codec parameter, exchange, model, adaptive
+    mode or ``sparse_as_dense`` on rank 1: the message each rank raises at its first step, per
     wrapper (None if it stepped)."""
     import horovod.tensorflow as hvd
     import keras
@@ -145,7 +146,11 @@ def _mismatched(kind):
     inputs = 32 if kind == "parameters" and odd else 64
     codec = {"codec": "qsgd-inf", "hyperparameters": "terngrad:clip=2.0"}.get(kind, "terngrad")
     codec = codec if odd else "terngrad"
-    options = {"exchange": {"exchange": "allgather"}, "optimizer": {"sparse_as_dense": True}}
+    options = {
+        "exchange": {"exchange": "allgather"},
+        "adaptive": {"adaptive": True},
+        "optimizer": {"sparse_as_dense": True},
+    }
     options = options.get(kind, {}) if odd else {}
     model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(10)])
     messages = {}

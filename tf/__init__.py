@@ -2,6 +2,8 @@
 ``DistributedGradientTape`` and a Keras ``DistributedOptimizer`` that exchange their codes
 through Horovod's TensorFlow collectives."""
 
+from hvd_compress.adaptive import Adaptive
+
 from .adacomp import AdaComp
 from .blocksign import BlockSign
 from .codec import FP16, Codec, NoneCodec
@@ -17,6 +19,7 @@ from .terngrad import TernGrad
 
 __all__ = [
     "AdaComp",
+    "Adaptive",
     "BlockSign",
     "CODECS",
     "Codec",

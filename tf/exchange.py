@@ -49,23 +49,26 @@ def codes_name(plan):
 
 class Meter(layout.Meter):
     """``hvd_compress.exchange.Meter`` in tensors (payload lengths of the Elias wire and of
-    sparse messages are only known at run time): ``take`` in all, ``by_tensor``."""
+    sparse messages are only known at run time): ``take`` in all, ``by_tensor``; ``handed``
+    the tensors themselves, which the adaptive mode's timing waits for."""
 
     def __init__(self):
         super().__init__()
         self.counts = []
         self.by_tensor = {}
+        self.handed = []
 
     def hand(self, tensor):
         nbytes = tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
         self.counts.append(nbytes)
+        self.handed.append(tensor)
         self.by_tensor[self.tensor] = self.by_tensor.get(self.tensor, 0) + nbytes
         return tensor
 
     def take(self):
         """The bytes counted since the last ``take`` (``by_tensor`` starts over too)."""
         total = tf.add_n(self.counts) if self.counts else tf.constant(0, tf.int64)
-        self.counts, self.by_tensor = [], {}
+        self.counts, self.by_tensor, self.handed = [], {}, []
         return total
 
 

@@ -328,8 +328,14 @@ def DistributedOptimizer(
             whatever the SGD's. None (default): on for ``ef-sign`` and ``dgc`` with an SGD
             that has momentum, in Nesterov's form, as dist-EF-blockSGDM's
             (``hvd_compress.remedies``; logged once where the SGD's is heavy-ball).
-        adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
-            here (``docs/adaptive.md``). Default False.
+        adaptive: ``True`` or an ``hvd_compress.Adaptive``: every tensor the codec
+            compresses goes by the codec, an fp16 allreduce or a plain allreduce, whichever
+            a model of the step predicts fastest from the link and codec times measured on
+            this job (``hvd_compress.adaptive``; how a traced step is measured:
+            ``docs/adaptive.md``); decided after a warm-up, again every ``Adaptive.every``
+            steps, the same on every rank, without tracing the step again. A tensor that
+            leaves the codec sends its error-feedback residuals with its next allreduce.
+            Dense codecs only. Default False: every compressible tensor by the codec.
         compressed_adam: 1-bit Adam's mode for ``keras.optimizers.Adam`` and ``AdamW``
             (Keras 3), with this many uncompressed warm-up steps T_w (an int >= 1): the
             first T_w steps are the base optimizer's on gradients averaged by fp32
@@ -410,11 +416,17 @@ def DistributedOptimizer(
         optimizer_kind(optimizer),
         type(optimizer).__name__,
         compressed_adam,
-        refusal=CompressedAdam.refusal(optimizer),
+        refusal=CompressedAdam.refusal(optimizer)
+        or ("does not combine with adaptive" if options["adaptive"] is not None else None),
     )
     if compressed_adam is not None:
         compressed_adam = CompressedAdam.check(optimizer, compressed_adam)
         check_compressed_adam_codec("DistributedOptimizer", codec)
+        if options["adaptive"] is not None:
+            raise ValueError(
+                "DistributedOptimizer: compressed_adam chooses each step's path itself; "
+                "it does not combine with adaptive"
+            )
     if methods is _Keras3:
         leave_auto_xla_off()
     wrapped = wrap_in_subclass(optimizer, _DistributedOptimizer, methods)

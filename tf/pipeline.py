@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from hvd_compress import accounting, agreement, fusion
 from hvd_compress.accounting import UNCOMPRESSED, Sent
-from hvd_compress.adaptive import Adaptive
+from hvd_compress.adaptive import Adaptive, Planner, check_pipeline
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES, TWO_LEVEL
 from hvd_compress.plan import classifier_names, plan_tensor
 from hvd_compress.registry import resolve
@@ -28,6 +28,7 @@ from hvd_compress.validation import (
 )
 
 from . import fused, seeding
+from .adaptive import AdaptiveSteps
 from .exchange import (
     Meter,
     codes_name,
@@ -53,7 +54,7 @@ def uniforms(seed, rank, step, index, shape):
     return tf.reshape(seeding.uniforms(key, tf.TensorShape(shape).num_elements()), shape)
 
 
-class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
+class CompressionPipeline(AdaptiveSteps, ElasticWorld, TwoLevelSteps, tf.Module):
     """Compressed averaging (or summing) of gradients across the ranks of a Horovod
     process set.
 
@@ -75,6 +76,10 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
             they are (``included`` is False).
         modes: the wrapper's settings every rank must share (``agreement.modes``), checked
             with the rest of the configuration.
+        adaptive: an ``hvd_compress.Adaptive``: each compressed tensor goes by the codec,
+            an fp16 or an fp32 allreduce, whichever the model of ``hvd_compress.adaptive``
+            predicts fastest from measurements of the running job (``tf/adaptive.py``);
+            None (default) always by the codec.
 
     What it carries from one step to the next is ``state`` (``PipelineState``).
     """
@@ -93,6 +98,7 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
         error_feedback=False,
         process_set=hvd.global_process_set,
         modes=None,
+        adaptive=None,
     ):
         super().__init__(name="hvd_compress")
         self.codec = codec
@@ -145,11 +151,18 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
                 (plan.name, shape, dtype.name, plan.reason)
                 for plan, shape, dtype in zip(self.plans, self.shapes, self.dtypes)
             ],
+            adaptive=adaptive,
         ) | (modes or {})
         self._agreed = False
         self._choose_exchanges()
         if exchange == TWO_LEVEL and self.included:
             self._join_nodes()
+        planner = None
+        if adaptive is not None:
+            check_pipeline(codec, exchange)
+            planner = Planner(
+                adaptive, [plan.name for plan in self.plans if plan.reason == "compressed"]
+            )
         with tf.init_scope():
             step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.last_step_bytes = tf.Variable(
@@ -184,8 +197,10 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
         )
         # Everything the steps carry forward; ``_make_exchanges`` adds the server
         # residuals, an optimizer that applies a worker momentum the momentum.
-        self.state = PipelineState(step, worker, None, factors)
+        self.state = PipelineState(step, worker, None, factors, planner)
         self._make_exchanges()
+        if planner is not None:
+            self.follow_paths()
 
     def _encoded(self):
         """The plans of the tensors this rank encodes: all compressed ones but the
@@ -221,6 +236,7 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
             }
         else:
             self.exchanges = {plan.name: self._make_exchange(plan) for plan in self._encoded()}
+        self._timing = None  # the adaptive mode's timing of the codec, made for these
         if self.codec.two_way:
             self.state.server = ErrorFeedback(
                 {
@@ -271,6 +287,8 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
         return (
             plan.kernels
             and self.state.worker is not None
+            # The adaptive mode may send the gradient by an allreduce, momentum applied.
+            and self.state.planner is None
             and plan.exchange not in (UNCOMPRESSED, TWO_LEVEL)
             and not self.codec.uncompressed_steps
             and grad is not None
@@ -318,7 +336,9 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
                 lambda: self._exchange(grads, lr_ratio, momentum),
             )
         mark_exchange_end(outputs)
-        self.state.step.assign_add(1)
+        counted = self.state.step.assign_add(1)
+        if self.state.planner is not None:
+            self._mark_step_end([outputs, counted])
         return outputs
 
     def _exchange_uncompressed(self, grads):
@@ -336,6 +356,7 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
         outputs = [None] * len(self.plans)
         sent_elements = [plan.numel for plan in self.plans]
         started = {}  # index -> (what the exchange's ``finish`` takes, the gradient's dtype)
+        known = {}  # index -> whether its gradient is finite, as its exchange knows
         for index, (plan, grad, step) in enumerate(zip(self.plans, grads, momentum)):
             with self.meter.charging(plan.name):
                 if plan.exchange == UNCOMPRESSED or isinstance(grad, tf.IndexedSlices):
@@ -347,6 +368,13 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
                 elif self.codec.sparse:
                     outputs[index] = self._sparse(plan, grad, lr_ratio)
                     sent_elements[index] = self.exchanges[plan.name].sent_elements
+                elif self.state.planner is not None and plan.reason == "compressed":
+                    decoded, known[index] = self._by_path(
+                        plan, grad, lr_ratio, fusions.get(plan.name)
+                    )
+                    outputs[index] = tf.cast(tf.reshape(decoded, self.shapes[index]), grad.dtype)
+                    if grad.dtype != tf.float32:  # the cast could overflow
+                        del known[index]
                 elif plan.exchange == TWO_LEVEL:
                     started[index] = (
                         self._start_two_level(plan, grad, lr_ratio, fusions.get(plan.name)),
@@ -358,7 +386,6 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
                         self._start(plan, vector, lr_ratio, fusions.get(plan.name), step),
                         grad.dtype,
                     )
-        known = {}  # index -> whether its gradient is finite, as its exchange knows
         for index, (pending, dtype) in started.items():
             plan = self.plans[index]
             exchange = self.exchanges.get(plan.name)
@@ -441,11 +468,15 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
         of ``process_set``."""
         by_name = {plan.name: plan for plan in plans}
         groups = {}
-        for index, members in enumerate(
-            fusion.alltoall_groups(
+        # The adaptive mode's paths are chosen as the step runs, each tensor's alone.
+        member_lists = (
+            [[plan.name] for plan in plans]
+            if self.state.planner is not None
+            else fusion.alltoall_groups(
                 self.codec, [(plan.name, self._coded_numel(plan)) for plan in plans], world_size
             )
-        ):
+        )
+        for index, members in enumerate(member_lists):
             group = AlltoallFusion(
                 [codes_name(by_name[m]) for m in members], f"{prefix}.{index}", process_set
             )
@@ -555,12 +586,15 @@ class CompressionPipeline(ElasticWorld, TwoLevelSteps, tf.Module):
     def compression_stats(self):
         """What the last step handed to Horovod, and how each tensor travels
         (``accounting.compression_stats``)."""
-        return accounting.compression_stats(
+        stats = accounting.compression_stats(
             self.codec,
             int(self.state.step.numpy()),
             int(self.last_step_bytes.numpy()),
             self._sent(),
         )
+        if self.state.planner is not None:
+            stats["adaptive"] = self.state.planner.report()
+        return stats
 
 
 def variable_name(variable):
@@ -585,13 +619,9 @@ def check_options(
     arguments of a wrapper (``owner`` names it in error messages), checked like
     ``hvd_compress.pt``'s."""
     codec = resolve(compression, classes)
-    if Adaptive.of(adaptive) is not None:
-        # Its model needs each gradient's arrival and codec time, which the PyTorch hooks
-        # give and a graph that receives every gradient of the tape at once does not.
-        raise ValueError(
-            f"{owner}: adaptive is not available in the TensorFlow port; "
-            f"leave it False (the PyTorch DistributedOptimizer has it)"
-        )
+    adaptive = Adaptive.of(adaptive)
+    if adaptive is not None:
+        check_pipeline(codec, exchange)
     average, (prescale, postscale) = check_reduction(
         owner, op, gradient_predivide_factor, average=hvd.Average, sum_=hvd.Sum
     )
@@ -603,6 +633,7 @@ def check_options(
         postscale_factor=postscale,
         error_feedback=check_error_feedback(owner, codec, error_feedback),
         process_set=process_set,
+        adaptive=adaptive,
     )
 
 
@@ -618,6 +649,11 @@ def make_pipeline(owner, named_variables, codec, uncompressed, options, modes=No
     unknown = sent_whole - set(names)
     if unknown:
         raise ValueError(f"{owner}: uncompressed names unknown variables: {sorted(unknown)}")
+    adaptive = options.get("adaptive")
+    if adaptive is not None:
+        unpinnable = set(adaptive.pin) - set(names)
+        if unpinnable:
+            raise ValueError(f"{owner}: adaptive pins unknown variables: {sorted(unpinnable)}")
     if not codec.compress_classifier:
         sent_whole |= classifier_names(named_variables)
     return CompressionPipeline(

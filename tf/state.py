@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from hvd_compress.adaptive import Planner
 from hvd_compress.state import CommittedState
 
 from .memory import ErrorFeedback, FactorMemory
@@ -22,11 +23,15 @@ class PipelineState(CommittedState, tf.Module):
             exchange (``LocalAggregation``), with ``backward_passes_per_step`` > 1; else
             None. Not committed: a pass adds to it whatever its gradients.
 
-    The PyTorch port's state also holds the adaptive mode's planner; that mode is the
-    PyTorch port's only.
+        planner: the adaptive mode's measurements and decisions (``adaptive.Planner``), or
+            None without the mode. Not saved: a restored job warms up again.
+        paths: with a planner, each tensor's path in force (an int32 variable, per name of
+            ``planner.compressible``, the index of its path in ``adaptive.PATHS``): the
+            planner's, which the traced step reads (``AdaptiveSteps.follow_paths``).
     """
 
     aggregation = None
+    planner = paths = None
 
     def __init__(
         self,
@@ -34,9 +39,16 @@ class PipelineState(CommittedState, tf.Module):
         worker: ErrorFeedback | None = None,
         server: ErrorFeedback | None = None,
         factors: FactorMemory | None = None,
+        planner: Planner | None = None,
     ):
         super().__init__(name="state")
         self.step = step
         self.worker = worker
         self.server = server
         self.factors = factors
+        if planner is not None:
+            self.planner = planner
+            with tf.init_scope():
+                self.paths = tf.Variable(
+                    tf.zeros([len(planner.compressible)], tf.int32), trainable=False, name="paths"
+                )

@@ -97,8 +97,14 @@ class DistributedGradientTape:
             ``compress_classifier``).
         error_feedback: keep, per compressed tensor, what its messages did not carry and add
             it to the next gradient. None: the codec's default (on for ``ef-sign``).
-        adaptive: the PyTorch port's per-tensor choice of codec, fp16 or fp32; refused
-            here (``docs/adaptive.md``). Default False.
+        adaptive: ``True`` or an ``hvd_compress.Adaptive``: every tensor the codec
+            compresses goes by the codec, an fp16 allreduce or a plain allreduce, whichever
+            a model of the step predicts fastest from the link and codec times measured on
+            this job (``hvd_compress.adaptive``; how a traced step is measured:
+            ``docs/adaptive.md``); decided after a warm-up, again every ``Adaptive.every``
+            steps, the same on every rank, without tracing the step again. A tensor that
+            leaves the codec sends its error-feedback residuals with its next allreduce.
+            Dense codecs only. Default False: every compressible tensor by the codec.
         scale_local_gradients: as in Horovod, divide the gradients of the sources
             registered with ``register_local_source`` by the process set's size (default
             True).

@@ -60,6 +60,9 @@ class ElasticWorld:
             if problem:
                 raise ValueError(problem)
             self.state.step.assign(max(step for _, _, step in gathered))
+            if self.state.planner is not None:
+                self.state.planner.restart(int(self.state.step.numpy()))
+                self.follow_paths()
         self._agreed = True
 
     def check_traced_world(self):
