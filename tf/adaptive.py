@@ -8,10 +8,11 @@ the step runs. A traced step cannot: its tensors' work runs concurrently on the 
 threads, where no clock sees one tensor's share. So the step itself only reads the paths
 in force (``PipelineState.paths``, one ``tf.switch_case`` per tensor, which a decision
 changes without tracing the step again) and ends in a Python call (``tf.py_function``)
-that times whole steps. The codec's work is timed between steps, at a decision, by a
-``tf.function`` of its own that runs each tensor's exchange on the codec and on fp16, one
-tensor after the other, with timestamps around the work before and after its collectives
-(``_timing_pass``).
+that times whole steps. The codec's work is timed between steps, at a decision, by eager
+calls that run each tensor's exchange on the codec and on fp16, one tensor after the
+other, with timestamps around the work before and after its collectives (``_timing_pass``).
+Eager, because that call runs on one of the executor's inter-op threads: a ``tf.function``
+called from it waits for another, and on one inter-op thread the job would hang.
 """
 
 import contextlib
@@ -77,7 +78,6 @@ class AdaptiveSteps:
     ``state.planner``."""
 
     _last_step_end = None  # perf_counter() at the end of the last step (``_end_step``)
-    _timing = None  # the ``tf.function`` of ``_timing_pass``, made for the world in force
 
     def follow_paths(self):
         """Puts the planner's paths in force: the variable the traced step reads, and each
@@ -209,11 +209,9 @@ class AdaptiveSteps:
         the links, agrees with every rank on the measurements and takes the planner's
         decision (``hvd_compress.adaptive``)."""
         planner = self.state.planner
-        if self._timing is None:
-            self._timing = tf.function(self._timing_pass, autograph=False)
-        spans = self._timing().numpy()
+        spans = self._timing_pass().numpy()
         for _ in range(_TIMING_PASSES - 1):
-            spans = tf.minimum(spans, self._timing()).numpy()
+            spans = tf.minimum(spans, self._timing_pass()).numpy()
         for name, row in zip(planner.compressible, spans):
             for (path, phase), seconds in zip(planner.MEASURED, row):
                 planner.record(name, path, phase, float(seconds))
@@ -256,7 +254,8 @@ class AdaptiveSteps:
         """Each compressed tensor's work on the codec and on fp16, before and after its
         collectives (seconds, a row per tensor of ``planner.compressible`` in the order of
         ``Planner.MEASURED``), timed one tensor after the other so that no other tensor's
-        work runs meanwhile. Wall time, which with more ranks than cores includes waiting
+        work runs meanwhile; eager (the module's docstring says why), which adds each op's
+        dispatch to its time. Wall time, which with more ranks than cores includes waiting
         for a core, as the step's work does: the contention is then 1. The gradient is a
         stand-in of its size (normal draws: codes as dense as a gradient's), compensated
         with the residuals in force; what the pass proposes is dropped."""

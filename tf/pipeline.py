@@ -236,7 +236,6 @@ class CompressionPipeline(AdaptiveSteps, ElasticWorld, TwoLevelSteps, tf.Module)
             }
         else:
             self.exchanges = {plan.name: self._make_exchange(plan) for plan in self._encoded()}
-        self._timing = None  # the adaptive mode's timing of the codec, made for these
         if self.codec.two_way:
             self.state.server = ErrorFeedback(
                 {
