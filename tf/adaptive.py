@@ -123,13 +123,17 @@ class AdaptiveSteps:
                 finite = tf.reduce_all(tf.math.is_finite(decoded))
             return outputs(decoded, finite, handed)
 
+        # What a plain path sends: the gradient with its residuals. Summed outside the
+        # branches: grappler rewrites a branch's sum into a temporary variable named after
+        # the branch, which two tensors' identical branches would both create in one step.
+        sent = vector
+        if self.state.worker is not None:
+            sent = self.state.worker.compensate(plan.name, sent, lr_ratio)
+        if self.state.server is not None and plan.name in self.state.server.residuals:
+            residual = self.state.server.residuals[plan.name]
+            sent += self._server_mass(plan.name, residual, self.world_size) * lr_ratio
+
         def plain(dtype):
-            sent = vector
-            if self.state.worker is not None:
-                sent = self.state.worker.compensate(plan.name, sent, lr_ratio)
-            if self.state.server is not None and plan.name in self.state.server.residuals:
-                residual = self.state.server.residuals[plan.name]
-                sent += self._server_mass(plan.name, residual, self.world_size) * lr_ratio
             for memory in memories:
                 memory.propose(plan.name, tf.zeros_like(memory.residuals[plan.name]))
             with self._handing() as handed:
