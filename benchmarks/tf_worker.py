@@ -241,13 +241,20 @@ def measure_compute(driver, work, local, batches, method):
 
 
 def measure_method(driver, work, batches, method, rates, steps, interface):
-    """Warm-up at the first rate, then timed steps at every rate."""
+    """Warm-up at the first rate, then timed steps at every rate. An adaptive method (as
+    ``benchmarks.worker``'s) starts anew at every rate, for the link it measures: its
+    warm-up and decision, then the steps of its trials, before any is timed."""
     run = None
+    adaptive = method.endswith(AUTO_SUFFIX)
     for rate in rates:
         driver.shape(rate)
-        if run is None:
+        if run is None or adaptive:
             run, sizes = trainer(method, work, hvd.size())
-            timed_steps(run, batches, WARMUP_STEPS)
+            warmup = htf.Adaptive().warmup_steps + 1 if adaptive else WARMUP_STEPS
+            timed_steps(run, batches, warmup)
+            # The same on every rank: the decisions are agreed.
+            while adaptive and run.tape.pipeline.compression_stats()["adaptive"].get("judging"):
+                timed_steps(run, batches, 1)
             driver.barrier()
         before = interface_bytes(interface)
         seconds = timed_steps_of(driver, run, batches, steps)
