@@ -123,17 +123,16 @@ class AdaptiveSteps:
                 finite = tf.reduce_all(tf.math.is_finite(decoded))
             return outputs(decoded, finite, handed)
 
-        # What a plain path sends: the gradient with its residuals. Summed outside the
-        # branches: grappler rewrites a branch's sum into a temporary variable named after
-        # the branch, which two tensors' identical branches would both create in one step.
-        sent = vector
-        if self.state.worker is not None:
-            sent = self.state.worker.compensate(plan.name, sent, lr_ratio)
-        if self.state.server is not None and plan.name in self.state.server.residuals:
-            residual = self.state.server.residuals[plan.name]
-            sent += self._server_mass(plan.name, residual, self.world_size) * lr_ratio
-
         def plain(dtype):
+            # The gradient with its residuals, the server's moved into the worker's as the
+            # PyTorch port moves it. One add of the scaled sum, never a chain of adds:
+            # grappler rewrites a chain in a branch into a temporary variable named after
+            # the branch, which two tensors' branches then create in the same step.
+            residual = None if self.state.worker is None else self.state.worker.residuals[plan.name]
+            if self.state.server is not None and plan.name in self.state.server.residuals:
+                server = self.state.server.residuals[plan.name]
+                residual = residual + self._server_mass(plan.name, server, self.world_size)
+            sent = vector if residual is None else vector + residual * lr_ratio
             for memory in memories:
                 memory.propose(plan.name, tf.zeros_like(memory.residuals[plan.name]))
             with self._handing() as handed:
