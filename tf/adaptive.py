@@ -20,6 +20,7 @@ import logging
 import time
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
 from hvd_compress.adaptive import (
@@ -55,22 +56,6 @@ def max_over_ranks(values, name, process_set):
             process_set=process_set,
         )
     return agreed.numpy().tolist()
-
-
-def _stamp(tensors):
-    """The wall time (seconds) once every one of ``tensors`` is computed."""
-    with tf.control_dependencies([t for t in tf.nest.flatten(tensors) if tf.is_tensor(t)]):
-        return tf.timestamp()
-
-
-def _arrived(pending):
-    """What the collectives of an exchange's ``start`` delivered (``pending``): its
-    tensors, and the alltoall's rows of a sharded exchange's fusion group."""
-    return [
-        item.received if isinstance(item, AlltoallFusion) else item
-        for item in tf.nest.flatten(pending)
-        if tf.is_tensor(item) or isinstance(item, AlltoallFusion)
-    ]
 
 
 class AdaptiveSteps:
@@ -156,13 +141,13 @@ class AdaptiveSteps:
         (``Meter.hand``), which then leave the meter: the block's tensors are a branch's
         or a timing pass's, which the step's accounting cannot read."""
         meter = self.meter
-        counts, tensors, by_tensor = len(meter.counts), len(meter.handed), dict(meter.by_tensor)
+        counts, clock, by_tensor = len(meter.counts), len(meter.clock), dict(meter.by_tensor)
         handed = []
         try:
             yield handed
         finally:
             handed.extend(meter.counts[counts:])
-            del meter.counts[counts:], meter.handed[tensors:]
+            del meter.counts[counts:], meter.clock[clock:]
             meter.by_tensor = by_tensor
 
     def _allreduce(self, plan, tensor):
@@ -212,9 +197,7 @@ class AdaptiveSteps:
         the links, agrees with every rank on the measurements and takes the planner's
         decision (``hvd_compress.adaptive``)."""
         planner = self.state.planner
-        spans = self._timing_pass().numpy()
-        for _ in range(_TIMING_PASSES - 1):
-            spans = tf.minimum(spans, self._timing_pass()).numpy()
+        spans = np.min([self._timing_pass() for _ in range(_TIMING_PASSES)], axis=0)
         for name, row in zip(planner.compressible, spans):
             for (path, phase), seconds in zip(planner.MEASURED, row):
                 planner.record(name, path, phase, float(seconds))
@@ -257,47 +240,43 @@ class AdaptiveSteps:
         """Each compressed tensor's work on the codec and on fp16, before and after its
         collectives (seconds, a row per tensor of ``planner.compressible`` in the order of
         ``Planner.MEASURED``), timed one tensor after the other so that no other tensor's
-        work runs meanwhile; eager (the module's docstring says why), which adds each op's
-        dispatch to its time. Wall time, which with more ranks than cores includes waiting
-        for a core, as the step's work does: the contention is then 1. The gradient is a
-        stand-in of its size (normal draws: codes as dense as a gradient's), compensated
-        with the residuals in force; what the pass proposes is dropped."""
+        work runs meanwhile; eager (the module's docstring says why), so each call returns
+        once its ops and collectives are done, and each op's dispatch counts in its time.
+        The codec's work before its collectives ends when its largest payload is handed to
+        Horovod (``Meter.clock``). Wall time, which with more ranks than cores includes
+        waiting for a core, as the step's work does: the contention is then 1. The gradient
+        is a stand-in of its size (normal draws: codes as dense as a gradient's),
+        compensated with the residuals in force; what the pass proposes is dropped."""
         planner = self.state.planner
         plans = {plan.name: plan for plan in self.plans}
         memories = [m for m in (self.state.worker, self.state.server) if m is not None]
         proposed = [dict(memory.proposed) for memory in memories]
-        rows, previous = [], []
+        rows = []
         for name in planner.compressible:
             plan = plans[name]
-            with tf.control_dependencies(previous):
-                start = tf.timestamp()
-            with tf.control_dependencies([start]):
-                vector = tf.random.stateless_normal([plan.numel], [plan.index, 0])
+            vector = tf.random.stateless_normal([plan.numel], [plan.index, 0])
             with self._handing():
                 # A sharded tensor's codes travel alone: its fusion group has one member.
                 fusion = AlltoallFusion(
                     [codes_name(plan)], f"hvdc.timing.{plan.index}", self.process_set
                 )
-                begun = len(self.meter.handed)
+                begun = len(self.meter.clock)
+                start = time.perf_counter()
                 pending = self._start(plan, vector, 1.0, fusion)
-                encoded = _stamp(self.meter.handed[begun:])
-                arrived = _stamp(_arrived(pending))
-                decoded = self.exchanges[name].finish(pending)
-                done = _stamp(decoded)
-            with tf.control_dependencies([done]):
-                half = tf.cast(tf.identity(vector), tf.float16)
-            halved = _stamp(half)
-            with self._handing():
+                arrived = time.perf_counter()
+                encoded, _ = max(self.meter.clock[begun:], key=lambda hand: hand[1])
+                self.exchanges[name].finish(pending)
+                done = time.perf_counter()
+                half = tf.cast(vector, tf.float16)
+                halved = time.perf_counter()
                 total = self._allreduce(plan, half)
-            summed = _stamp(total)
-            restored = _stamp(tf.cast(total, tf.float32))
-            rows.append(
-                tf.stack([encoded - start, done - arrived, halved - done, restored - summed])
-            )
-            previous = [restored]
+                summed = time.perf_counter()
+                tf.cast(total, tf.float32)
+                restored = time.perf_counter()
+            rows.append([encoded - start, done - arrived, halved - done, restored - summed])
         for memory, before in zip(memories, proposed):
             memory.proposed = before
-        return tf.stack(rows)
+        return rows
 
     def _probe_links(self):
         """Every carrier's ``Link`` (``adaptive.fit_links``), as the PyTorch port's."""

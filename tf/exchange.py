@@ -23,6 +23,7 @@ what its memory keeps, so they run compensate -> compress -> update on the worke
 
 import contextlib
 import re
+import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -49,26 +50,28 @@ def codes_name(plan):
 
 class Meter(layout.Meter):
     """``hvd_compress.exchange.Meter`` in tensors (payload lengths of the Elias wire and of
-    sparse messages are only known at run time): ``take`` in all, ``by_tensor``; ``handed``
-    the tensors themselves, which the adaptive mode's timing waits for."""
+    sparse messages are only known at run time): ``take`` in all, ``by_tensor``. ``clock``
+    holds (``time.perf_counter()``, elements) of each hand: run eagerly, the moment the
+    tensor was ready and its collective not yet begun, which the adaptive mode's timing
+    pass reads (traced, only the moment of tracing)."""
 
     def __init__(self):
         super().__init__()
         self.counts = []
         self.by_tensor = {}
-        self.handed = []
+        self.clock = []
 
     def hand(self, tensor):
         nbytes = tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
         self.counts.append(nbytes)
-        self.handed.append(tensor)
+        self.clock.append((time.perf_counter(), tensor.shape.num_elements() or 0))
         self.by_tensor[self.tensor] = self.by_tensor.get(self.tensor, 0) + nbytes
         return tensor
 
     def take(self):
         """The bytes counted since the last ``take`` (``by_tensor`` starts over too)."""
         total = tf.add_n(self.counts) if self.counts else tf.constant(0, tf.int64)
-        self.counts, self.by_tensor, self.handed = [], {}, []
+        self.counts, self.by_tensor, self.clock = [], {}, []
         return total
 
 
