@@ -40,6 +40,7 @@ from .methods import (
     TWO_LEVEL_METHODS,
 )
 from .protocol import (
+    AUTO_SUFFIX,
     LONG_SECONDS,
     OP_COUNT_PATHS,
     STEP_BUDGET_SECONDS,
@@ -415,9 +416,7 @@ def bench(args):
                     hosts = _local_hosts(workers, args.per_node)
                     run_jobs(hosts, spec, args.timeout, lambda rate: None, progress, events)
                 write(result, args.out)
-        codecs = [
-            m for m in args.methods if m in CODEC_METHODS and not m.endswith(report.AUTO_SUFFIX)
-        ]
+        codecs = [m for m in args.methods if m in CODEC_METHODS and not m.endswith(AUTO_SUFFIX)]
         if codecs and not args.no_op_counts:
             result["op_counts"] = {
                 model: [c for n in args.workers for c in op_counts(model, codecs, n, args.timeout)]

@@ -262,7 +262,7 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
         tx, rx = difference(interface_bytes(interface), before, len(seconds))
         handed, sent = sizes()
         extra = {}
-        if method.endswith(AUTO_SUFFIX):
+        if adaptive:
             extra["adaptive"] = run.tape.pipeline.compression_stats()["adaptive"]
         driver.emit(
             "step",
