@@ -23,7 +23,8 @@ job runs on localhost:
     horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.op_count [--codecs ...] \
         [--model resnet50]
 
-Rank 0 prints a Markdown table (and with ``--out``, writes it as JSON).
+Rank 0 prints a Markdown table (and with ``--out``, writes it as JSON). The TensorFlow
+port's ops: ``benchmarks.tf_op_count``.
 """
 
 import argparse

@@ -259,3 +259,48 @@ def test_misuse_errors_say_what_to_do(tf_results):
     assert "it does not take exchange='two-level'" in two_level
     assert "adaptive must be True, False or an hvd_compress.Adaptive" in options
     assert tf_results["fp16_in_horovods_hook"] == "float16"
+
+
+def _launched_ops_of_a_known_step():
+    """``benchmarks.tf_op_count``'s count of a step whose ops are known: x * 2, a called
+    function's sqrt and + 1, x[0] > 0, a conditional with one op in each branch, and an
+    XLA-compiled function of three ops."""
+    import tensorflow as tf
+
+    from benchmarks.tf_op_count import launched_ops
+
+    @tf.function
+    def inner(x):
+        return tf.sqrt(x) + 1.0
+
+    @tf.function(jit_compile=True)
+    def compiled(x):
+        return tf.exp(x) * 2.0 - 1.0
+
+    @tf.function
+    def step(x):
+        y = inner(x * 2.0)
+        return compiled(tf.cond(x[0] > 0, lambda: y * 3.0, lambda: y - 1.0))
+
+    graph = step.get_concrete_function(tf.TensorSpec([4], tf.float32)).graph
+    return dict(launched_ops(graph.as_graph_def())), sorted(
+        op.type for op in graph.get_operations() if op.type not in ("Const", "Placeholder")
+    )
+
+
+def test_the_benchmarks_op_count_counts_every_launch_once():
+    """Mul, Sqrt, AddV2, StridedSlice, Greater, the conditional itself, both branches'
+    ops (Mul, Sub) and the compiled function as one: constants, the arguments and the
+    plain function's call launch nothing."""
+    launched, top_level = run_parallel(_launched_ops_of_a_known_step, 1)[0]
+    assert top_level.count("PartitionedCall") + top_level.count("StatefulPartitionedCall") == 2
+    assert launched == {
+        "Mul": 2,
+        "Sqrt": 1,
+        "AddV2": 1,
+        "StridedSlice": 1,
+        "Greater": 1,
+        "StatelessIf": 1,
+        "Sub": 1,
+        "(XLA cluster)": 1,
+    }
