@@ -41,6 +41,7 @@ from hvd_compress.pt.device import rank_device
 
 from .models import workload
 from .protocol import OP_COUNT_PATHS as PATHS
+from .protocol import added_ops, compressed_tensors
 from .shapes import MODELS
 
 # Steps before the profiled one: allocations and the compilation of the kernels.
@@ -99,9 +100,13 @@ def count(model_name, codec, device):
         step()
         launched = triton_fused.launches - launched
     tensors = optimizer.compression_stats()["tensors"]
-    compressed = sum(1 for _, _, route, _ in tensors if not route.startswith("allreduce ("))
     events = profiler.events()
-    return top_level_aten_ops(events) + launched, host_reads(events), len(tensors), compressed
+    return (
+        top_level_aten_ops(events) + launched,
+        host_reads(events),
+        len(tensors),
+        compressed_tensors(tensors),
+    )
 
 
 def _take(path):
@@ -150,17 +155,9 @@ def _counted(args, device, path):
         ops, reads, tensors, compressed = count(args.model, name, device)
         rows.append(
             {
-                "codec": name,
-                "ops": ops,
-                "added": ops - baseline,
+                **added_ops(name, ops, baseline, tensors, compressed),
                 "host_reads": reads,
                 "added_host_reads": reads - baseline_reads,
-                "tensors": tensors,
-                "compressed_tensors": compressed,
-                "added_per_tensor": (ops - baseline) / tensors,
-                "added_per_compressed_tensor": (ops - baseline) / compressed
-                if compressed
-                else None,
             }
         )
     if hvd.rank() == 0:

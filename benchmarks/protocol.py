@@ -185,6 +185,27 @@ def timed_steps_of(driver, trainer, batches, steps):
     )
 
 
+def compressed_tensors(tensors) -> int:
+    """How many of a wrapper's ``compression_stats()["tensors"]`` the codec compressed
+    (the others went by a plain allreduce)."""
+    return sum(1 for _, _, route, _ in tensors if not route.startswith("allreduce ("))
+
+
+def added_ops(codec, ops, baseline, tensors, compressed) -> dict:
+    """The op counters' row of ``codec``: the ``ops`` of its step and what it adds to the
+    ``baseline`` of ``none``, per model tensor (``tensors``) and per ``compressed`` one."""
+    added = ops - baseline
+    return {
+        "codec": codec,
+        "ops": ops,
+        "added": added,
+        "tensors": tensors,
+        "compressed_tensors": compressed,
+        "added_per_tensor": added / tensors,
+        "added_per_compressed_tensor": added / compressed if compressed else None,
+    }
+
+
 def sent_bytes(codec, stats, world_size, nodes=None, node_allreduce=False):
     """Bytes a worker puts on the network in the step ``stats`` (a wrapper's
     ``compression_stats()``) describes, by ``hvd_compress.cost``: each tensor by the path

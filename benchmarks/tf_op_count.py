@@ -37,13 +37,24 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 from hvd_compress.tf import fused  # noqa: E402
 
+from .protocol import added_ops, compressed_tensors  # noqa: E402
 from .shapes import MODELS  # noqa: E402
 from .tf_worker import WARMUP_STEPS, Workload, codec_trainer  # noqa: E402
 
 # Graph nodes that launch no kernel: values known at tracing, renames, control edges and
-# the function boundary (the step's inputs, a function's arguments and results).
+# the function boundary (calls, the step's inputs, a function's arguments and results).
 NOT_LAUNCHED = frozenset(
-    {"Const", "Identity", "IdentityN", "NoOp", "Placeholder", "_Arg", "_Retval"}
+    {
+        "Const",
+        "Identity",
+        "IdentityN",
+        "NoOp",
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+        "Placeholder",
+        "_Arg",
+        "_Retval",
+    }
 )
 # What a call of a function XLA compiles counts as: one launch of its cluster.
 XLA_CLUSTER = "(XLA cluster)"
@@ -66,11 +77,11 @@ def _called(node):
     return [name for name in names if name]
 
 
-def _compiled(node, library) -> bool:
-    """Whether ``node`` runs a function XLA compiles (``jit_compile=True``): one cluster,
-    counted as one launch however many ops it holds."""
-    name = node.op if node.op in library else (_called(node) or [None])[0]
-    attributes = [node.attr] + ([library[name].attr] if name in library else [])
+def _compiled(node, called, library) -> bool:
+    """Whether ``node``, which runs the library functions ``called``, runs a function XLA
+    compiles (``jit_compile=True``): one cluster, counted as one launch however many ops
+    it holds."""
+    attributes = [node.attr] + [library[name].attr for name in called]
     return any(a["_XlaMustCompile"].b for a in attributes if "_XlaMustCompile" in a)
 
 
@@ -84,16 +95,13 @@ def launched_ops(graph_def) -> collections.Counter:
     def count(nodes):
         total = collections.Counter()
         for node in nodes:
-            if _compiled(node, library):
-                total[XLA_CLUSTER] += 1
-                continue
             called = _called(node)
             if node.op in library:  # a function called by its name as the op
                 called.append(node.op)
-            elif node.op not in NOT_LAUNCHED and node.op not in (
-                "PartitionedCall",
-                "StatefulPartitionedCall",
-            ):
+            if _compiled(node, called, library):
+                total[XLA_CLUSTER] += 1
+                continue
+            if node.op not in library and node.op not in NOT_LAUNCHED:
                 total[node.op] += 1
             for name in called:
                 if name not in memo:
@@ -115,8 +123,7 @@ def count(model_name, codec):
         run.step(inputs, targets)
     graph = run._step.get_concrete_function(inputs, targets).graph.as_graph_def()
     tensors = run.tape.pipeline.compression_stats()["tensors"]
-    compressed = sum(1 for _, _, route, _ in tensors if not route.startswith("allreduce ("))
-    return launched_ops(graph), len(tensors), compressed
+    return launched_ops(graph), len(tensors), compressed_tensors(tensors)
 
 
 def _counted(args, path):
@@ -126,20 +133,9 @@ def _counted(args, path):
     rows = []
     for codec in args.codecs.split(","):
         types, _, compressed = count(args.model, codec)
-        ops = types.total()
-        added = ops - baseline
+        row = added_ops(codec, types.total(), baseline, tensors, compressed)
         types.subtract(baseline_types)
-        rows.append(
-            {
-                "codec": codec,
-                "ops": ops,
-                "added": added,
-                "added_by_type": dict(types.most_common(MOST_ADDED)),
-                "per_tensor": added / tensors,
-                "compressed_tensors": compressed,
-                "per_compressed_tensor": added / compressed if compressed else None,
-            }
-        )
+        rows.append({**row, "added_by_type": dict(types.most_common(MOST_ADDED))})
     if hvd.rank() == 0:
         print(
             f"\n{args.model}: TensorFlow ops of one traced step (N = {hvd.size()}, {path}; "
@@ -151,11 +147,11 @@ def _counted(args, path):
         )
         print("|---|---|---|---|---|---|---|")
         for row in rows:
-            per_compressed = row["per_compressed_tensor"]
+            per_compressed = row["added_per_compressed_tensor"]
             most = ", ".join(f"{op} {n:,}" for op, n in row["added_by_type"].items())
             print(
                 f"| {row['codec']} | {row['ops']:,} | {row['added']:,} | "
-                f"{row['per_tensor']:.1f} | {row['compressed_tensors']} | "
+                f"{row['added_per_tensor']:.1f} | {row['compressed_tensors']} | "
                 f"{'-' if per_compressed is None else f'{per_compressed:.1f}'} | {most} |"
             )
     return {
