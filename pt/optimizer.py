@@ -396,6 +396,11 @@ def DistributedOptimizer(
         heavy_ball=sgd_momentum
         and any(g["momentum"] > 0 and not g["nesterov"] for g in optimizer.param_groups),
     )
+    remedies.nesterov_gap(
+        "DistributedOptimizer",
+        codec,
+        nesterov=sgd_momentum and any(g["nesterov"] for g in optimizer.param_groups),
+    )
     if worker_momentum:
         WorkerMomentum.check(optimizer)
     compressed_adam = remedies.compressed_adam(

@@ -28,6 +28,7 @@ CODECS = tuple(registry.CODECS)
 ERROR_FEEDBACK = ("ef-sign", "adacomp", "clt-k", "dgc")
 # (optimizer, codec, options): explicit settings and the adaptive mode.
 EXPLICIT = [
+    ("SGD(nesterov)", "terngrad:clip=2.0", {}),
     ("AdamW", "ef-sign", {"compressed_adam": 0}),
     ("AdamW", "ef-sign", {"compressed_adam": 50}),
     ("AdamW", "nuqsgd", {"compressed_adam": 50}),
@@ -104,7 +105,9 @@ def test_error_feedback_codecs_under_adam_get_compressed_adam_logged_once(choice
 def test_codecs_without_a_remedy_log_nothing(choices):
     for (optimizer, codec), (_, _, logged) in choices["defaults"].items():
         known = set(ERROR_FEEDBACK) | set(remedies.ADAM_GAPS)
-        if codec not in known or optimizer == "SGD(nesterov)":
+        if optimizer == "SGD(nesterov)":
+            known = set(remedies.NESTEROV_GAPS)
+        if codec not in known:
             assert logged == [], (optimizer, codec)
         if optimizer == "SGD" and not registry.resolve(codec).nesterov_remedy:
             assert logged == [], (optimizer, codec)
@@ -120,6 +123,17 @@ def test_codecs_behind_adamw_by_name_are_warned_with_the_gap_and_what_closes_it(
     # Not the configurations measured: other hyperparameters, compressed Adam turned off.
     *_, other_bits, dgc_without = choices["explicit"]
     assert other_bits[2] == [] and dgc_without == (None, None, [])
+
+
+def test_codecs_behind_nesterov_by_name_are_warned_with_the_gap_and_what_closes_it(choices):
+    for codec, (gap, closer) in remedies.NESTEROV_GAPS.items():
+        [message] = choices["defaults"]["SGD(nesterov)", codec][2]
+        assert f"{codec} with its defaults under SGD with Nesterov momentum ended {gap}" in message
+        assert closer in message
+        # Heavy-ball momentum is the setting that closes it: no warning there.
+        assert choices["defaults"]["SGD", codec][2] == []
+    # Not the configuration measured: another clipping factor.
+    assert choices["explicit"][0] == (None, None, [])
 
 
 def test_worker_momentum_is_on_for_ef_sign_and_dgc_under_sgd_with_momentum(choices):
@@ -144,7 +158,7 @@ def test_ef_sign_and_dgc_under_heavy_ball_take_nesterovs_form_logged_once(choice
 
 
 def test_an_explicit_setting_wins(choices):
-    off, fifty, nuqsgd, _, heavy_ball, dgc, no_momentum, *_ = choices["explicit"]
+    _, off, fifty, nuqsgd, _, heavy_ball, dgc, no_momentum, *_ = choices["explicit"]
     assert (off, fifty[0], nuqsgd[0]) == ((None, None, []), 50, 50)
     assert heavy_ball == (None, "optimizer", [])
     assert dgc == (None, "optimizer", [])
@@ -160,7 +174,7 @@ def test_where_the_remedy_cannot_run_the_wrapper_warns(choices):
     warmup, _, [message] = choices["defaults"]["Adam(amsgrad)", "ef-sign"]
     assert warmup is None
     assert "the remedy, cannot run here (does not support amsgrad=True)" in message
-    warmup, _, [message] = choices["explicit"][3]
+    warmup, _, [message] = choices["explicit"][4]
     assert warmup is None and "(does not combine with adaptive)" in message
     warmup, _, [message] = choices["defaults"]["RMSprop", "ef-sign"]
     assert warmup is None and "RMSprop is not one the wrappers know" in message

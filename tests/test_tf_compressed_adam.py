@@ -9,6 +9,8 @@ Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``).
 import numpy as np
 import pytest
 
+from hvd_compress import remedies
+
 from . import compressed_adam_reference as reference
 from . import keras_perceptron
 from .compressed_adam_reference import WARMUP
@@ -233,6 +235,11 @@ def _remedies():
         None,
         htf.DistributedOptimizer(nesterov, compression="ef-sign")._hvdc_worker_momentum,
     )
+    # TernGrad's gap under Nesterov SGD (``remedies.NESTEROV_GAPS``): warned by its name,
+    # not with other hyperparameters.
+    for codec in ("terngrad", "terngrad:clip=2.0"):
+        nesterov = keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)
+        htf.DistributedOptimizer(nesterov, compression=codec)
     return chosen, logged
 
 
@@ -259,5 +266,10 @@ def test_keras_adam_gets_compressed_adam_for_error_feedback_codecs():
     # TernGrad's gap under Adam and AdamW (``remedies.ADAM_GAPS``), measured on the Keras LM.
     for optimizer in ("Adam", "AdamW"):
         assert any(f"terngrad with its defaults under {optimizer} ended" in m for m in logged)
-    # Adam's, AdamW's, SGD's and RMSprop's with ef-sign, and TernGrad's two.
-    assert len(logged) == 6, logged
+    [nesterov] = [m for m in logged if "under SGD with Nesterov momentum" in m]
+    gap, closer = remedies.NESTEROV_GAPS["terngrad"]
+    assert f"terngrad with its defaults under SGD with Nesterov momentum ended {gap}" in nesterov
+    assert closer in nesterov
+    # Adam's, AdamW's, SGD's and RMSprop's with ef-sign, TernGrad's two under Adam and one
+    # under Nesterov SGD.
+    assert len(logged) == 7, logged

@@ -408,6 +408,9 @@ def DistributedOptimizer(
         sgd_momentum=sgd_momentum,
         heavy_ball=sgd_momentum and not optimizer.nesterov,
     )
+    remedies.nesterov_gap(
+        "DistributedOptimizer", codec, nesterov=sgd_momentum and bool(optimizer.nesterov)
+    )
     if worker_momentum:
         WorkerMomentum.check(optimizer)
     compressed_adam = remedies.compressed_adam(
