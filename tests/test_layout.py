@@ -159,6 +159,7 @@ ONE_PORT_ONLY = {
     "tf/local_variables.py",
     "tf/tape.py",
     "tf/xla.py",
+    "tf/xla_fused.py",
 }
 
 

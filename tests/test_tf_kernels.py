@@ -33,6 +33,10 @@ LENGTHS = [1, 9, 4097, 100_003]
 # The SGD momentum of the worker momentum's cases.
 MU = 0.9
 BLOCKS = [None, 7, 4096]
+# The compiled calls are the ops themselves, so what they can get wrong is XLA's rounding:
+# a division, the scales' float64 sums, a product feeding a sum. Fewer cases check it (each
+# compiles its functions): each norm and level kind, buckets that end inside a byte.
+COMPILED_CASES = (QUANTIZERS[0:1] + QUANTIZERS[2:4] + QUANTIZERS[5:6], [None, 7], [4097])
 
 
 def _vector(numel, seed, bad=None):
@@ -51,15 +55,16 @@ def _codes(space, rows, numel, seed):
     )
 
 
-def _sign_cases(blocks, lengths):
-    """Every comparison of ef-sign's kernels and ops; returns the labels of those that
-    differ."""
+def _sign_cases(backend, blocks, lengths):
+    """Every comparison of ef-sign's calls in ``backend`` (``fused`` or ``xla_fused``) and
+    the ops; returns the labels of those that differ."""
+    import importlib
+
     import tensorflow as tf
 
     import hvd_compress.tf as htf
     from hvd_compress.codes import SignCodes
     from hvd_compress.server import ServerStep
-    from hvd_compress.tf import fused
     from hvd_compress.tf.memory import ErrorFeedback
     from hvd_compress.tf.momentum import WorkerMomentum
     from hvd_compress.tf.packing import pack, unpack
@@ -67,18 +72,22 @@ def _sign_cases(blocks, lengths):
     def accelerated(codec, vector, buffer, residual, lr_ratio, nesterov):
         """The compensation with the worker momentum step of ``nesterov`` (None: none):
         (p, scale, new m or None)."""
-        step = None if nesterov is None else WorkerMomentum.Deferred(buffer, MU, nesterov)
+        if nesterov is None:
+            return (*fused.compensated_scale(codec, vector, residual, lr_ratio), None)
+        step = WorkerMomentum.Deferred(buffer, MU, nesterov)
         p, scale = fused.compensated_scale(codec, vector, residual, lr_ratio, step)
-        return p, scale, None if step is None else step.out
+        return p, scale, step.out
 
+    fused = importlib.import_module(f"hvd_compress.tf.{backend}")
     differ = []
-    traced = {
-        "eager": (accelerated, fused.signs_with_feedback),
-        "traced": (
+    traced = {"eager": (accelerated, fused.signs_with_feedback)}
+    if backend == "fused":  # a compiled call is a traced function already
+        traced["traced"] = (
             tf.function(accelerated, autograph=False),
             tf.function(fused.signs_with_feedback, autograph=False),
-        ),
-    }
+        )
+    # Only the CPU kernels take the worker momentum's step.
+    steps = (None, False, True) if backend == "fused" else (None,)
     for block in blocks:
         codec = htf.BlockSign(block)
         for numel in lengths:
@@ -88,6 +97,8 @@ def _sign_cases(blocks, lengths):
                 residual = tf.constant(_vector(numel, 1) / 10)
                 buffer = tf.constant(_vector(numel, 2))
                 for lr_ratio, nesterov in ((1.0, None), (0.3, None), (0.3, False), (0.3, True)):
+                    if nesterov not in steps:
+                        continue
                     # ``WorkerMomentum.before_exchange``'s ops.
                     u, want_m = vector, None
                     if nesterov is not None:
@@ -161,14 +172,17 @@ def _check(differ, label, got, want):
         differ.append(label)
 
 
-def _kernel_cases(quantizers, lengths):
-    """Every comparison of kernels and ops; returns the labels of those that differ."""
+def _kernel_cases(backend, quantizers, lengths):
+    """Every comparison of the calls of ``backend`` (``fused`` or ``xla_fused``) and the
+    ops; returns the labels of those that differ."""
+    import importlib
+
     import tensorflow as tf
 
     import hvd_compress.tf as htf
     from hvd_compress.tf import fused, seeding
-    from hvd_compress.tf.exchange import Meter, _sum_rows, make_exchange
-    from hvd_compress.tf.packing import pack, unpack
+    from hvd_compress.tf.exchange import Meter, make_exchange
+    from hvd_compress.tf.packing import pack, sum_rows, unpack
 
     differ = []
 
@@ -189,7 +203,10 @@ def _kernel_cases(quantizers, lengths):
             pack(tf.reshape(padded, [exchange.world_size, -1]), codec.code_space), [-1]
         )
 
-    traced_encode = tf.function(fused.encode, autograph=False)
+    calls = importlib.import_module(f"hvd_compress.tf.{backend}")
+    encodes = [("eager", calls.encode)]
+    if backend == "fused":  # a compiled call is a traced function already
+        encodes.append(("traced", tf.function(calls.encode, autograph=False)))
     for reference in quantizers:
         codec = hvd_compress.resolve(reference, htf.CODECS)
         space = codec.code_space
@@ -205,7 +222,7 @@ def _kernel_cases(quantizers, lengths):
                 for name, world in (("allreduce", 4), ("allgather", 1), ("sharded", 3)):
                     exchange = make_exchange(name, codec, numel, world, Meter(), world)
                     want = eager_payload(codec, exchange, codes)
-                    for how, encode in (("eager", fused.encode), ("traced", traced_encode)):
+                    for how, encode in encodes:
                         payload, residual = encode(codec, exchange, p, scale, key, True)
                         # A NaN element's code is a cast of NaN, which TensorFlow and
                         # numba make differently; its step is skipped on every rank (the
@@ -218,25 +235,25 @@ def _kernel_cases(quantizers, lengths):
                 rows = pack(tf.constant(_codes(space, world, numel, numel)), space)
                 values = codec.values(unpack(rows, space, numel))
                 exchange = make_exchange("allreduce", codec, numel, world, Meter(), world)
-                total = tf.cast(_sum_rows(values), exchange.carrier)
+                total = tf.cast(sum_rows(values), exchange.carrier)
                 _check(
                     differ,
                     f"{label}: allreduce decode",
-                    fused.decoded_totals(codec, total, scale, world),
+                    calls.decoded_totals(codec, total, scale, world),
                     eager(exchange.finish, (total, scale)),
                 )
                 _check(
                     differ,
                     f"{label}: allgather decode",
-                    fused.decoded_sums(codec, rows, scale, world, numel),
-                    codec.decode(_sum_rows(values), scale, world),
+                    calls.decoded_sums(codec, rows, scale, world, numel),
+                    codec.decode(sum_rows(values), scale, world),
                 )
                 own = tf.abs(tf.constant(_vector(world * scale.shape[0], numel + 1))) + 0.1
                 own = tf.reshape(own, [world, -1])
                 _check(
                     differ,
                     f"{label}: allgather own-scale decode",
-                    fused.decoded_own_scales(
+                    calls.decoded_own_scales(
                         codec,
                         tf.concat([tf.reshape(tf.bitcast(own, tf.uint8), [world, -1]), rows], 1),
                         4 * own.shape[1],
@@ -248,11 +265,11 @@ def _kernel_cases(quantizers, lengths):
                 sharded = make_exchange("sharded", codec, numel, world, Meter(), world)
                 length, total_space = sharded.length, sharded.total_space
                 received = pack(tf.constant(_codes(space, world, length, numel + 2)), space)
-                summed = _sum_rows(codec.values(unpack(received, space, length)))
+                summed = sum_rows(codec.values(unpack(received, space, length)))
                 _check(
                     differ,
                     f"{label}: sharded sum",
-                    fused.summed_codes(codec, received, length, total_space),
+                    calls.summed_codes(codec, received, length, total_space),
                     pack(summed, total_space),
                 )
                 gathered = pack(
@@ -262,7 +279,7 @@ def _kernel_cases(quantizers, lengths):
                 _check(
                     differ,
                     f"{label}: sharded decode",
-                    fused.decoded_segments(
+                    calls.decoded_segments(
                         codec, gathered, total_space, length, scale, world, numel
                     ),
                     codec.decode(tf.cast(total, tf.int32), scale, world),
@@ -270,12 +287,17 @@ def _kernel_cases(quantizers, lengths):
     return differ
 
 
-def _all_cases(quantizers, blocks, lengths):
-    return _kernel_cases(quantizers, lengths) + _sign_cases(blocks, lengths)
+def _all_cases(backend, quantizers, blocks, lengths):
+    return _kernel_cases(backend, quantizers, lengths) + _sign_cases(backend, blocks, lengths)
 
 
 def test_kernels_are_the_tensorflow_ops():
-    differ = run_parallel(_all_cases, 1, QUANTIZERS, BLOCKS, LENGTHS, timeout=600)[0]
+    differ = run_parallel(_all_cases, 1, "fused", QUANTIZERS, BLOCKS, LENGTHS, timeout=600)[0]
+    assert not differ, (len(differ), differ[:10])
+
+
+def test_compiled_calls_are_the_tensorflow_ops():
+    differ = run_parallel(_all_cases, 1, "xla_fused", *COMPILED_CASES, timeout=600)[0]
     assert not differ, (len(differ), differ[:10])
 
 
@@ -329,51 +351,72 @@ def _momentum_steps(nesterov, steps=3):
     return states
 
 
-def _tape_with_and_without_kernels(configs):
-    """The exchanged gradients of 3 traced steps per config, and the states of
-    ``_momentum_steps``, with the kernels and without, and how often the pipeline encoded
-    through the kernels in either case."""
-    import horovod.tensorflow as hvd
+# A tape loop's cases: each config's exchanged gradients, and ef-sign's optimizer with the
+# worker momentum in heavy-ball (False) and Nesterov's (True) form.
+TAPE_CASES = TAPE_CONFIGS + [False, True]
+# How a tape loop runs the codecs, (the CPU kernels, the compiled calls on CPU tensors), and
+# the cases it runs. Each compiled case compiles its functions for every tensor: an
+# allreduce, the sharded exchange with error feedback, ef-sign's sharded server of several
+# blocks, and its worker momentum, which the CPU kernels alone take into their pass.
+PATHS = {
+    "kernels": (True, False, tuple(range(len(TAPE_CASES)))),
+    "xla": (False, True, (0, 3, 6, 8)),
+    "ops": (False, False, tuple(range(len(TAPE_CASES)))),
+}
 
-    from hvd_compress.tf import fused
 
+def _tape_case(case):
+    """The exchanged gradients of 3 traced steps of a tape config, or the states of
+    ``_momentum_steps`` (``case``: whether in Nesterov's form)."""
     from .tf_perceptron import tape_steps
 
+    if isinstance(case, bool):
+        return _momentum_steps(case)
+    codec, exchange, options = case
+    return [
+        [g.numpy() for g in exchanged]
+        for _, exchanged, _, _ in tape_steps(
+            3, True, compression=codec, exchange=exchange, **options
+        )
+    ]
+
+
+def _tape_on_every_path():
+    """Each of ``PATHS``' cases on that path, and how often the pipeline encoded through
+    ``fused`` and called a compiled function on each."""
+    import horovod.tensorflow as hvd
+
+    from hvd_compress.tf import fused, xla_fused
+
     hvd.init()
-    calls = {True: 0, False: 0}
+    calls = {}
     encode = fused.encode
 
     def counted(*args, **kwargs):
-        calls[fused.ENABLED] += 1
+        calls[path] = calls.get(path, 0) + 1
         return encode(*args, **kwargs)
 
     fused.encode = counted
-    runs = []
-    for enabled in (True, False):
-        fused.ENABLED = enabled
-        runs.append(
-            [
-                [
-                    [g.numpy() for g in exchanged]
-                    for _, exchanged, _, _ in tape_steps(
-                        3, True, compression=codec, exchange=exchange, **options
-                    )
-                ]
-                for codec, exchange, options in configs
-            ]
-            + [_momentum_steps(nesterov) for nesterov in (False, True)]
-        )
+    runs = {}
+    for path, (fused.ENABLED, xla_fused.ON_CPU, cases) in PATHS.items():
+        before = xla_fused.calls
+        runs[path] = {case: _tape_case(TAPE_CASES[case]) for case in cases}
+        calls[path, "compiled"] = xla_fused.calls - before
     return runs, calls
 
 
 @pytest.mark.multiprocess
-def test_tape_exchanges_the_same_gradients_with_the_kernels():
-    for (kernels, ops), calls in run_parallel(_tape_with_and_without_kernels, 2, TAPE_CONFIGS):
-        # Traced once per config: an encode per compressed tensor, only with the kernels.
-        assert calls[True] >= len(TAPE_CONFIGS) and calls[False] == 0, calls
-        configs = TAPE_CONFIGS + ["worker momentum", "worker momentum, Nesterov"]
-        assert len(kernels) == len(ops) == len(configs)
-        for config, got, want in zip(configs, kernels, ops):
-            for step, (got_step, want_step) in enumerate(zip(got, want)):
-                for g, w in zip(got_step, want_step):
-                    np.testing.assert_array_equal(g, w, err_msg=f"{config} step {step}")
+def test_tape_exchanges_the_same_gradients_on_every_path():
+    for runs, calls in run_parallel(_tape_on_every_path, 2):
+        # Traced once per config: an encode per compressed tensor, through the kernels or
+        # the compiled functions; the uncompiled ops call neither.
+        assert calls["kernels"] >= len(TAPE_CONFIGS) and calls["xla"] >= 3, calls
+        assert "ops" not in calls and calls["ops", "compiled"] == 0, calls
+        assert calls["kernels", "compiled"] == 0 and calls["xla", "compiled"] > 0, calls
+        for path in ("kernels", "xla"):
+            assert set(runs[path]) == set(PATHS[path][2])
+            for case, got in runs[path].items():
+                label = f"{path}: {TAPE_CASES[case]}"
+                for step, (got_step, want_step) in enumerate(zip(got, runs["ops"][case])):
+                    for g, w in zip(got_step, want_step):
+                        np.testing.assert_array_equal(g, w, err_msg=f"{label} step {step}")

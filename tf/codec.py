@@ -10,7 +10,10 @@ def divide(tensor, divisor):
     """tensor / divisor, rounded once as the reference rounds it, in eager mode and in
     graphs. Grappler rewrites a division by a constant into a multiplication by its
     rounded reciprocal, which differs in the last bit; it leaves ``DivNoNan`` alone (and the
-    divisor is never zero here)."""
+    divisor is never zero here). XLA rewrites it too, for a constant divisor: ``divisor`` may
+    be a tensor, which the compiled functions take as an argument (``xla_fused``)."""
+    if isinstance(divisor, tf.Tensor):
+        return tf.math.divide_no_nan(tensor, tf.cast(divisor, tensor.dtype))
     return tf.math.divide_no_nan(tensor, tf.constant(divisor, tensor.dtype))
 
 

@@ -34,7 +34,7 @@ from hvd_compress.cost import TF_ALLREDUCE_DTYPES
 
 from . import elias, fused
 from .codec import divide
-from .packing import pack, unpack
+from .packing import float_rows, pack, sum_rows, unpack
 
 
 def collective_name(plan):
@@ -142,11 +142,6 @@ def mark_exchange_end(outputs):
         tf.numpy_function(waited, [], [], stateful=True)
 
 
-def _floats(rows):
-    """Rows of raw float32 bytes as float32 rows."""
-    return tf.bitcast(tf.reshape(rows, [tf.shape(rows)[0], -1, 4]), tf.float32)
-
-
 def _bytes(floats):
     """float32 values as their raw bytes, flat."""
     return tf.reshape(tf.bitcast(tf.cast(floats, tf.float32), tf.uint8), [-1])
@@ -171,11 +166,6 @@ def _gather_with_sizes(payload, name, meter, process_set):
         size, name=f"{name}.size", ignore_name_scope=True, process_set=process_set
     )
     return tf.split(data, sizes, num=process_set.size())
-
-
-def _sum_rows(rows):
-    accumulate = tf.float32 if rows.dtype.is_floating else tf.int32
-    return tf.reduce_sum(tf.cast(rows, accumulate), axis=0)
 
 
 class _Exchange(layout.Exchange):
@@ -222,8 +212,12 @@ class Allreduce(_Exchange):
         """The codes' values in the carrier."""
         return tf.TensorSpec([self.numel], self.carrier)
 
+    def packed(self, codes):
+        """``codes`` as ``payload`` holds them: their values in the carrier."""
+        return tf.cast(self.codec.values(codes), self.carrier)
+
     def start(self, codes, scale, name):
-        return self.start_packed(tf.cast(self.codec.values(codes), self.carrier), scale, name)
+        return self.start_packed(self.packed(codes), scale, name)
 
     def start_packed(self, payload, scale, name):
         """``start`` for values already in the carrier (``fused``)."""
@@ -252,11 +246,12 @@ class Allgather(layout.Allgather, _Exchange):
     with a second allgather of their lengths to split them apart.
     """
 
+    def packed(self, codes):
+        """``codes`` packed as ``payload`` holds them (fixed-width codes only)."""
+        return tf.reshape(pack(codes[None], self.codec.code_space), [-1])
+
     def start(self, codes, scale, name):
-        if self.elias:
-            payload = elias.encode(codes)
-        else:
-            payload = tf.reshape(pack(codes[None], self.codec.code_space), [-1])
+        payload = elias.encode(codes) if self.elias else self.packed(codes)
         return self.start_packed(payload, scale, name)
 
     def start_packed(self, payload, scale, name):
@@ -275,7 +270,7 @@ class Allgather(layout.Allgather, _Exchange):
         else:
             codes = unpack(gathered[:, self.scale_bytes :], self.codec.code_space, self.numel)
             heads = gathered[:, : self.scale_bytes]
-        return codes, _floats(heads) if self.own_scale else None
+        return codes, float_rows(heads) if self.own_scale else None
 
     def finish(self, pending):
         gathered, scale = pending
@@ -294,7 +289,7 @@ class Allgather(layout.Allgather, _Exchange):
         codes, own_scales = self._codes(gathered)
         values = self.codec.values(codes)
         if not self.own_scale:
-            return self.codec.decode(_sum_rows(values), scale, self.count)
+            return self.codec.decode(sum_rows(values), scale, self.count)
         if self.server is None:
             return tf.reduce_sum(self.codec.decode(values, own_scales, self.count), axis=0)
         # Replicated server: every rank runs the same server step on every worker's message,
@@ -320,10 +315,14 @@ class Sharded(layout.Sharded, _Exchange):
             [self.codec.code_space.packed_nbytes(self.world_size * self.length)], tf.uint8
         )
 
-    def start(self, codes, scale, name):
+    def packed(self, codes):
+        """``codes`` as ``payload`` holds them: padded to ``world_size`` shards, packed."""
         padded = tf.pad(codes, [[0, self.world_size * self.length - self.numel]])
         shards = pack(tf.reshape(padded, [self.world_size, self.length]), self.codec.code_space)
-        return self.start_packed(shards, scale, name)
+        return tf.reshape(shards, [-1])
+
+    def start(self, codes, scale, name):
+        return self.start_packed(self.packed(codes), scale, name)
 
     def start_packed(self, packed, scale, name):
         """``start`` for codes already packed (``fused``): ``payload``'s format."""
@@ -337,7 +336,7 @@ class Sharded(layout.Sharded, _Exchange):
             payload = fused.summed_codes(self.codec, received, self.length, self.total_space)
         else:
             values = self.codec.values(unpack(received, self.codec.code_space, self.length))
-            payload = pack(_sum_rows(values), self.total_space)
+            payload = pack(sum_rows(values), self.total_space)
         rows = _gather_rows(self.meter.hand(payload), f"{name}.sum", self.process_set)
         if self._fused(scale):
             return fused.decoded_segments(
@@ -351,7 +350,7 @@ class Sharded(layout.Sharded, _Exchange):
 
 class ShardedServer(layout.ShardedServer, _Exchange):
     def start(self, codes, scale, name):
-        return self.start_packed(self._packed(codes), scale, name)
+        return self.start_packed(self.packed(codes), scale, name)
 
     def start_packed(self, packed, scale, name):
         """``start`` for codes already packed (``fused``)."""
@@ -365,7 +364,7 @@ class ShardedServer(layout.ShardedServer, _Exchange):
         fusion, name = pending
         received = fusion.receive(name)
         rank = self.process_set.rank()
-        scales = _floats(received[:, : self.scale_bytes])
+        scales = float_rows(received[:, : self.scale_bytes])
         start, valid = rank * self.length, self.valid(rank)
         block_length = self.codec.bucket_length(self.numel)
         first_block = start // block_length
@@ -387,7 +386,7 @@ class ShardedServer(layout.ShardedServer, _Exchange):
                 self.count,
             )
             codes, server_scale, _ = self.server(self.codec, average)
-            packed = self._packed(codes)
+            packed = self.packed(codes)
         padded_scale = tf.pad(
             server_scale, [[0, self.server_scale_bytes // 4 - self.codec.buckets(valid)]]
         )
@@ -395,7 +394,7 @@ class ShardedServer(layout.ShardedServer, _Exchange):
             [_bytes(padded_scale), tf.reshape(self._shards(packed, 1), [-1])], axis=0
         )
         rows = _gather_rows(self.meter.hand(message), f"{name}.server", self.process_set)
-        server_scales = _floats(rows[:, : self.server_scale_bytes])
+        server_scales = float_rows(rows[:, : self.server_scale_bytes])
         if self.server_scale_bytes == 4:  # one block per shard
             decoded = self._servers_signs(rows[:, 4:], server_scales, self.length)
             return tf.reshape(decoded, [-1])[: self.numel]
@@ -408,7 +407,8 @@ class ShardedServer(layout.ShardedServer, _Exchange):
             axis=0,
         )
 
-    def _packed(self, codes):
+    def packed(self, codes):
+        """``codes`` packed flat, as ``start_packed`` takes them."""
         return tf.reshape(pack(codes[None], self.codec.code_space), [-1])
 
     def _shards(self, packed, count):

@@ -11,13 +11,18 @@ what GPU tensors run; on CPU float32 tensors these calls give the same codes, pa
 bytes, decoded values and residuals bit for bit, in a few passes where the graph's ops
 make one pass each.
 
-``HVD_COMPRESS_KERNELS=0`` in the environment keeps the ops everywhere, to compare the two.
+Tensors on a GPU take the same calls compiled by XLA (``xla_fused``): the ops themselves,
+fused on the device. ``HVD_COMPRESS_KERNELS=0`` in the environment keeps the ops uncompiled
+everywhere, to compare; ``HVD_COMPRESS_KERNELS=xla`` sends CPU tensors down the device path
+instead of to the numba kernels.
 """
 
 import tensorflow as tf
 
 from hvd_compress import fused as core
 from hvd_compress.blocksign import BlockSign
+
+from . import xla_fused
 
 # Whether the kernels run at all (tests and benchmarks switch it to compare).
 ENABLED = core.AVAILABLE
@@ -39,9 +44,30 @@ def _on_cpu(tensor) -> bool:
 
 
 def applies(codec, tensor) -> bool:
-    """Whether ``codec``'s work on tensors like ``tensor`` goes through the kernels: CPU
-    float32 tensors of ``BlockSign``, ``TernGrad`` and the QSGD family's fixed width."""
-    return ENABLED and tensor.dtype == tf.float32 and core.covers(codec) and _on_cpu(tensor)
+    """Whether ``codec``'s work on tensors like ``tensor`` goes through these calls: float32
+    tensors of ``BlockSign``, ``TernGrad`` and the QSGD family's fixed width, to the CPU
+    kernels (``on_host``) or compiled by XLA (``xla_fused.applies``)."""
+    return tensor.dtype == tf.float32 and (
+        on_host(codec, tensor) or xla_fused.applies(codec, _on_cpu(tensor))
+    )
+
+
+def on_host(codec, tensor) -> bool:
+    """Whether the CPU kernels take ``codec``'s work on tensors like ``tensor``: CPU float32
+    tensors of the codecs ``applies`` names, with the kernels on and not standing in for
+    the device path. Only they take the worker momentum's step (``WorkerMomentum.Deferred``)."""
+    return (
+        ENABLED
+        and not xla_fused.ON_CPU
+        and tensor.dtype == tf.float32
+        and core.covers(codec)
+        and _on_cpu(tensor)
+    )
+
+
+def _compiles(tensor) -> bool:
+    """Whether a call on ``tensor`` that ``applies`` goes to the compiled functions."""
+    return xla_fused.ON_CPU or not _on_cpu(tensor)
 
 
 def _call(function, inputs, outputs):
@@ -71,6 +97,8 @@ def _signs(numel):
 @_unconverted
 def local_scale(codec, grad: tf.Tensor) -> tf.Tensor:
     """``TernGrad.local_scale`` or the QSGD family's (``hvd_compress.fused.local_scale``)."""
+    if _compiles(grad):
+        return xla_fused.local_scale(codec, grad)
     g = tf.reshape(grad, [-1])
     (scale,) = _call(lambda g: (core.local_scale(codec, g),), [g], [_scales(codec, g.shape[0])])
     return scale
@@ -113,6 +141,8 @@ def compensated_scale(codec, vector: tf.Tensor, residual, lr_ratio, momentum=Non
     (p, scale), p = u + residual * lr_ratio (``lr_ratio`` may be a tensor). u is ``vector``, or
     with a ``momentum`` (``WorkerMomentum.Deferred``) its direction, whose new buffer
     becomes ``momentum.out`` in the same pass. Without either, p is ``vector`` itself."""
+    if _compiles(vector):
+        return xla_fused.compensated_scale(codec, vector, residual, lr_ratio)
     numel = vector.shape[0]
     if residual is None and momentum is None:
         (scale,) = _call(
@@ -153,6 +183,10 @@ def compensated_encode(
     TensorFlow frees an array it adopted only when it next hands Python the GIL, so each
     tensor's p would take memory of its own, touched page by page, where within the call
     the next one reuses it."""
+    if _compiles(vector):
+        return xla_fused.compensated_encode(
+            codec, exchange, vector, residual, lr_ratio, key, feedback
+        )
     numel = vector.shape[0]
     spec = exchange.payload()
     state, arrays = _worker_state(numel, residual, momentum)
@@ -186,6 +220,8 @@ def compensated_encode(
 def signs_with_feedback(codec, p: tf.Tensor, scale: tf.Tensor) -> tuple:
     """``BlockSign.encode``, packing, and the residual p - decode(codes) that
     ``ErrorFeedback.update`` keeps, in one pass: (packed signs, residual)."""
+    if _compiles(p):
+        return xla_fused.signs_with_feedback(codec, p, scale)
     numel = p.shape[0]
     return _call(
         lambda p, scale: core.signs_with_feedback(codec, p, scale),
@@ -201,6 +237,8 @@ def server_step(server, codec, messages: tf.Tensor, head: int, block: int, count
     scales, then the server's ``numel`` packed signs, all in scale block ``block``): the
     average, the server residual and the second compression. Returns (packed signs,
     scale) and proposes the new server residual."""
+    if _compiles(messages):
+        return xla_fused.server_step(server, codec, messages, head, block, count, numel)
     previous = server.memory.residuals[server.key]
 
     def run(messages, previous, lr_ratio):
@@ -221,6 +259,8 @@ def server_step(server, codec, messages: tf.Tensor, head: int, block: int, count
 def scaled_signs(bits: tf.Tensor, scales: tf.Tensor, numel: int) -> tf.Tensor:
     """``packing.unpack_scaled_signs``: the first ``numel`` signs of each row of ``bits``
     times that row's scale, as float32 rows."""
+    if _compiles(bits):
+        return xla_fused.scaled_signs(bits, scales, numel)
     (out,) = _call(
         lambda bits, scales: (core.scaled_signs(bits, scales, numel),),
         [bits, scales],
@@ -236,6 +276,8 @@ def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feed
     the allreduce's carrier), and with ``feedback`` the residual
     p - decode(values(codes), scale, 1) of ``ErrorFeedback.update``, in one pass:
     (payload, residual or None). ef-sign's are ``signs_with_feedback``."""
+    if _compiles(p):
+        return xla_fused.encode(codec, exchange, p, scale, key, feedback)
     if isinstance(codec, BlockSign):
         return signs_with_feedback(codec, p, scale)
     spec = exchange.payload()
@@ -254,6 +296,8 @@ def encode(codec, exchange, p: tf.Tensor, scale: tf.Tensor, key: tf.Tensor, feed
 @_unconverted
 def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.Tensor:
     """``codec.decode`` of the allreduce's summed values ``total``."""
+    if _compiles(total):
+        return xla_fused.decoded_totals(codec, total, scale, count)
     (out,) = _call(
         lambda total, scale: (core.decoded_totals(codec, total, scale, count),),
         [total, scale],
@@ -266,6 +310,8 @@ def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.
 def summed_codes(codec, rows: tf.Tensor, length: int, total_space) -> tf.Tensor:
     """The sharded exchange's partial sum: the values of the first ``length`` codes of
     every row, summed over the rows and packed in ``total_space``."""
+    if _compiles(rows):
+        return xla_fused.summed_codes(codec, rows, length, total_space)
     (out,) = _call(
         lambda rows: (core.summed_codes(codec, rows, length, total_space),),
         [rows],
@@ -277,6 +323,8 @@ def summed_codes(codec, rows: tf.Tensor, length: int, total_space) -> tf.Tensor:
 @_unconverted
 def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: int) -> tf.Tensor:
     """The allgather's ``codec.decode`` of the sum over the rows' values, shared scale."""
+    if _compiles(rows):
+        return xla_fused.decoded_sums(codec, rows, scale, count, numel)
     (out,) = _call(
         lambda rows, scale: (core.decoded_sums(codec, rows, scale, count, numel),),
         [rows, scale],
@@ -289,6 +337,8 @@ def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: in
 def decoded_own_scales(codec, messages: tf.Tensor, head: int, count: int, numel: int) -> tf.Tensor:
     """The allgather's sum over the workers' ``messages`` (rows: ``head`` bytes of float32
     scales, then the codes) of ``codec.decode`` of their values, each under its own scales."""
+    if _compiles(messages):
+        return xla_fused.decoded_own_scales(codec, messages, head, count, numel)
     (out,) = _call(
         lambda messages: (core.decoded_own_scales(codec, messages, head, count, numel),),
         [messages],
@@ -303,6 +353,8 @@ def decoded_segments(
 ) -> tf.Tensor:
     """The sharded exchange's ``codec.decode`` of the gathered partial sums: row r is
     elements r length .. (r + 1) length - 1, packed in ``total_space``."""
+    if _compiles(rows):
+        return xla_fused.decoded_segments(codec, rows, total_space, length, scale, count, numel)
     (out,) = _call(
         lambda rows, scale: (
             core.decoded_segments(codec, rows, total_space, length, scale, count, numel),

@@ -143,3 +143,14 @@ def _unpack_bits(packed, width, numel):
     bits = _unpack_unsigned(packed, 1, numel * width)
     fields = tf.cast(_rows(bits, bits, [numel, width]), _types(width)[1])
     return _joined([fields[..., k] for k in range(width)], 1)
+
+
+def float_rows(rows):
+    """Rows of raw float32 bytes as float32 rows."""
+    return tf.bitcast(tf.reshape(rows, [tf.shape(rows)[0], -1, 4]), tf.float32)
+
+
+def sum_rows(rows):
+    """The sum of the rows of code values (int32) or floats (float32)."""
+    accumulate = tf.float32 if rows.dtype.is_floating else tf.int32
+    return tf.reduce_sum(tf.cast(rows, accumulate), axis=0)

@@ -280,8 +280,8 @@ class CompressionPipeline(AdaptiveSteps, ElasticWorld, TwoLevelSteps, tf.Module)
         return [None if g is None else self.codec.local_clip(g, self.world_size) for g in grads]
 
     def fuses(self, index, grad):
-        """Whether gradient ``index``'s worker error feedback runs in ``fused``'s kernels,
-        which can also take its momentum step (``WorkerMomentum.Deferred``)."""
+        """Whether gradient ``index``'s worker error feedback runs in ``fused``'s CPU
+        kernels, which can also take its momentum step (``WorkerMomentum.Deferred``)."""
         plan = self.plans[index]
         return (
             plan.kernels
@@ -292,6 +292,7 @@ class CompressionPipeline(AdaptiveSteps, ElasticWorld, TwoLevelSteps, tf.Module)
             and not self.codec.uncompressed_steps
             and grad is not None
             and not isinstance(grad, tf.IndexedSlices)
+            and fused.on_host(self.codec, grad)
         )
 
     def reduce(self, grads, lr_ratio=1.0, uncompressed_step=None, momentum=None):

@@ -13,7 +13,9 @@ class UniformQuantizer(reference.UniformQuantizer, Codec):
 
     def rounding(self, grad, scale):
         r = normalized(grad, scale, self.bucket_length(grad.shape[-1]))
-        x = r * float(self.levels)
+        # r <= 1, so the minimum changes nothing; it keeps XLA (``xla_fused``) from
+        # contracting x and x - low into one fused multiply-add, rounded once.
+        x = tf.minimum(r * float(self.levels), float(self.levels))
         low = tf.minimum(tf.floor(x), float(self.levels - 1))
         return low, low + 1, x - low
 

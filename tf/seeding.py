@@ -35,8 +35,15 @@ def _splitmix64_tf(x):
 
 def stream_seed(seed: int, rank: int, step, index: int) -> tf.Tensor:
     """``hvd_compress.seeding.stream_seed`` with ``step`` an int64 tensor (or an int)."""
+    return _stream_seed(seed, rank, tf.cast(step, tf.int64), index)
+
+
+# Compiled by XLA: one launch on a GPU, where its two rounds of splitmix64 are some twenty
+# int64 ops.
+@tf.function(jit_compile=True, autograph=False)
+def _stream_seed(seed, rank, step, index):
     x = tf.constant(_int64(_splitmix64((seed ^ rank) & _MASK)), tf.int64)
-    x = _splitmix64_tf(tf.bitwise.bitwise_xor(x, tf.cast(step, tf.int64)))
+    x = _splitmix64_tf(tf.bitwise.bitwise_xor(x, step))
     x = _splitmix64_tf(tf.bitwise.bitwise_xor(x, index))
     return _right_shift(x, 1)
 
