@@ -15,12 +15,13 @@ step whose conditionals take one branch runs fewer (the adaptive mode's three pa
 tensor: count its codecs forced instead). Grappler may still fold or fuse some ops when it
 optimizes the graph for a device.
 
-Two paths: ``ops`` (``HVD_COMPRESS_KERNELS=0``, the TensorFlow ops that a GPU's tensors
-take) and ``kernels`` (the CPU kernels, each call one ``tf.numpy_function`` op), or
-``--paths kernels,ops`` for both in one job. The counts do not depend on the link:
+Three paths: ``xla`` (``HVD_COMPRESS_KERNELS=xla``: the calls ``hvd_compress.tf.xla_fused``
+compiles, what a GPU's tensors take), ``ops`` (``HVD_COMPRESS_KERNELS=0``: the same ops,
+uncompiled) and ``kernels`` (the CPU kernels, each call one ``tf.numpy_function`` op), or
+``--paths xla,ops,kernels`` for all in one job. The counts do not depend on the link:
 
     horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.tf_op_count [--codecs ...] \
-        [--model resnet50] [--paths ops,kernels]
+        [--model resnet50] [--paths xla,ops,kernels]
 
 Rank 0 prints a Markdown table (and with ``--out``, writes it as JSON).
 """
@@ -35,7 +36,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import horovod.tensorflow as hvd  # noqa: E402
 
-from hvd_compress.tf import fused  # noqa: E402
+from hvd_compress.tf import fused, xla_fused  # noqa: E402
 
 from .protocol import added_ops, compressed_tensors  # noqa: E402
 from .shapes import MODELS  # noqa: E402
@@ -62,8 +63,13 @@ XLA_CLUSTER = "(XLA cluster)"
 MOST_ADDED = 4
 # The attributes through which a node runs other functions of the graph's library.
 FUNCTION_ATTRIBUTES = ("f", "then_branch", "else_branch", "branches", "cond", "body")
-# --paths: name -> (the table's label, whether the CPU kernels run).
-PATHS = {"ops": ("TensorFlow ops (the GPU path)", False), "kernels": ("CPU kernels", True)}
+# --paths: name -> (the table's label, whether the CPU kernels run, whether CPU tensors take
+# the compiled calls).
+PATHS = {
+    "xla": ("XLA-compiled calls (the GPU path)", False, True),
+    "ops": ("TensorFlow ops, uncompiled", False, False),
+    "kernels": ("CPU kernels", True, False),
+}
 
 
 def _called(node):
@@ -168,7 +174,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default="terngrad,qsgd-inf,nuqsgd,ef-sign,powersgd,dgc")
     parser.add_argument("--model", default="resnet50", choices=MODELS)
-    parser.add_argument("--paths", default="ops", help=f"count each in turn ({','.join(PATHS)})")
+    parser.add_argument("--paths", default="xla", help=f"count each in turn ({','.join(PATHS)})")
     parser.add_argument(
         "--out", help="also write the counts as JSON here (rank 0): a list, one per path"
     )
@@ -178,7 +184,7 @@ def main(argv=None):
     for path in args.paths.split(","):
         if path not in PATHS:
             parser.error(f"--paths takes {', '.join(PATHS)}; got {path!r}")
-        label, fused.ENABLED = PATHS[path]
+        label, fused.ENABLED, xla_fused.ON_CPU = PATHS[path]
         results.append(_counted(args, label))
     if hvd.rank() == 0 and args.out:
         with open(args.out, "w") as f:

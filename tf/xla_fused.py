@@ -253,9 +253,14 @@ def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: in
 
 @_compiled
 def _decoded_own_scales(codec, messages, head, count, numel):
-    values = codec.values(unpack(messages[:, head:], codec.code_space, numel))
-    own = float_rows(messages[:, :head])
-    return tf.reduce_sum(codec.decode(values, own, count), axis=0)
+    # Row by row, in rank order as the ops' sum adds them: XLA fuses each row's unpacking
+    # and decoding into the sum, where decoding every row first would hold N decoded rows.
+    total = None
+    for row in tf.unstack(messages):
+        values = codec.values(unpack(row[head:], codec.code_space, numel))
+        decoded = codec.decode(values, float_rows(row[None, :head])[0], count)
+        total = decoded if total is None else total + decoded
+    return total
 
 
 def decoded_own_scales(codec, messages: tf.Tensor, head: int, count: int, numel: int):
