@@ -128,7 +128,7 @@ def test_codecs_behind_adamw_by_name_are_warned_with_the_gap_and_what_closes_it(
 def test_codecs_behind_nesterov_by_name_are_warned_with_the_gap_and_what_closes_it(choices):
     for codec, (gap, closer) in remedies.NESTEROV_GAPS.items():
         [message] = choices["defaults"]["SGD(nesterov)", codec][2]
-        assert f"{codec} with its defaults under SGD with Nesterov momentum ended {gap}" in message
+        assert f"{codec} with its defaults under SGD with Nesterov momentum {gap}" in message
         assert closer in message
         # Heavy-ball momentum is the setting that closes it: no warning there.
         assert choices["defaults"]["SGD", codec][2] == []
