@@ -20,6 +20,7 @@ without a GPU. ``HVD_COMPRESS_KERNELS=0`` keeps the ops uncompiled everywhere.
 """
 
 import os
+import threading
 
 import tensorflow as tf
 
@@ -39,15 +40,16 @@ ON_CPU = os.environ.get("HVD_COMPRESS_KERNELS") == "xla"
 # Calls of compiled functions made so far (traced calls count once per trace), for tests.
 calls = 0
 
-# Inside a compiled function the codecs' own calls (``TernGrad.local_scale``, the exchanges'
-# decoding) must run their ops, not call back here.
-_tracing = False
+# Whether this thread is tracing a compiled function, inside which the codecs' own calls
+# (``TernGrad.local_scale``, the exchanges' decoding) must run their ops, not call back here.
+_tracing = threading.local()
 
 
 def applies(codec, on_cpu: bool) -> bool:
     """Whether the compiled calls take ``codec``'s work on float32 tensors on the CPU
     (``on_cpu``) or a GPU: ``BlockSign``, TernGrad and the QSGD family's fixed width."""
-    return ENABLED and not _tracing and (ON_CPU or not on_cpu) and core.covers(codec)
+    tracing = getattr(_tracing, "active", False)
+    return ENABLED and not tracing and (ON_CPU or not on_cpu) and core.covers(codec)
 
 
 def _compiled(function):
@@ -56,12 +58,11 @@ def _compiled(function):
     their ops."""
 
     def traced(*args):
-        global _tracing
-        _tracing = True
+        _tracing.active = True
         try:
             return function(*args)
         finally:
-            _tracing = False
+            _tracing.active = False
 
     compiled = tf.function(traced, jit_compile=True, autograph=False)
 
