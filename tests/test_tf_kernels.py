@@ -351,6 +351,41 @@ def _momentum_steps(nesterov, steps=3):
     return states
 
 
+def _applies_while_another_thread_traces():
+    """What ``xla_fused.applies`` answers for TernGrad on a GPU tensor inside a compiled
+    function as it traces, and in another thread meanwhile."""
+    import threading
+
+    import tensorflow as tf
+
+    import hvd_compress.tf as htf
+    from hvd_compress.tf import xla_fused
+
+    codec = hvd_compress.resolve("terngrad", htf.CODECS)
+    seen, inside, done = {}, threading.Event(), threading.Event()
+
+    @xla_fused._compiled
+    def traced(x):
+        seen["tracing"] = xla_fused.applies(codec, on_cpu=False)
+        inside.set()
+        done.wait(60)
+        return x
+
+    tracer = threading.Thread(target=traced, args=(tf.ones([2]),))
+    tracer.start()
+    inside.wait(60)
+    seen["other thread"] = xla_fused.applies(codec, on_cpu=False)
+    done.set()
+    tracer.join()
+    seen["after"] = xla_fused.applies(codec, on_cpu=False)
+    return seen
+
+
+def test_only_the_tracing_thread_runs_the_ops_inside_a_compiled_function():
+    [seen] = run_parallel(_applies_while_another_thread_traces, 1)
+    assert seen == {"tracing": False, "other thread": True, "after": True}
+
+
 # A tape loop's cases: each config's exchanged gradients, and ef-sign's optimizer with the
 # worker momentum in heavy-ball (False) and Nesterov's (True) form.
 TAPE_CASES = TAPE_CONFIGS + [False, True]
