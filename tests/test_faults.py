@@ -20,24 +20,32 @@ from .logs import record_messages
 pytestmark = pytest.mark.multiprocess
 
 BOUND = 2  # seconds: HVD_COMPRESS_TIMEOUT of these jobs
-# The longest a rank that raised waits for the others to reach the failing step (``_linger``).
+# The longest a rank whose training ended waits for the others to end theirs (``_linger``).
 LINGER = 60
 STEPS = 4
 FAULT_STEP = 2  # the step in which the last rank fails
 # A rank's step is this long; the slow rank takes SLOWER times as long.
 STEP_SECONDS, SLOWER = 0.05, 10
-JOB_TIMEOUT = 90
+JOB_TIMEOUT = 180  # seconds: a loaded machine traces the TensorFlow step slowly
 
 
 def _linger(directory, size):
-    """Keeps the faulty rank alive, in its own code, until every other rank has reached the
-    failing step (each leaves a mark in ``directory``, at most ``LINGER`` seconds) and has
-    waited there past its bound: they must find it "in no collective" rather than gone,
-    however slowly a loaded machine brings them to their wait."""
+    """Keeps a rank whose training ended alive, in its own code, until every rank but the
+    faulty one has ended too (each leaves a mark in ``directory``; at most ``LINGER``
+    seconds). A rank that exited would end the others' waits with Horovod's error, before
+    their own bounds run out: the faulty rank must be found "in no collective" rather than
+    gone, and each waiting rank must end by its own bound, however far apart a loaded
+    machine brings them to their waits."""
     deadline = time.monotonic() + LINGER
     while len(os.listdir(directory)) < size - 1 and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(BOUND + 2)
+
+
+def _ended(directory, rank, size, faulty):
+    """Marks the end of this rank's training (unless it is the faulty rank) and lingers."""
+    if not faulty:
+        open(os.path.join(directory, f"ended.{rank}"), "w").close()
+    _linger(directory, size)
 
 
 def _pt_fault(codec, fault, directory):
@@ -69,8 +77,6 @@ def _pt_fault(codec, fault, directory):
             loss = model(torch.randn(16, 32, generator=data)).pow(2).mean()
             if step == FAULT_STEP:
                 faulted_at = time.monotonic()
-                if not faulty:
-                    open(os.path.join(directory, f"reached.{rank}"), "w").close()
                 if faulty and fault == "raises":
                     raise RuntimeError("the faulty rank's own error")
                 if faulty and fault == "killed":
@@ -79,8 +85,7 @@ def _pt_fault(codec, fault, directory):
             optimizer.step()
     except Exception as error:  # noqa: BLE001 - what ended training is the result
         seconds = time.monotonic() - faulted_at
-        if faulty:
-            _linger(directory, size)
+        _ended(directory, rank, size, faulty)
         return type(error).__name__, str(error), seconds
     return None, [p.detach().clone() for p in model.parameters()], time.monotonic() - faulted_at
 
@@ -177,8 +182,6 @@ def _tf_fault(codec, fault, directory):
             time.sleep(STEP_SECONDS * (SLOWER if faulty and fault == "slow" else 1))
             if s == FAULT_STEP:
                 faulted_at = time.monotonic()
-                if not faulty:
-                    open(os.path.join(directory, f"reached.{rank}"), "w").close()
                 if faulty and fault == "raises":
                     raise RuntimeError("the faulty rank's own error")
                 if faulty and fault == "killed":
@@ -186,7 +189,6 @@ def _tf_fault(codec, fault, directory):
             step(data.normal((16, 32)))
     except Exception as error:  # noqa: BLE001 - what ended training is the result
         seconds = time.monotonic() - faulted_at
-        if faulty:
-            _linger(directory, size)
+        _ended(directory, rank, size, faulty)
         return type(error).__name__, "\n".join(logged) or str(error), seconds
     return None, [v.numpy() for v in model.trainable_variables], time.monotonic() - faulted_at
