@@ -154,6 +154,7 @@ ONE_PORT_ONLY = {
     "pt/triton_fused.py",
     "pt/triton_kernels.py",
     "tf/callbacks.py",
+    "tf/decoding.py",
     "tf/elastic.py",
     "tf/local_aggregation.py",
     "tf/local_variables.py",

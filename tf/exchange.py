@@ -32,7 +32,7 @@ from hvd_compress import exchange as layout
 from hvd_compress import watchdog
 from hvd_compress.cost import TF_ALLREDUCE_DTYPES
 
-from . import elias, fused
+from . import decoding, elias, fused
 from .codec import divide
 from .packing import float_rows, pack, sum_rows, unpack
 
@@ -232,11 +232,8 @@ class Allreduce(_Exchange):
 
     def finish(self, pending):
         total, scale = pending
-        if self._fused(scale):
-            return fused.decoded_totals(self.codec, total, scale, self.count)
-        if not total.dtype.is_floating:
-            total = tf.cast(total, tf.int32)
-        return self.codec.decode(total, scale, self.count)
+        receiving = fused if self._fused(scale) else decoding
+        return receiving.decoded_totals(self.codec, total, scale, self.count)
 
 
 class Allgather(layout.Allgather, _Exchange):
@@ -280,12 +277,13 @@ class Allgather(layout.Allgather, _Exchange):
                 self.server, self.codec, gathered, self.scale_bytes, 0, self.count, self.numel
             )
             return self._servers_signs(packed[None], server_scale, self.numel)[0]
+        if not self.elias and not self.own_scale:
+            receiving = fused if self._fused(scale) else decoding
+            return receiving.decoded_sums(self.codec, gathered, scale, self.count, self.numel)
         if not self.elias and self.server is None and self._fused(scale):
-            if self.own_scale:
-                return fused.decoded_own_scales(
-                    self.codec, gathered, self.scale_bytes, self.count, self.numel
-                )
-            return fused.decoded_sums(self.codec, gathered, scale, self.count, self.numel)
+            return fused.decoded_own_scales(
+                self.codec, gathered, self.scale_bytes, self.count, self.numel
+            )
         codes, own_scales = self._codes(gathered)
         values = self.codec.values(codes)
         if not self.own_scale:
@@ -332,19 +330,11 @@ class Sharded(layout.Sharded, _Exchange):
     def finish(self, pending):
         fusion, scale, name = pending
         received = fusion.receive(name)
-        if self._fused(scale):
-            payload = fused.summed_codes(self.codec, received, self.length, self.total_space)
-        else:
-            values = self.codec.values(unpack(received, self.codec.code_space, self.length))
-            payload = pack(sum_rows(values), self.total_space)
+        receiving = fused if self._fused(scale) else decoding
+        payload = receiving.summed_codes(self.codec, received, self.length, self.total_space)
         rows = _gather_rows(self.meter.hand(payload), f"{name}.sum", self.process_set)
-        if self._fused(scale):
-            return fused.decoded_segments(
-                self.codec, rows, self.total_space, self.length, scale, self.count, self.numel
-            )
-        total = tf.reshape(unpack(rows, self.total_space, self.length), [-1])[: self.numel]
-        return self.codec.decode(
-            tf.cast(total, tf.float32 if total.dtype.is_floating else tf.int32), scale, self.count
+        return receiving.decoded_segments(
+            self.codec, rows, self.total_space, self.length, scale, self.count, self.numel
         )
 
 

@@ -28,9 +28,9 @@ from hvd_compress import fused as core
 from hvd_compress.blocksign import BlockSign
 from hvd_compress.codes import SignCodes
 
-from . import seeding
+from . import decoding, seeding
 from .codec import divide
-from .packing import float_rows, pack, sum_rows, unpack
+from .packing import float_rows, pack, unpack
 
 # Whether the compiled calls run at all (``HVD_COMPRESS_KERNELS=0`` keeps the ops).
 ENABLED = os.environ.get("HVD_COMPRESS_KERNELS", "1") != "0"
@@ -220,11 +220,7 @@ def scaled_signs(bits: tf.Tensor, scales: tf.Tensor, numel: int) -> tf.Tensor:
     return _scaled_signs(bits, scales, numel)
 
 
-@_compiled
-def _decoded_totals(codec, total, scale, count):
-    if not total.dtype.is_floating:
-        total = tf.cast(total, tf.int32)
-    return codec.decode(total, scale, count)
+_decoded_totals = _compiled(decoding.decoded_totals)
 
 
 def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.Tensor:
@@ -232,19 +228,11 @@ def decoded_totals(codec, total: tf.Tensor, scale: tf.Tensor, count: int) -> tf.
     return _decoded_totals(codec, total, scale, _divisor(count))
 
 
-@_compiled
-def _summed_codes(codec, rows, length, total_space):
-    return pack(sum_rows(codec.values(unpack(rows, codec.code_space, length))), total_space)
+# No divisor: the sharded exchange's partial sum is the call as it stands.
+summed_codes = _compiled(decoding.summed_codes)
 
 
-def summed_codes(codec, rows: tf.Tensor, length: int, total_space) -> tf.Tensor:
-    """The sharded exchange's partial sum, packed in ``total_space``."""
-    return _summed_codes(codec, rows, length, total_space)
-
-
-@_compiled
-def _decoded_sums(codec, rows, scale, count, numel):
-    return codec.decode(sum_rows(codec.values(unpack(rows, codec.code_space, numel))), scale, count)
+_decoded_sums = _compiled(decoding.decoded_sums)
 
 
 def decoded_sums(codec, rows: tf.Tensor, scale: tf.Tensor, count: int, numel: int) -> tf.Tensor:
@@ -270,12 +258,7 @@ def decoded_own_scales(codec, messages: tf.Tensor, head: int, count: int, numel:
     return _decoded_own_scales(codec, messages, head, _divisor(count), numel)
 
 
-@_compiled
-def _decoded_segments(codec, rows, total_space, length, scale, count, numel):
-    total = tf.reshape(unpack(rows, total_space, length), [-1])[:numel]
-    return codec.decode(
-        tf.cast(total, tf.float32 if total.dtype.is_floating else tf.int32), scale, count
-    )
+_decoded_segments = _compiled(decoding.decoded_segments)
 
 
 def decoded_segments(codec, rows, total_space, length: int, scale, count: int, numel: int):
