@@ -2,6 +2,9 @@
 pins, a late rank at the probe, and error feedback kept whole when a tensor leaves its
 codec. Every TensorFlow body runs in the child processes only (see ``test_tf_codecs``)."""
 
+import contextlib
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -200,6 +203,110 @@ def _tf_leave_codec_runs():
     return runs
 
 
+@contextlib.contextmanager
+def _counting_alltoalls(fusion_class):
+    """Yields a list into whose last item ``fusion_class`` (a port's ``AlltoallFusion``)
+    counts the alltoalls it starts inside the block."""
+    started = [0]
+    launch = fusion_class._alltoall
+
+    def counted(self, rows):
+        started[-1] += 1
+        return launch(self, rows)
+
+    fusion_class._alltoall = counted
+    try:
+        yield started
+    finally:
+        fusion_class._alltoall = launch
+
+
+def _group_runs():
+    """ef-sign's sharded exchange of every tensor (``min_size=0``: six tensors, one fusion
+    group), by the codec alone and in the adaptive mode (a warm-up of 100: no decision)
+    whose first tensor leaves the codec for fp32 at step ``SWITCH_AT``: every step's
+    exchanged gradients and the alltoalls it started."""
+    import hvd_compress.pt as hc
+    from hvd_compress.pt.fusion import AlltoallFusion
+
+    with _counting_alltoalls(AlltoallFusion) as started:
+        return {
+            "codec": _pt_group_run(None, started),
+            "adaptive": _pt_group_run(hc.Adaptive(warmup_steps=100, pin={}), started),
+        }
+
+
+def _pt_group_run(adaptive, started):
+    """One run of ``_group_runs``: (exchanged gradients, alltoalls) of every step."""
+    import horovod.torch as hvd
+
+    import hvd_compress.pt as hc
+
+    torch.manual_seed(0)
+    model = Net()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model.named_parameters(),
+        compression=hc.BlockSign(min_size=0),
+        exchange="sharded",
+        adaptive=adaptive,
+    )
+    pipeline = optimizer._hvdc_pipeline
+    data = torch.Generator().manual_seed(300 + hvd.rank())
+    exchanged, alltoalls = [], []
+    for step in range(SWITCH_AT + 1):
+        if adaptive is not None and step == SWITCH_AT:
+            pipeline.state.planner.paths["hidden.weight"] = "fp32"
+            pipeline.follow_paths()
+        optimizer.zero_grad()
+        started.append(0)
+        x, y = random_batch(data)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.synchronize()
+        exchanged.append([p.grad.detach().numpy().copy() for p in model.parameters()])
+        alltoalls.append(started[-1])
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    return exchanged, alltoalls
+
+
+def _tf_group_runs():
+    """``_group_runs`` with the TensorFlow tape: the exchanged gradients of traced steps,
+    whose graph holds the group's every path, and the alltoalls of eager steps, which start
+    those of the path taken alone."""
+    import horovod.tensorflow as hvd
+
+    import hvd_compress
+    import hvd_compress.tf as htf
+    from hvd_compress.tf.fusion import AlltoallFusion
+
+    from .tf_perceptron import tape_steps
+
+    hvd.init()
+    runs = {}
+    with _counting_alltoalls(AlltoallFusion) as started:
+        for adaptive, traced in itertools.product((False, True), (True, False)):
+            steps = tape_steps(
+                SWITCH_AT + 1,
+                traced,
+                compression=htf.BlockSign(min_size=0),
+                exchange="sharded",
+                adaptive=hvd_compress.Adaptive(warmup_steps=100, pin={}) if adaptive else None,
+            )
+            exchanged, alltoalls = [], []
+            for step in range(SWITCH_AT + 1):
+                started.append(0)
+                _, averages, _, pipeline = next(steps)
+                exchanged.append([a.numpy() for a in averages])
+                alltoalls.append(started[-1])
+                if adaptive and step == SWITCH_AT - 1:
+                    pipeline.state.planner.paths[pipeline.plans[0].name] = "fp32"
+                    pipeline.follow_paths()
+            runs["adaptive" if adaptive else "codec", traced] = (exchanged, alltoalls)
+    return {path: (runs[path, True][0], runs[path, False][1]) for path in ("codec", "adaptive")}
+
+
 def _warm_up_costs(device_kind):
     """The planner's costs after a warm-up of two steps on this rank's ``device_kind``."""
     import horovod.torch as hvd
@@ -236,7 +343,7 @@ def test_the_warm_up_measures_each_compressed_tensor_on_its_device(device):
 
 def _torch_job():
     """Every PyTorch run of the tests below, in one Horovod job."""
-    return {"decisions": _adaptive_run(), "leave": _leave_codec_runs()}
+    return {"decisions": _adaptive_run(), "leave": _leave_codec_runs(), "group": _group_runs()}
 
 
 def _tf_job():
@@ -245,7 +352,11 @@ def _tf_job():
     import tensorflow as tf
 
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    return {"decisions": _tf_adaptive_run(), "leave": _tf_leave_codec_runs()}
+    return {
+        "decisions": _tf_adaptive_run(),
+        "leave": _tf_leave_codec_runs(),
+        "group": _tf_group_runs(),
+    }
 
 
 @pytest.fixture(scope="module", params=["torch", "tensorflow"])
@@ -334,3 +445,27 @@ def test_leaving_the_codec_delivers_every_residual(runs):
         )
         switched = SWITCH_STEPS - SWITCH_AT
         assert first["kept"] == [True] * SWITCH_AT + [False] * switched, exchange
+
+
+def test_a_fusion_group_travels_in_one_alltoall_until_a_member_leaves_its_codec(runs):
+    """While every tensor of a fusion group is on its codec the adaptive mode exchanges them
+    as the codec alone does, bit for bit and in the group's one alltoall; when one leaves
+    for fp32, the others go on by their codec: in PyTorch in a group of the five, in a
+    traced TensorFlow step (whose paths are chosen as it runs) each in an alltoall of its
+    own."""
+    framework, results = runs
+    after = 1 if framework == "torch" else 5
+    for result in results:
+        (codec, codec_alltoalls), (adaptive, alltoalls) = (
+            result["group"]["codec"],
+            result["group"]["adaptive"],
+        )
+        assert codec_alltoalls == [1] * (SWITCH_AT + 1)
+        assert alltoalls == [1] * SWITCH_AT + [after]
+        for step in range(SWITCH_AT):
+            for got, want in zip(adaptive[step], codec[step]):
+                np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+        (left, *others), (codec_left, *codec_others) = adaptive[SWITCH_AT], codec[SWITCH_AT]
+        for got, want in zip(others, codec_others):
+            np.testing.assert_array_equal(got, want)
+        assert not np.array_equal(left, codec_left)

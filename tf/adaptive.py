@@ -58,6 +58,17 @@ def max_over_ranks(values, name, process_set):
     return agreed.numpy().tolist()
 
 
+def _flat(grad):
+    """``grad`` as the flat float32 vector its exchanges take."""
+    return tf.reshape(tf.cast(grad, tf.float32), [-1])
+
+
+def _alone(group, plan, k):
+    """An alltoall fusion of ``plan``'s tensor alone, member ``k`` of ``group``: for its
+    codec's exchange while another member of the group is on another path."""
+    return AlltoallFusion([codes_name(plan)], f"{group.name}.{k}", group.process_set)
+
+
 class AdaptiveSteps:
     """The adaptive mode of a ``CompressionPipeline`` (a mixin of it), driven by its
     ``state.planner``."""
@@ -77,36 +88,72 @@ class AdaptiveSteps:
 
     # ----- in the traced step -----
 
+    def _by_paths(self, group, members, lr_ratio):
+        """(decoded flat float32 gradient, whether finite) of each (index, plan, grad) of
+        ``members``, the compressed tensors of one alltoall fusion ``group`` (None: those
+        whose exchange has none), each exchanged by the path in force."""
+        if group is None or len(members) == 1:
+            return [self._by_path(plan, grad, lr_ratio, group) for _, plan, grad in members]
+        return self._by_group_paths([(plan, grad) for _, plan, grad in members], lr_ratio, group)
+
     def _by_path(self, plan, grad, lr_ratio, fusion):
         """Exchanges ``grad`` of ``plan``'s tensor by the path in force (``state.paths``):
         its codec's exchange, or an fp16 or fp32 allreduce that also carries its residuals
         (the worker's, and the server's in worker units, which are then proposed empty: a
         tensor that comes back to its codec starts with none). Returns the decoded flat
-        float32 gradient and whether it is finite.
+        float32 gradient and whether it is finite."""
+        return self._adopt(plan, self._path_outputs(plan, _flat(grad), lr_ratio, fusion))
 
-        The branches of ``tf.switch_case`` cannot hand out the tensors they make, so the
-        bytes handed to Horovod and the proposed residuals leave each branch as its
-        outputs and are counted and proposed after it."""
-        vector = tf.reshape(tf.cast(grad, tf.float32), [-1])
-        memories = [
-            memory
-            for memory in (self.state.worker, self.state.server)
-            if memory is not None and plan.name in memory.residuals
-        ]
+    def _by_group_paths(self, members, lr_ratio, fusion):
+        """``_by_path`` of each (plan, grad) of ``members``, the sharded tensors of one
+        alltoall ``fusion`` group: while all of them are on their codec, as the codec alone
+        would exchange them, every member's rows in the group's one alltoall; else each by
+        its own path, a member on its codec in an alltoall of its own. A path is chosen as
+        the step runs, so the group can only travel together while every member's is the
+        codec: Horovod runs each alltoall on its own, and one per tensor costs its latency
+        on every tensor, which would make the mode slower than its codec where it changes
+        nothing."""
+        vectors = [(plan, _flat(grad)) for plan, grad in members]
+        indices = [self.state.planner.compressible.index(plan.name) for plan, _ in members]
+        on_codec = tf.reduce_all(
+            tf.equal(tf.gather(self.state.paths, indices), PATHS.index("codec"))
+        )
 
-        def outputs(decoded, finite, handed):
-            nbytes = tf.add_n(handed) if handed else tf.constant(0, tf.int64)
-            proposed = [memory.proposed.pop(plan.name) for memory in memories]
-            return [decoded, finite, nbytes, *proposed]
+        def together():
+            started = []
+            for plan, vector in vectors:
+                with self._handing() as handed:
+                    pending = self._start(plan, vector, lr_ratio, fusion)
+                started.append((pending, handed))
+            outputs = []
+            for (plan, _), (pending, handed) in zip(vectors, started):
+                with self._handing() as more:
+                    decoded = self.exchanges[plan.name].finish(pending)
+                outputs.append(self._codec_outputs(plan, decoded, handed + more))
+            return outputs
+
+        def apart():
+            return [
+                self._path_outputs(plan, vector, lr_ratio, _alone(fusion, plan, k))
+                for k, (plan, vector) in enumerate(vectors)
+            ]
+
+        outputs = tf.cond(on_codec, together, apart)
+        return [self._adopt(plan, out) for (plan, _), out in zip(members, outputs)]
+
+    def _path_outputs(self, plan, vector, lr_ratio, fusion):
+        """The outputs (``_outputs``) of the exchange of the flat float32 ``vector`` of
+        ``plan``'s tensor by the path in force, one ``tf.switch_case`` branch per path.
+        The branches cannot hand out the tensors they make, so the bytes handed to Horovod
+        and the proposed residuals leave each branch as its outputs, to be counted and
+        proposed after it (``_adopt``)."""
 
         def codec():
             with self._handing() as handed:
-                exchange = self.exchanges[plan.name]
-                decoded = exchange.finish(self._start(plan, vector, lr_ratio, fusion))
-            finite = exchange.finite
-            if finite is None:
-                finite = tf.reduce_all(tf.math.is_finite(decoded))
-            return outputs(decoded, finite, handed)
+                decoded = self.exchanges[plan.name].finish(
+                    self._start(plan, vector, lr_ratio, fusion)
+                )
+            return self._codec_outputs(plan, decoded, handed)
 
         def plain(dtype):
             # The gradient with its residuals, the server's moved into the worker's as the
@@ -118,20 +165,47 @@ class AdaptiveSteps:
                 server = self.state.server.residuals[plan.name]
                 residual = residual + self._server_mass(plan.name, server, self.world_size)
             sent = vector if residual is None else vector + residual * lr_ratio
-            for memory in memories:
+            for memory in self._memories(plan):
                 memory.propose(plan.name, tf.zeros_like(memory.residuals[plan.name]))
             with self._handing() as handed:
                 decoded = tf.cast(self._allreduce(plan, tf.cast(sent, dtype)), tf.float32)
-            return outputs(decoded, tf.reduce_all(tf.math.is_finite(decoded)), handed)
+            return self._outputs(plan, decoded, tf.reduce_all(tf.math.is_finite(decoded)), handed)
 
         index = self.state.planner.compressible.index(plan.name)
-        decoded, finite, nbytes, *residuals = tf.switch_case(
+        return tf.switch_case(
             self.state.paths[index],
             [codec, lambda: plain(tf.float16), lambda: plain(tf.float32)],
         )
+
+    def _memories(self, plan):
+        """The memories that hold residuals of ``plan``'s tensor: the worker's, the server's."""
+        return [
+            memory
+            for memory in (self.state.worker, self.state.server)
+            if memory is not None and plan.name in memory.residuals
+        ]
+
+    def _codec_outputs(self, plan, decoded, handed):
+        """``_outputs`` of ``plan``'s tensor exchanged by its codec, ``decoded``."""
+        finite = self.exchanges[plan.name].finite
+        if finite is None:
+            finite = tf.reduce_all(tf.math.is_finite(decoded))
+        return self._outputs(plan, decoded, finite, handed)
+
+    def _outputs(self, plan, decoded, finite, handed):
+        """What a branch hands out of ``plan``'s tensor: [decoded, finite, the bytes it
+        handed to Horovod (``handed``, summed), the residuals it proposed]."""
+        nbytes = tf.add_n(handed) if handed else tf.constant(0, tf.int64)
+        proposed = [memory.proposed.pop(plan.name) for memory in self._memories(plan)]
+        return [decoded, finite, nbytes, *proposed]
+
+    def _adopt(self, plan, outputs):
+        """Counts and proposes what a branch handed out (``_outputs``); returns its decoded
+        gradient and whether it is finite."""
+        decoded, finite, nbytes, *residuals = outputs
         self.meter.counts.append(nbytes)
         self.meter.by_tensor[plan.name] = nbytes
-        for memory, residual in zip(memories, residuals):
+        for memory, residual in zip(self._memories(plan), residuals):
             memory.propose(plan.name, residual)
         return decoded, finite
 

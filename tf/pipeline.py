@@ -357,6 +357,7 @@ class CompressionPipeline(AdaptiveSteps, ElasticWorld, TwoLevelSteps, tf.Module)
         sent_elements = [plan.numel for plan in self.plans]
         started = {}  # index -> (what the exchange's ``finish`` takes, the gradient's dtype)
         known = {}  # index -> whether its gradient is finite, as its exchange knows
+        by_path = {}  # the adaptive mode's fusion groups: group -> [(index, plan, grad)]
         for index, (plan, grad, step) in enumerate(zip(self.plans, grads, momentum)):
             with self.meter.charging(plan.name):
                 if plan.exchange == UNCOMPRESSED or isinstance(grad, tf.IndexedSlices):
@@ -369,12 +370,7 @@ class CompressionPipeline(AdaptiveSteps, ElasticWorld, TwoLevelSteps, tf.Module)
                     outputs[index] = self._sparse(plan, grad, lr_ratio)
                     sent_elements[index] = self.exchanges[plan.name].sent_elements
                 elif self.state.planner is not None and plan.reason == "compressed":
-                    decoded, known[index] = self._by_path(
-                        plan, grad, lr_ratio, fusions.get(plan.name)
-                    )
-                    outputs[index] = tf.cast(tf.reshape(decoded, self.shapes[index]), grad.dtype)
-                    if grad.dtype != tf.float32:  # the cast could overflow
-                        del known[index]
+                    by_path.setdefault(fusions.get(plan.name), []).append((index, plan, grad))
                 elif plan.exchange == TWO_LEVEL:
                     started[index] = (
                         self._start_two_level(plan, grad, lr_ratio, fusions.get(plan.name)),
@@ -386,6 +382,13 @@ class CompressionPipeline(AdaptiveSteps, ElasticWorld, TwoLevelSteps, tf.Module)
                         self._start(plan, vector, lr_ratio, fusions.get(plan.name), step),
                         grad.dtype,
                     )
+        for group, members in by_path.items():
+            for (index, _, grad), (decoded, finite) in zip(
+                members, self._by_paths(group, members, lr_ratio)
+            ):
+                outputs[index] = tf.cast(tf.reshape(decoded, self.shapes[index]), grad.dtype)
+                if grad.dtype == tf.float32:  # a cast into another could overflow
+                    known[index] = finite
         for index, (pending, dtype) in started.items():
             plan = self.plans[index]
             exchange = self.exchanges.get(plan.name)
@@ -468,13 +471,8 @@ class CompressionPipeline(AdaptiveSteps, ElasticWorld, TwoLevelSteps, tf.Module)
         of ``process_set``."""
         by_name = {plan.name: plan for plan in plans}
         groups = {}
-        # The adaptive mode's paths are chosen as the step runs, each tensor's alone.
-        member_lists = (
-            [[plan.name] for plan in plans]
-            if self.state.planner is not None
-            else fusion.alltoall_groups(
-                self.codec, [(plan.name, self._coded_numel(plan)) for plan in plans], world_size
-            )
+        member_lists = fusion.alltoall_groups(
+            self.codec, [(plan.name, self._coded_numel(plan)) for plan in plans], world_size
         )
         for index, members in enumerate(member_lists):
             group = AlltoallFusion(
