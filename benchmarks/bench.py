@@ -45,12 +45,16 @@ from .protocol import (
     OP_COUNT_PATHS,
     STEP_BUDGET_SECONDS,
     TF_METHODS,
+    TF_OP_COUNT_PATHS,
+    TF_PREFIX,
     event_of,
     shaped_path,
 )
 from .shapes import MODELS
 
 DEFAULT_WORKERS = (2, 4)
+# The TensorFlow methods of one job, but for the adaptive ones (``tf_jobs``).
+TF_METHODS_PER_JOB = 3
 DEFAULT_RATES = ("10G", "1G", "100M")
 # The peers' codecs run on request (--methods): one worker process measures every method
 # of a model and N in turn, keeping ~400 MB more per method at the 25M-parameter model, and
@@ -191,8 +195,8 @@ def add_arguments(parser):
     parser.add_argument(
         "--no-op-counts",
         action="store_true",
-        help="skip the count of torch ops and host reads per step per codec, at each N "
-        "(benchmarks/op_count.py)",
+        help="skip the counts of ops per step per codec, at each N: torch ops and host reads "
+        "(benchmarks/op_count.py), TensorFlow ops (benchmarks/tf_op_count.py)",
     )
     parser.add_argument(
         "--localhost", action="store_true", help="run on localhost without namespaces or shaping"
@@ -242,15 +246,34 @@ def _units(spec, workers):
 
 
 def run_jobs(hosts, spec, timeout, shape, progress, events):
-    """The PyTorch job on ``hosts``, then the TensorFlow job if the spec has methods for it.
+    """The PyTorch job on ``hosts``, then the TensorFlow jobs of the spec's methods.
     The PyTorch job's accuracy runs, if it has them, get time of their own on top of
     ``timeout``."""
     accuracy = spec["accuracy"]
     if hosts.workers == accuracy["workers"]:
         timeout += len(accuracy["methods"]) * accuracy["steps"] * ACCURACY_STEP_SECONDS
     run_job(hosts, spec, timeout, shape, progress, events, "benchmarks.worker")
-    if spec["tf_methods"]:
-        run_job(hosts, spec, timeout, shape, progress, events, "benchmarks.tf_worker")
+    for methods in tf_jobs(spec["tf_methods"]):
+        job_spec = {**spec, "tf_methods": methods}
+        run_job(hosts, job_spec, timeout, shape, progress, events, "benchmarks.tf_worker")
+
+
+def tf_jobs(methods):
+    """The TensorFlow ``methods`` of each job: an adaptive one alone (it holds its codec
+    forced beside it, and a new model at every rate), the others ``TF_METHODS_PER_JOB`` at
+    a time. A TensorFlow worker keeps much of every model, state and traced graph it made
+    (about 0.8 GB a method at the 25M model): four workers that ran seven of the eight
+    methods in one job outgrew the 24 GiB of this project's machines."""
+    jobs, fixed = [], []
+    for method in methods:
+        if method.endswith(AUTO_SUFFIX):
+            jobs.append([method])
+            continue
+        fixed.append(method)
+        if len(fixed) == TF_METHODS_PER_JOB:
+            jobs.append(fixed)
+            fixed = []
+    return jobs + [fixed] if fixed else jobs
 
 
 def run_job(hosts, spec, timeout, shape, progress, events, program):
@@ -297,26 +320,45 @@ def run_job(hosts, spec, timeout, shape, progress, events, program):
             )
 
 
-def op_counts(model, codecs, workers, timeout):
+def op_counts(model, codecs, workers, timeout, tensorflow=False):
     """``benchmarks.op_count`` of ``codecs`` on ``model`` on each of ``OP_COUNT_PATHS`` (the CPU
     kernels, the device path that CUDA tensors take, interpreted on CPU, and the eager
-    ops), in one job of ``workers`` on localhost (the counts do not depend on the link).
-    Started as the benchmark's own jobs are: ``horovodrun`` would first import TensorFlow
-    to check how Horovod was built."""
+    ops), or with ``tensorflow`` ``benchmarks.tf_op_count`` on each of ``TF_OP_COUNT_PATHS``
+    (the XLA-compiled calls that GPU tensors take, compiled for the CPU, the uncompiled ops
+    and the CPU kernels), in one job of ``workers`` on localhost (the counts do not depend
+    on the link). Started as the benchmark's own jobs are: ``horovodrun`` would first import
+    TensorFlow to check how Horovod was built."""
+    program, paths, env = (
+        ("benchmarks.tf_op_count", TF_OP_COUNT_PATHS, {})
+        if tensorflow
+        else ("benchmarks.op_count", OP_COUNT_PATHS, {"TRITON_INTERPRET": "1"})
+    )
     with tempfile.TemporaryDirectory(prefix="hvdc-ops-") as workdir:
         out = os.path.join(workdir, "ops.json")
         log_path = os.path.join(workdir, "workers.log")
-        command = [sys.executable, "-m", "benchmarks.op_count", "--model", model]
-        command += ["--codecs", ",".join(codecs), "--out", out, "--paths", ",".join(OP_COUNT_PATHS)]
+        command = [sys.executable, "-m", program, "--model", model, "--codecs", ",".join(codecs)]
+        command += ["--out", out, "--paths", ",".join(paths)]
         with open(log_path, "w") as log:
-            job = HorovodJob(LocalHosts(workers), command, env={"TRITON_INTERPRET": "1"}, log=log)
-            code = job.run(timeout * len(OP_COUNT_PATHS))  # each path's share of the job
+            job = HorovodJob(LocalHosts(workers), command, env=env, log=log)
+            code = job.run(timeout * len(paths))  # each path's share of the job
         if code:
             raise RuntimeError(
                 f"the op count job failed (exit code {code}); output:\n{_tail(log_path)}"
             )
         with open(out) as f:
             return json.load(f)
+
+
+def _op_counts(args, codecs, tensorflow=False):
+    """``op_counts`` of every model of ``args`` at each of its N, by model."""
+    return {
+        model: [
+            counts
+            for n in args.workers
+            for counts in op_counts(model, codecs, n, args.timeout, tensorflow)
+        ]
+        for model in args.models
+    }
 
 
 def _tail(log_path):
@@ -418,10 +460,11 @@ def bench(args):
                 write(result, args.out)
         codecs = [m for m in args.methods if m in CODEC_METHODS and not m.endswith(AUTO_SUFFIX)]
         if codecs and not args.no_op_counts:
-            result["op_counts"] = {
-                model: [c for n in args.workers for c in op_counts(model, codecs, n, args.timeout)]
-                for model in args.models
-            }
+            result["op_counts"] = _op_counts(args, codecs)
+        tf_codecs = [m[len(TF_PREFIX) :] for m in args.tf_methods]
+        tf_codecs = [m for m in tf_codecs if m in CODEC_METHODS and not m.endswith(AUTO_SUFFIX)]
+        if tf_codecs and not (args.no_op_counts or args.no_tensorflow):
+            result["tf_op_counts"] = _op_counts(args, tf_codecs, tensorflow=True)
     finally:
         # Also after a failed job: a long matrix keeps what it measured.
         tables = write(result, args.out)

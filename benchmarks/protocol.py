@@ -32,6 +32,14 @@ OP_COUNT_PATHS = {
     "device": ("device path (Triton, interpreted)", False, True),
     "eager": ("eager ops", False, False),
 }
+# ``benchmarks.tf_op_count``'s --paths: name -> (the table's label, whether the CPU kernels
+# run, whether the compiled calls of ``hvd_compress.tf.xla_fused`` run, whether CPU tensors
+# take them). On a GPU every path but ``ops`` compiles: the CPU kernels take CPU tensors only.
+TF_OP_COUNT_PATHS = {
+    "xla": ("XLA-compiled calls (the GPU path)", False, True, True),
+    "ops": ("TensorFlow ops, uncompiled", False, False, False),
+    "kernels": ("CPU kernels", True, True, False),
+}
 # Learning rate of the timed steps (what is measured does not depend on it).
 TIMING_LR = 0.01
 # Timed steps of each compute baseline, whatever the model: a step without exchange is

@@ -18,7 +18,8 @@ Per model, N, link rate and method (one row):
   ``unexplained``, the same after removing Horovod's control messages (the idle rate the
   interface showed before the measurements, times the step time).
 - ``auto``: for a codec's ``-auto`` method, its step over the fastest step among
-  ``AUTO_RIVALS`` and the codec forced on every tensor, measured in the same run
+  ``AUTO_RIVALS`` and the codec forced on every tensor, measured in the same run (the
+  TensorFlow port's codec forced in turns with the adaptive mode's steps)
   (``auto_over_fastest``, at most ``AUTO_BOUND`` where the adaptive mode does its job), with
   the paths it chose and the exchange seconds its model predicted for them and for every
   tensor on each path.
@@ -140,11 +141,16 @@ def rows(events, per_node=1):
                 _ratio(torch_base and torch_base["seconds"], torch_twin and torch_twin["seconds"]),
             )
         if method.endswith(AUTO_SUFFIX):
+            codec = method[: -len(AUTO_SUFFIX)]
             rivals = {
                 m: steps[workers, model, rate, m]["seconds"]
-                for m in tuple(port + r for r in AUTO_RIVALS) + (method[: -len(AUTO_SUFFIX)],)
+                for m in tuple(port + r for r in AUTO_RIVALS) + (codec,)
                 if (workers, model, rate, m) in steps
             }
+            if e.get("forced_step_seconds"):
+                # The codec forced in turns with the adaptive mode's steps, in place of its
+                # own row, measured minutes apart.
+                rivals[codec] = statistics.median(e["forced_step_seconds"])
             fastest = min(rivals, key=rivals.get) if rivals else None
             row["auto"] = {
                 "fastest": fastest,
@@ -331,14 +337,20 @@ def _pct(fraction):
     return "-" if fraction is None else f"{100 * fraction:+.1f}%"
 
 
-def _op_count_table(model, counts):
-    """The Markdown lines of one ``benchmarks.op_count`` result."""
-    path = f", {counts['path']}" if "path" in counts else ""
-    title = (
-        f"\n### {model}: top-level torch ops and host reads of one step (N = "
-        f"{counts['world_size']}{path}; none: {counts['none']:,} ops, "
-        f"{counts['none_host_reads']} reads)\n"
+def _op_count_table(model, counts, tensorflow=False):
+    """The Markdown lines of one ``benchmarks.op_count`` result, or with ``tensorflow`` one
+    of ``benchmarks.tf_op_count`` (ops of the traced step, which has no host reads to count:
+    its graph runs whole, and the op types each codec adds most of instead)."""
+    what = (
+        "TensorFlow ops of one traced step"
+        if tensorflow
+        else "top-level torch ops and host reads of one step"
     )
+    baseline = f"none: {counts['none']:,} ops"
+    if not tensorflow:
+        baseline += f", {counts['none_host_reads']} reads"
+    path = f", {counts['path']}" if "path" in counts else ""
+    title = f"\n### {model}: {what} (N = {counts['world_size']}{path}; {baseline})\n"
     header = [
         "codec",
         "ops",
@@ -346,7 +358,7 @@ def _op_count_table(model, counts):
         "added per tensor",
         "compressed tensors",
         "added per compressed tensor",
-        "added host reads",
+        "most added" if tensorflow else "added host reads",
     ]
     lines = [
         [
@@ -358,7 +370,9 @@ def _op_count_table(model, counts):
             "-"
             if c["added_per_compressed_tensor"] is None
             else f"{c['added_per_compressed_tensor']:.1f}",
-            c["added_host_reads"],
+            ", ".join(f"{op} {n:,}" for op, n in c["added_by_type"].items())
+            if tensorflow
+            else c["added_host_reads"],
         ]
         for c in counts["codecs"]
     ]
@@ -493,6 +507,9 @@ def markdown(result):
     for model, by_world in sorted(result.get("op_counts", {}).items()):
         for counts in by_world:
             parts += _op_count_table(model, counts)
+    for model, by_world in sorted(result.get("tf_op_counts", {}).items()):
+        for counts in by_world:
+            parts += _op_count_table(model, counts, tensorflow=True)
     bare = [e for e in result["events"] if e["kind"] == "bare"]
     if bare:
         parts.append("\n### Horovod's bare collectives (whole model, no encode or decode)\n")

@@ -38,7 +38,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 from hvd_compress.tf import fused, xla_fused  # noqa: E402
 
-from .protocol import added_ops, compressed_tensors  # noqa: E402
+from .protocol import TF_OP_COUNT_PATHS, added_ops, compressed_tensors  # noqa: E402
 from .shapes import MODELS  # noqa: E402
 from .tf_worker import WARMUP_STEPS, Workload, codec_trainer  # noqa: E402
 
@@ -63,13 +63,6 @@ XLA_CLUSTER = "(XLA cluster)"
 MOST_ADDED = 4
 # The attributes through which a node runs other functions of the graph's library.
 FUNCTION_ATTRIBUTES = ("f", "then_branch", "else_branch", "branches", "cond", "body")
-# --paths: name -> (the table's label, whether the CPU kernels run, whether CPU tensors take
-# the compiled calls).
-PATHS = {
-    "xla": ("XLA-compiled calls (the GPU path)", False, True),
-    "ops": ("TensorFlow ops, uncompiled", False, False),
-    "kernels": ("CPU kernels", True, False),
-}
 
 
 def _called(node):
@@ -174,7 +167,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default="terngrad,qsgd-inf,nuqsgd,ef-sign,powersgd,dgc")
     parser.add_argument("--model", default="resnet50", choices=MODELS)
-    parser.add_argument("--paths", default="xla", help=f"count each in turn ({','.join(PATHS)})")
+    parser.add_argument(
+        "--paths", default="xla", help=f"count each in turn ({','.join(TF_OP_COUNT_PATHS)})"
+    )
     parser.add_argument(
         "--out", help="also write the counts as JSON here (rank 0): a list, one per path"
     )
@@ -182,9 +177,9 @@ def main(argv=None):
     hvd.init()
     results = []
     for path in args.paths.split(","):
-        if path not in PATHS:
-            parser.error(f"--paths takes {', '.join(PATHS)}; got {path!r}")
-        label, fused.ENABLED, xla_fused.ON_CPU = PATHS[path]
+        if path not in TF_OP_COUNT_PATHS:
+            parser.error(f"--paths takes {', '.join(TF_OP_COUNT_PATHS)}; got {path!r}")
+        label, fused.ENABLED, xla_fused.ENABLED, xla_fused.ON_CPU = TF_OP_COUNT_PATHS[path]
         results.append(_counted(args, label))
     if hvd.rank() == 0 and args.out:
         with open(args.out, "w") as f:

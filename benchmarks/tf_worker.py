@@ -42,6 +42,7 @@ from hvd_compress.examples.datasets import load_mnist1d  # noqa: E402
 from .protocol import (  # noqa: E402
     AUTO_SUFFIX,
     COMPUTE_STEPS,
+    STEP_BUDGET_SECONDS,
     TF_PREFIX,
     TIMING_LR,
     Driver,
@@ -243,8 +244,9 @@ def measure_compute(driver, work, local, batches, method):
 def measure_method(driver, work, batches, method, rates, steps, interface):
     """Warm-up at the first rate, then timed steps at every rate. An adaptive method (as
     ``benchmarks.worker``'s) starts anew at every rate, for the link it measures: its
-    warm-up and decision, then the steps of its trials, before any is timed."""
-    run = None
+    warm-up and decision, then the steps of its trials, before any is timed; its timed
+    steps take turns with steps of its codec forced on every tensor (``_beside_forced``)."""
+    run = forced = None
     adaptive = method.endswith(AUTO_SUFFIX)
     for rate in rates:
         driver.shape(rate)
@@ -255,15 +257,23 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
             # The same on every rank: the decisions are agreed.
             while adaptive and run.tape.pipeline.compression_stats()["adaptive"].get("judging"):
                 timed_steps(run, batches, 1)
-            driver.barrier()
-        before = interface_bytes(interface)
-        seconds = timed_steps_of(driver, run, batches, steps)
-        driver.barrier()  # as benchmarks.worker: the last step's bytes are counted
-        tx, rx = difference(interface_bytes(interface), before, len(seconds))
-        handed, sent = sizes()
         extra = {}
         if adaptive:
+            if forced is None:
+                forced, _ = trainer(method[: -len(AUTO_SUFFIX)], work, hvd.size())
+                timed_steps(forced, batches, WARMUP_STEPS)
+            driver.barrier()
+            seconds, extra["forced_step_seconds"], (tx, rx) = _beside_forced(
+                driver, run, forced, batches, steps, interface
+            )
             extra["adaptive"] = run.tape.pipeline.compression_stats()["adaptive"]
+        else:
+            driver.barrier()
+            before = interface_bytes(interface)
+            seconds = timed_steps_of(driver, run, batches, steps)
+            driver.barrier()  # as benchmarks.worker: the last step's bytes are counted
+            tx, rx = difference(interface_bytes(interface), before, len(seconds))
+        handed, sent = sizes()
         driver.emit(
             "step",
             model=work.name,
@@ -277,8 +287,33 @@ def measure_method(driver, work, batches, method, rates, steps, interface):
             wire_rx=rx,
             **extra,
         )
-    del run
+    del run, forced
     gc.collect()
+
+
+def _beside_forced(driver, run, forced, batches, steps, interface):
+    """``timed_steps_of`` the adaptive ``run``, each of its steps followed by one of
+    ``forced`` (its codec on every tensor): (``run``'s seconds, ``forced``'s, per-step
+    bytes of ``run``'s steps on the interface). Side by side, so that no drift of the
+    machine's speed between two configurations enters their ratio, which is within noise
+    of 1 where the adaptive mode keeps every tensor on its codec."""
+    forced_seconds, wire = [], []
+
+    def measure():
+        before = interface_bytes(interface)
+        (seconds,) = timed_steps(run, batches, 1)
+        driver.barrier()  # the step's bytes are all counted, and no rank is behind
+        wire.append((interface_bytes(interface), before))
+        forced_seconds.extend(timed_steps(forced, batches, 1))
+        driver.barrier()
+        return seconds
+
+    least, most = steps
+    seconds = driver.repeated(measure, least, most, STEP_BUDGET_SECONDS)
+    per_step = [difference(after, before, 1) for after, before in wire]
+    if per_step[0][0] is None:
+        return seconds, forced_seconds, (None, None)
+    return seconds, forced_seconds, tuple(sum(b) / len(per_step) for b in zip(*per_step))
 
 
 def _largest(name, value):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import bench, network
-from benchmarks.protocol import OP_COUNT_PATHS
+from benchmarks.protocol import OP_COUNT_PATHS, TF_OP_COUNT_PATHS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -96,6 +96,19 @@ def _check_results(result, tmp_path):
     terngrad = {path: counts["codecs"][0]["added"] for path, counts in by_path.items()}
     assert terngrad["CPU kernels"] < terngrad["device path (Triton, interpreted)"]
     assert terngrad["device path (Triton, interpreted)"] < terngrad["eager ops"]
+    # The TensorFlow job's codecs, on each of its paths: the XLA-compiled calls that a GPU's
+    # tensors take add fewer ops than the same ops uncompiled.
+    tf_paths = {counts["path"]: counts for counts in result["tf_op_counts"]["cnn"]}
+    assert list(tf_paths) == [name for name, *_ in TF_OP_COUNT_PATHS.values()]
+    for counts in tf_paths.values():
+        assert counts["world_size"] == 2
+        assert [c["codec"] for c in counts["codecs"]] == ["terngrad"]
+        assert counts["codecs"][0]["added"] > 0
+    tf_terngrad = {path: counts["codecs"][0]["added"] for path, counts in tf_paths.items()}
+    assert (
+        tf_terngrad["XLA-compiled calls (the GPU path)"] < tf_terngrad["TensorFlow ops, uncompiled"]
+    )
+    assert "TensorFlow ops of one traced step" in (tmp_path / "bench.md").read_text()
 
 
 @pytest.mark.timeout(900)
