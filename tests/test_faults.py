@@ -20,7 +20,7 @@ from .logs import record_messages
 pytestmark = pytest.mark.multiprocess
 
 BOUND = 2  # seconds: HVD_COMPRESS_TIMEOUT of these jobs
-# The longest a rank whose training ended waits for the others to end theirs (``_linger``).
+# The longest a rank whose training ended waits for the others to end theirs (``_ended``).
 LINGER = 60
 STEPS = 4
 FAULT_STEP = 2  # the step in which the last rank fails
@@ -29,23 +29,18 @@ STEP_SECONDS, SLOWER = 0.05, 10
 JOB_TIMEOUT = 180  # seconds: a loaded machine traces the TensorFlow step slowly
 
 
-def _linger(directory, size):
-    """Keeps a rank whose training ended alive, in its own code, until every rank but the
-    faulty one has ended too (each leaves a mark in ``directory``; at most ``LINGER``
-    seconds). A rank that exited would end the others' waits with Horovod's error, before
-    their own bounds run out: the faulty rank must be found "in no collective" rather than
-    gone, and each waiting rank must end by its own bound, however far apart a loaded
+def _ended(directory, rank, size, faulty):
+    """Marks the end of this rank's training (unless it is the faulty rank) and keeps the
+    rank alive, in its own code, until every rank but the faulty one has ended too (at most
+    ``LINGER`` seconds). A rank that exited would end the others' waits with Horovod's error,
+    before their own bounds run out: the faulty rank must be found "in no collective" rather
+    than gone, and each waiting rank must end by its own bound, however far apart a loaded
     machine brings them to their waits."""
+    if not faulty:
+        open(os.path.join(directory, f"ended.{rank}"), "w").close()
     deadline = time.monotonic() + LINGER
     while len(os.listdir(directory)) < size - 1 and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def _ended(directory, rank, size, faulty):
-    """Marks the end of this rank's training (unless it is the faulty rank) and lingers."""
-    if not faulty:
-        open(os.path.join(directory, f"ended.{rank}"), "w").close()
-    _linger(directory, size)
 
 
 def _pt_fault(codec, fault, directory):
