@@ -167,7 +167,7 @@ def _trials(decision):
     with its median timed steps and the turns a side that timed them."""
 
     def seconds(trial):
-        turns = decision.get("trial_turns")
+        turns = trial["turns"]
         return f"({_ms(trial['seconds'])} vs {_ms(trial['replaced_seconds'])}, {turns} turns)"
 
     outcomes = []

@@ -41,16 +41,23 @@ Every rank takes the same decisions: the measurements are Max-allreduced before 
 runs, and the model is a deterministic function of them.
 
 A decision that changes paths is then tried against the paths it would replace: the two
-take turns of ``TURN_STEPS`` steps, at least ``TRIAL_TURNS`` a side and more where steps are
-short (``trial_turns``: as many as ``Adaptive.trial_seconds`` of steps take, up to
-``MAX_TRIAL_TURNS``), and the decision stands only if the median of its timed steps (the
-slowest rank's) is at least ``TRIAL_MARGIN`` shorter than the replaced paths'. Only the
+take turns of ``TURN_STEPS`` steps, and the decision stands only if its steps (the slowest
+rank's) are shorter by at least ``TRIAL_MARGIN`` than the replaced paths' with significance
+``TRIAL_ALPHA`` (``trial_verdict``: Wilcoxon's signed-rank test over the pairs of adjacent
+turns); it falls if they are significantly not. An undecided trial goes on,
+``TRIAL_TURNS`` more turns a side at a time, for as many turns as ``Adaptive.trial_seconds``
+of steps take (``trial_turns``, at most ``MAX_TRIAL_TURNS``), and then falls. Only the
 last step of a turn is timed: the first pays for the
 switch (a tensor that leaves its codec sends its residuals with its allreduce; one that comes
 back starts with none, which skips its compensation pass). Taking turns times both under the
 same conditions: two windows of consecutive steps, one before the decision and one after,
 differ by whatever changed on the machine and the network between them, which on shared cores
-moved their medians by more than the margin. The model can be wrong where its probes are: a
+moved their medians by more than the margin; and pairing adjacent turns cancels what drifts
+slowly. A fixed margin on the medians of a few turns is not enough: with more ranks than
+cores single steps of one path spread over 3x, so a path slower by 1.4x wins three turns as
+often as not, while a test of the pairs asks for evidence in proportion to the noise, and
+extending an undecided trial costs little, since its sides then step alike. The model can be
+wrong where its probes are: a
 probe runs alone on a quiet link, while the step's collectives share the CPU with the
 backward pass of every rank on the host, which with more ranks than cores makes an
 uncompressed allreduce far slower than its probe predicts. The trial makes "never slower than
@@ -66,6 +73,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
@@ -77,21 +85,23 @@ PATHS = ("codec", "fp16", "fp32")
 # On equal predicted times the simpler path wins: fewer passes over memory, no rounding.
 _PREFERENCE = {"fp32": 0, "fp16": 1, "codec": 2}
 # A trial: the paths on trial and the paths they would replace take turns, alternately, of
-# TURN_STEPS steps, of which the last is timed (the first pays for the switch): at least
-# TRIAL_TURNS turns each (TRIAL_STEPS steps), at most MAX_TRIAL_TURNS (``trial_turns``). An
-# odd number of turns, so that the median is a measured step and one outlier (a step that
-# waited on a late rank) is outvoted. Steps of a few milliseconds spread by a third and
-# more from one to the next on shared cores, where the median of 3 is a coin toss against
-# the margin below; 25 a side take a fraction of a second of such steps.
-TRIAL_TURNS = 3
+# TURN_STEPS steps, of which the last is timed (the first pays for the switch): TRIAL_TURNS
+# turns each (TRIAL_STEPS steps), then TRIAL_TURNS more at a time while undecided
+# (``trial_verdict``), up to the turns ``trial_turns`` allows, at most MAX_TRIAL_TURNS.
+# TRIAL_TURNS is the fewest pairs of turns in which the signed-rank test can reach
+# TRIAL_ALPHA (5 pairs all one way: 1/32).
+TRIAL_TURNS = 5
 MAX_TRIAL_TURNS = 25
 TURN_STEPS = 2
 TRIAL_STEPS = 2 * TRIAL_TURNS * TURN_STEPS
-# The fraction of the replaced paths' median step by which the paths on trial must be
-# faster to stand. Medians of TRIAL_TURNS steps of ranks that share cores move by several
-# percent, so a smaller gain is as likely a loss; against it, keeping the paths in force
-# costs at most this fraction of a step.
+# The fraction of the replaced paths' step by which the paths on trial must be faster to
+# stand: keeping the paths in force then costs at most this fraction of a step, while
+# switching for less would pay the switch (and the model's risk) for a gain in the noise.
 TRIAL_MARGIN = 0.05
+# The significance a trial's verdict asks for, either way (``trial_verdict``): one trial
+# in twenty of two paths just at the margin decides by chance, and it then costs at most
+# the margin.
+TRIAL_ALPHA = 0.05
 # A decision that keeps the paths in force, or whose trial fell, is challenged by the fastest
 # single path predicted at most this many times its exchange: with more ranks than cores the
 # model errs by about that factor (docs/adaptive.md), and the bound keeps a challenge's cost
@@ -115,17 +125,19 @@ class Adaptive:
         pin: parameter names mapped to the path they always take (``"codec"``, ``"fp16"``
             or ``"fp32"``), whatever the model predicts. ``"codec"`` only for tensors the
             codec compresses.
-        trial_seconds: about how long a trial of a decision lasts: its two sides take as
-            many turns as the exchange windows of the measured steps before the decision
-            fill in this many seconds, at least ``TRIAL_TURNS`` a side and at most
-            ``MAX_TRIAL_TURNS`` (``trial_turns``); 0 for the least. Default 2.0: windows
-            over 100 ms get the least trial, windows of a few milliseconds the most.
+        trial_seconds: how long an undecided trial of a decision may go on: its two sides
+            take at most as many turns as the steps measured before the decision (their
+            exchange windows) fill in this many seconds, at least ``TRIAL_TURNS`` a side and
+            at most ``MAX_TRIAL_TURNS`` (``trial_turns``); 0 for ``TRIAL_TURNS``. A trial
+            that decides sooner ends sooner, and one that goes on has sides that step
+            alike, so the length costs little. Default 60.0: steps of 1 s may take 15
+            turns a side, steps of 0.6 s and less the most.
     """
 
     warmup_steps: int = 5
     every: int = 1000
     pin: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    trial_seconds: float = 2.0
+    trial_seconds: float = 60.0
 
     def __post_init__(self):
         check_int("Adaptive", "warmup_steps", self.warmup_steps, low=1)
@@ -367,13 +379,52 @@ def path_traffic(
 
 
 def trial_turns(step_seconds: float, budget: float) -> int:
-    """Turns a side of a trial (``Adaptive.trial_seconds``): as many as fit ``budget``
-    seconds of both sides' steps of ``step_seconds`` each (0 where none was timed), odd,
-    within ``TRIAL_TURNS`` and ``MAX_TRIAL_TURNS``."""
+    """The most turns a side of a trial (``Adaptive.trial_seconds``): as many as fit
+    ``budget`` seconds of both sides' steps of ``step_seconds`` each (0 where none was
+    timed), in whole rounds of ``TRIAL_TURNS``, within ``TRIAL_TURNS`` and
+    ``MAX_TRIAL_TURNS``."""
     if step_seconds <= 0:
         return TRIAL_TURNS
-    turns = min(max(int(budget / (2 * TURN_STEPS * step_seconds)), TRIAL_TURNS), MAX_TRIAL_TURNS)
-    return turns if turns % 2 else turns - 1
+    turns = int(budget / (2 * TURN_STEPS * step_seconds))
+    return min(max(turns - turns % TRIAL_TURNS, TRIAL_TURNS), MAX_TRIAL_TURNS)
+
+
+def signed_rank_p(differences: Sequence[float]) -> float:
+    """The one-sided p-value of Wilcoxon's signed-rank test that ``differences`` lean above
+    0: the chance, were each as likely positive as negative, that the ranks of the positive
+    ones (ranked by absolute value; zeros dropped, ties at their mean rank) sum to at least
+    what they do. Exact, over every assignment of signs; 1 where every difference is 0."""
+    ranked = sorted((abs(d), d > 0) for d in differences if d != 0)
+    # Twice each rank, so that the mean rank of a tie stays an integer.
+    weights, first = [], 0
+    while first < len(ranked):
+        end = first
+        while end < len(ranked) and ranked[end][0] == ranked[first][0]:
+            end += 1
+        weights += [first + 1 + end] * (end - first)
+        first = end
+    observed = sum(w for w, (_, positive) in zip(weights, ranked) if positive)
+    ways = [1] + [0] * sum(weights)  # ways[s]: the sign assignments whose positives sum to s
+    for weight in weights:
+        for total in range(len(ways) - 1, weight - 1, -1):
+            ways[total] += ways[total - weight]
+    return sum(ways[observed:]) / 2 ** len(weights)
+
+
+def trial_verdict(replaced: Sequence[float], tried: Sequence[float]) -> bool | None:
+    """Whether paths on trial stand (True), fall (False) or are undecided (None) from the
+    timed steps of their turns, ``tried[i]`` next to ``replaced[i]``: they stand if each
+    pair's log step ratio beyond the margin, ``log((1 - TRIAL_MARGIN) * replaced / tried)``,
+    leans above 0 with significance ``TRIAL_ALPHA`` (``signed_rank_p``), fall if it leans
+    below 0 so. Pairs of adjacent turns cancel what drifts slowly, and ranks rather than
+    the ratios themselves weigh the pairs: a turn that waited on a descheduled rank counts
+    as one pair, however long it waited."""
+    gains = [math.log((1 - TRIAL_MARGIN) * r / t) for r, t in zip(replaced, tried)]
+    if signed_rank_p(gains) <= TRIAL_ALPHA:
+        return True
+    if signed_rank_p([-g for g in gains]) <= TRIAL_ALPHA:
+        return False
+    return None
 
 
 def uniform(
@@ -396,19 +447,20 @@ class Decision:
     contention: float
     paths: dict[str, str]
     predicted: dict[str, float]
-    # Turns a side of its trials (``trial_turns``).
+    # The most turns a side of its trials (``trial_turns``).
     trial_turns: int = TRIAL_TURNS
-    # The trial of the decision's paths, where they differ from those in
-    # force: the median step seconds under the paths replaced and under the decision's, and
-    # whether the decision's stood; None until it is judged, and where nothing changed.
-    trial: dict[str, float | bool] | None = None
+    # The trial of the decision's paths, where they differ from those in force: the median
+    # step seconds under the paths replaced and under the decision's, the turns a side
+    # timed, and whether the decision's stood (None while undecided); None until it is
+    # first judged, and where nothing changed.
+    trial: dict[str, float | bool | None] | None = None
     # The single path tried after a decision that kept the paths in force or whose trial
     # fell (``Planner._rival_of``), and its trial, as ``trial``; None where none was tried.
     challenger: str | None = None
-    challenge: dict[str, float | bool] | None = None
+    challenge: dict[str, float | bool | None] | None = None
 
 
-def _seconds(trial: Mapping[str, float | bool]) -> str:
+def _seconds(trial: Mapping[str, float | bool | None]) -> str:
     """A trial's median steps, for the log."""
     return (
         f"{trial['seconds'] * 1e3:.1f} ms a step against "
@@ -416,15 +468,28 @@ def _seconds(trial: Mapping[str, float | bool]) -> str:
     )
 
 
+def _outcome(trial: Mapping[str, float | bool | None], stood: str, fell: str) -> str:
+    """A trial's outcome so far, for the log: ``stood``, ``fell`` or undecided."""
+    if trial["kept"] is None:
+        return f"undecided after {trial['turns']} turns a side, {TRIAL_TURNS} more"
+    return f"{stood if trial['kept'] else fell} after {trial['turns']} turns a side"
+
+
 class _Trial:
-    """Paths on trial (``tried``) and the paths they would replace, taking ``turns`` turns
-    each of ``TURN_STEPS`` steps (``tried`` first), and the timed last step of each turn."""
+    """Paths on trial (``tried``) and the paths they would replace, taking turns of
+    ``TURN_STEPS`` steps (``tried`` first), ``turns`` each until ``extend``ed, and the timed
+    last step of each turn."""
 
     def __init__(self, tried: dict[str, str], replaced: dict[str, str], turns: int):
         self.tried, self.replaced = tried, replaced
-        self.steps = 2 * turns * TURN_STEPS  # the trial's length
+        self.steps = 0  # the trial's length
+        self.extend(turns)
         self.timed: dict[str, list[float]] = {"tried": [], "replaced": []}
         self._taken = 0  # steps of the trial taken so far
+
+    def extend(self, turns: int) -> None:
+        """``turns`` more turns a side."""
+        self.steps += 2 * turns * TURN_STEPS
 
     @staticmethod
     def _side(step: int) -> str:
@@ -697,9 +762,9 @@ class Planner:
         self._try(step, replaced, paths)
 
     def _try(self, step: int, replaced: dict[str, str], paths: dict[str, str]) -> None:
-        """Puts ``paths`` on trial against ``replaced`` for the decision's turns,
+        """Puts ``paths`` on trial against ``replaced`` for ``TRIAL_TURNS`` turns a side,
         ``paths`` first."""
-        self._trial = _Trial(dict(paths), dict(replaced), self.decision.trial_turns)
+        self._trial = _Trial(dict(paths), dict(replaced), TRIAL_TURNS)
         self.paths = dict(paths)
         self.next_decision = step + self._trial.steps
 
@@ -709,22 +774,37 @@ class Planner:
         return self._trial is not None
 
     def trial_seconds(self) -> list[float]:
-        """This rank's median timed step seconds under the replaced paths and under those
-        on trial, to be Max-allreduced with the other ranks'."""
-        return [statistics.median(self._trial.timed[side]) for side in ("replaced", "tried")]
+        """This rank's timed steps of the trial, the replaced paths' turns then those of
+        the paths on trial, to be Max-allreduced with the other ranks' (the same length on
+        every rank)."""
+        return self._trial.timed["replaced"] + self._trial.timed["tried"]
 
-    def judge(self, step: int, agreed: Sequence[float]) -> bool:
-        """Keeps the paths on trial (the decision's, or its challenger's) if their median
-        step was at least ``TRIAL_MARGIN`` shorter than the replaced paths' (``agreed``
-        ``trial_seconds``), else brings those paths back and, after the decision's own
-        trial, tries its rival against them; returns whether the paths on trial stood."""
-        trial, (before, after) = self._trial, agreed
-        kept = after <= (1 - TRIAL_MARGIN) * before
-        outcome = {"replaced_seconds": before, "seconds": after, "kept": kept}
+    def judge(self, step: int, agreed: Sequence[float]) -> bool | None:
+        """Judges the paths on trial (the decision's, or its challenger's) from the
+        ``agreed`` ``trial_seconds`` (``trial_verdict``): keeps them if they stood; brings
+        the replaced paths back if they fell, or if still undecided after
+        ``decision.trial_turns`` turns a side, and then, after the decision's own trial,
+        tries its rival against them; else extends the trial by ``TRIAL_TURNS`` turns a
+        side. Returns the verdict: whether the paths on trial stood, None if extended."""
+        trial, turns = self._trial, len(agreed) // 2
+        replaced, tried = agreed[:turns], agreed[turns:]
+        kept = trial_verdict(replaced, tried)
+        extended = kept is None and turns < self.decision.trial_turns
+        outcome = {
+            "replaced_seconds": statistics.median(replaced),
+            "seconds": statistics.median(tried),
+            "turns": turns,
+            "kept": None if extended else bool(kept),
+        }
         if self.decision.challenger is None:
             self.decision.trial = outcome
         else:
             self.decision.challenge = outcome
+        if extended:
+            # The last turn was the replaced paths': the paths on trial are in force again.
+            trial.extend(TRIAL_TURNS)
+            self.next_decision = step + 2 * TRIAL_TURNS * TURN_STEPS
+            return None
         self._trial = None
         self.paths = dict(trial.tried if kept else trial.replaced)
         if not kept and self._rival is not None:
@@ -733,20 +813,20 @@ class Planner:
             # A rival challenges only the trial it follows; the next decision finds its own.
             self._rival = None
             self._schedule(step)
-        return kept
+        return bool(kept)
 
     def verdict(self) -> str:
-        """The last trial's outcome in one line, for the log."""
+        """The last judgement of a trial in one line, for the log."""
         decision = self.decision
         if decision.challenge is not None:
-            outcome = "stood" if decision.challenge["kept"] else "fell"
+            outcome = _outcome(decision.challenge, "stood", "fell")
             return (
                 f"challenger every tensor by {decision.challenger} {outcome}: "
                 f"{_seconds(decision.challenge)}the paths in force before it"
             )
-        outcome = "kept" if decision.trial["kept"] else "reverted"
+        outcome = _outcome(decision.trial, "kept", "reverted")
         verdict = f"{outcome}: {_seconds(decision.trial)}the paths it replaced"
-        if self.judging:
+        if self.judging and decision.challenger:
             verdict += f"; every tensor by {decision.challenger} on trial against them"
         return verdict
 

@@ -122,13 +122,15 @@ class AdaptiveSteps:
             log.info("hvd_compress adaptive, step %d: %s", self.state.step, planner.describe())
 
     def _judge(self):
-        """Agrees with every rank on the step times of the decision on trial and keeps or
-        reverts it (``adaptive.Planner.judge``); called between steps, on every rank at
-        the same step."""
+        """Agrees with every rank on the step times of the paths on trial and keeps,
+        reverts or goes on trying them (``adaptive.Planner.judge``); called between steps,
+        on every rank at the same step."""
         planner = self.state.planner
+        timed = planner.trial_seconds()
         planner.judge(
             self.state.step,
-            max_over_ranks(planner.trial_seconds(), "hvdc.adaptive.trial", self.process_set),
+            # Named by its length: an extended trial's steps are another tensor.
+            max_over_ranks(timed, f"hvdc.adaptive.trial.{len(timed)}", self.process_set),
         )
         self.follow_paths()
         if self.rank == 0:

@@ -3,6 +3,8 @@ Horovod's processes: exact timelines, the choices they imply, the planner's book
 and the link probes."""
 
 import functools
+import itertools
+import random
 import types
 
 import pytest
@@ -12,6 +14,7 @@ from hvd_compress.adaptive import (
     CARRIERS,
     CHALLENGE_MARGIN,
     MAX_TRIAL_TURNS,
+    TRIAL_ALPHA,
     TRIAL_MARGIN,
     TRIAL_STEPS,
     TRIAL_TURNS,
@@ -25,8 +28,10 @@ from hvd_compress.adaptive import (
     next_probe,
     path_traffic,
     probe_sent,
+    signed_rank_p,
     simulate,
     trial_turns,
+    trial_verdict,
     uniform,
 )
 from hvd_compress.cost import (
@@ -223,11 +228,12 @@ def test_planner_warms_up_decides_and_redecides():
     decision = planner.decide(2, timings, _links(1e-3, 1 / 12.5e6), 1.0, step_seconds)
     assert decision.paths == {"a": "codec", "b": "fp32"}
     assert decision.predicted["chosen"] <= decision.predicted["fp32"]
-    # fp32 everywhere, predicted within CHALLENGE_MARGIN of the codec, challenges it, for
-    # as many turns of 0.1 s steps as fill the default 2 s: 5 a side.
+    # fp32 everywhere, predicted within CHALLENGE_MARGIN of the codec, challenges it,
+    # judged after TRIAL_TURNS turns a side, then while undecided for at most as many as
+    # 0.1 s steps fill in the default 60 s: 25 a side, the most.
     assert decision.challenger == "fp32" and planner.judging
-    assert decision.trial_turns == planner.report()["trial_turns"] == 5
-    assert planner.due(2 + 5 * 2 * TURN_STEPS) and not planner.due(1 + 5 * 2 * TURN_STEPS)
+    assert decision.trial_turns == planner.report()["trial_turns"] == MAX_TRIAL_TURNS
+    assert planner.due(2 + TRIAL_STEPS) and not planner.due(1 + TRIAL_STEPS)
     planner.restart(7)
     assert planner.paths == {"a": "codec", "b": "fp32"} and planner.due(9)
 
@@ -265,16 +271,18 @@ NEAR = (1e-4, 8 / 40e9)
 THIRD = (1e-4, 8 / 100e9)
 
 
-def _trial(planner, seconds):
-    """Runs the ``TRIAL_STEPS`` steps of the least trial under way, each taking ``seconds``
-    of the path that tensor "a" takes, but the first of every turn, which pays for the
-    switch and takes a second; returns a's path at each step. No step of a trial is
-    measured."""
+def _trial(planner, seconds, turns=TRIAL_TURNS):
+    """Runs ``turns`` turns a side of the trial under way, each step taking ``seconds`` of
+    the path that tensor "a" takes (a number, or a function of the turn, counted from 0 on
+    each side), but the first of every turn, which pays for the switch and takes a second;
+    returns a's path at each step. No step of a trial is measured."""
     taken = []
-    for step in range(TRIAL_STEPS):
+    for step in range(2 * turns * TURN_STEPS):
         assert not planner.start_step(planner.next_decision - 1)
         taken.append(planner.paths["a"])
-        planner.end_step(1.0 if step % TURN_STEPS == 0 else seconds[taken[-1]])
+        took = seconds[taken[-1]]
+        took = took(step // (2 * TURN_STEPS)) if callable(took) else took
+        planner.end_step(1.0 if step % TURN_STEPS == 0 else took)
     return taken
 
 
@@ -297,13 +305,15 @@ def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_faster_by_th
     assert planner.due(3 + TRIAL_STEPS) and not planner.due(2 + TRIAL_STEPS)
     taken = _trial(planner, {"fp32": trial_seconds, "codec": 0.1})
     assert taken == _turns("fp32", "codec")
-    # The last step of each turn, TRIAL_TURNS a side, in the order (replaced, tried).
-    assert planner.trial_seconds() == [pytest.approx(0.1), pytest.approx(trial_seconds)]
+    # The last step of each turn, TRIAL_TURNS a side: the replaced paths', then the tried.
+    assert planner.trial_seconds() == pytest.approx(
+        [0.1] * TRIAL_TURNS + [trial_seconds] * TRIAL_TURNS
+    )
     assert planner.judge(3 + TRIAL_STEPS, planner.trial_seconds()) is kept
     assert not planner.judging and decision.trial["kept"] is kept
     assert planner.paths == dict.fromkeys("ab", "fp32" if kept else "codec")
     assert planner.report()["trial"] == decision.trial
-    assert planner.verdict().startswith("kept" if kept else "reverted")
+    assert planner.verdict().startswith(f"{'kept' if kept else 'reverted'} after 5 turns a side")
     # Counted from the judgement; a decision that changes nothing is not tried.
     judged = 3 + TRIAL_STEPS
     assert planner.next_decision == judged + 10
@@ -312,48 +322,139 @@ def test_a_decision_that_changes_paths_stands_only_if_its_steps_are_faster_by_th
     assert not planner.judging and planner.next_decision == judged + 20
 
 
-def test_trials_take_more_turns_where_steps_are_short():
-    # Turns of two steps a side, the two sides' steps within the budget; odd, so that the
-    # median is a timed step; the least where no step was timed or the budget is 0.
-    assert [trial_turns(s, 2.0) for s in (0.0, 1.0, 0.1, 0.05, 0.02, 0.001)] == [
+def test_trials_may_take_more_turns_where_steps_are_short():
+    # As many turns of two steps a side as both sides' steps fit in the budget, in rounds
+    # of TRIAL_TURNS; the least where no step was timed or the budget is 0.
+    assert [trial_turns(s, 30.0) for s in (0.0, 2.0, 0.75, 0.5, 0.3, 0.01)] == [
         TRIAL_TURNS,
         TRIAL_TURNS,
-        5,
-        9,
-        25,
+        10,
+        15,
+        MAX_TRIAL_TURNS,
         MAX_TRIAL_TURNS,
     ]
     assert trial_turns(0.001, 0.0) == TRIAL_TURNS
-    assert all(trial_turns(s / 1000, 2.0) % 2 for s in range(1, 1000))
-    # Steps of 10 ms: 25 turns a side; a's paths alternate throughout and the medians of
-    # 25 timed steps a side judge, a slow step in every fourth turn of the tried side
-    # notwithstanding.
+    assert all(trial_turns(s / 1000, 30.0) % TRIAL_TURNS == 0 for s in range(1, 3000))
+    assert Adaptive(trial_seconds=0).trial_seconds == 0.0
+
+
+def _fp32_on_trial(step_seconds):
+    """A planner whose decision after step 3 (fp32 on tensors "a" and "b", on a fast link)
+    is on trial against the codec, after measured steps of ``step_seconds``."""
     planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
     tensors = [_tensor(name, 0.0, 100, codec_cpu=(0.004, 0.004)) for name in "ab"]
-    decision = planner.decide(3, tensors, _links(*FAST), 1.0, step_seconds=0.01)
-    assert decision.trial_turns == 25 and planner.due(3 + 100) and not planner.due(102)
-    taken, timed = [], 0
-    for step in range(100):
-        taken.append(planner.paths["a"])
-        last_of_turn = step % TURN_STEPS == TURN_STEPS - 1
-        slow = taken[-1] == "fp32" and last_of_turn and timed % 8 == 0
-        timed += last_of_turn
-        planner.end_step(0.05 if slow else {"fp32": 0.009, "codec": 0.01}[taken[-1]])
-    assert taken == _turns("fp32", "codec", 25)
-    assert planner.trial_seconds() == [0.01, 0.009]
-    assert planner.judge(103, planner.trial_seconds()) is True
-    assert Adaptive(trial_seconds=0).trial_seconds == 0.0
+    planner.decide(3, tensors, _links(*FAST), 1.0, step_seconds=step_seconds)
+    assert planner.paths == dict.fromkeys("ab", "fp32") and planner.judging
+    return planner
+
+
+def test_an_undecided_trial_goes_on_for_the_turns_its_steps_allow():
+    # Steps of 1 s: at most 15 turns a side. fp32 steps 10% faster but for a slow first
+    # turn: undecided after 5 turns, it stands after 10.
+    planner = _fp32_on_trial(1.0)
+    assert planner.decision.trial_turns == 15
+    slow = {0}
+    fp32 = {"fp32": lambda turn: 5.0 if turn in slow else 0.45, "codec": 0.5}
+    judged = 3
+    for verdict in (None, True):
+        assert _trial(planner, fp32) == _turns("fp32", "codec")
+        slow.clear()
+        judged += TRIAL_STEPS
+        assert planner.due(judged) and not planner.due(judged - 1)
+        assert planner.judge(judged, planner.trial_seconds()) is verdict
+        if verdict is None:
+            assert planner.judging and planner.paths == dict.fromkeys("ab", "fp32")
+            assert planner.verdict() == (
+                "undecided after 5 turns a side, 5 more: 450.0 ms a step against 500.0 ms "
+                "under the paths it replaced"
+            )
+    assert planner.decision.trial == {
+        "replaced_seconds": 0.5,
+        "seconds": 0.45,
+        "turns": 10,
+        "kept": True,
+    }
+    assert planner.verdict().startswith("kept after 10 turns a side")
+    # Sides just at the margin, each turn 1.2x off it either way, never decide: after 15
+    # turns the replaced paths come back.
+    planner = _fp32_on_trial(1.0)
+    at_margin = (1 - TRIAL_MARGIN) * 0.5
+    alike = {"fp32": lambda turn: at_margin * 1.2 ** (-1) ** turn, "codec": 0.5}
+    verdicts = []
+    while planner.judging and planner.decision.challenger is None:
+        _trial(planner, alike)
+        verdicts.append(planner.judge(planner.next_decision, planner.trial_seconds()))
+    assert verdicts == [None, None, False]
+    assert planner.decision.trial["turns"] == 15
+    assert planner.paths != dict.fromkeys("ab", "fp32")
+
+
+def test_trials_decide_right_under_the_noise_of_shared_cores():
+    # Timed steps that spread over 3x from one to the next, as with 4 ranks on 2 cores: of
+    # 200 trials of steps of 0.5 s (at most 25 turns a side), a path 1.4x slower than the
+    # codec stands in at most TRIAL_ALPHA of them, one 1.4x faster in most.
+    noise = random.Random(0)
+
+    def stood(ratio):
+        planner = _fp32_on_trial(0.5)
+        seconds = {
+            "fp32": lambda _: 0.5 * ratio * noise.uniform(0.6, 1.8),
+            "codec": lambda _: 0.5 * noise.uniform(0.6, 1.8),
+        }
+        while True:
+            _trial(planner, seconds)
+            verdict = planner.judge(planner.next_decision, planner.trial_seconds())
+            if verdict is not None:
+                return verdict
+
+    assert sum(stood(1.4) for _ in range(200)) <= TRIAL_ALPHA * 200
+    assert sum(stood(1 / 1.4) for _ in range(200)) >= 0.85 * 200
+
+
+def test_signed_rank_p_is_the_share_of_sign_assignments_as_extreme():
+    # The exact one-sided p-value, by enumerating every assignment of signs to the ranks.
+    def by_enumeration(differences):
+        nonzero = [d for d in differences if d]
+        ranks = [
+            1
+            + sum(abs(e) < abs(d) for e in nonzero)
+            + (sum(abs(e) == abs(d) for e in nonzero) - 1) / 2
+            for d in nonzero
+        ]
+        observed = sum(r for r, d in zip(ranks, nonzero) if d > 0)
+        sums = [
+            sum(r for r, positive in zip(ranks, signs) if positive)
+            for signs in itertools.product((False, True), repeat=len(ranks))
+        ]
+        return sum(total >= observed for total in sums) / len(sums)
+
+    cases = [
+        [0.1] * 5,
+        [1, 2, 3, -4, 5],
+        [1, -1, 2, 2, -3, 0, 4],
+        [0.5, -0.2, 0.3, -0.4, 0.1, 0.6, -0.7, 0.8],
+        [0.0, 0.0],
+    ]
+    for differences in cases:
+        assert signed_rank_p(differences) == pytest.approx(
+            by_enumeration(differences) if any(differences) else 1.0
+        )
+    assert signed_rank_p([0.1] * 5) == 1 / 32 <= TRIAL_ALPHA < signed_rank_p([0.1] * 4)
+    assert trial_verdict([1.0] * 5, [0.9] * 5) is True
+    assert trial_verdict([1.0] * 5, [0.96] * 5) is False  # faster, but not by the margin
+    assert trial_verdict([1.0] * 4, [0.5] * 4) is None  # four pairs decide nothing
 
 
 def test_a_trial_times_both_sides_under_the_same_drift():
     # Every step 10 ms slower than the one before: two windows, one after the other, would
-    # make the later paths look 30 ms slower; turns put the sides within one turn's drift.
+    # make the later paths look 30 ms slower; turns put each pair within one turn's drift.
     planner = Planner(Adaptive(warmup_steps=3, every=10), ["a", "b"])
     _decide_on(planner, 3, FAST)
     for step in range(TRIAL_STEPS):
         planner.end_step(0.1 + 0.01 * step)
-    replaced, tried = planner.trial_seconds()
-    assert replaced - tried == pytest.approx(0.01 * TURN_STEPS)
+    timed = planner.trial_seconds()
+    replaced, tried = timed[:TRIAL_TURNS], timed[TRIAL_TURNS:]
+    assert [r - t for r, t in zip(replaced, tried)] == pytest.approx([0.01 * TURN_STEPS] * 5)
 
 
 @pytest.mark.parametrize("trial_seconds, kept", [(0.09, True), (0.1, False)])
@@ -394,14 +495,17 @@ def test_a_decision_whose_trial_falls_is_challenged_by_a_third_path(challenge_se
     assert decision.challenger == "fp32" and planner.judging
     assert planner.paths == dict.fromkeys("ab", "fp32")
     assert planner.verdict() == (
-        "reverted: 200.0 ms a step against 100.0 ms under the paths it replaced; "
+        "reverted after 5 turns a side: 200.0 ms a step against 100.0 ms under the paths it "
+        "replaced; "
         "every tensor by fp32 on trial against them"
     )
     assert planner.due(judged + TRIAL_STEPS) and not planner.due(judged + TRIAL_STEPS - 1)
     # Against the paths in force before the decision, timed again beside it.
     taken = _trial(planner, {"fp32": challenge_seconds, "codec": 0.1})
     assert taken == _turns("fp32", "codec")
-    assert planner.trial_seconds() == [pytest.approx(0.1), pytest.approx(challenge_seconds)]
+    assert planner.trial_seconds() == pytest.approx(
+        [0.1] * TRIAL_TURNS + [challenge_seconds] * TRIAL_TURNS
+    )
     assert planner.judge(judged + TRIAL_STEPS, planner.trial_seconds()) is stood
     assert not planner.judging and planner.next_decision == judged + TRIAL_STEPS + 10
     assert planner.paths == dict.fromkeys("ab", "fp32" if stood else "codec")

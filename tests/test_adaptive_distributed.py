@@ -20,7 +20,7 @@ pytestmark = pytest.mark.multiprocess
 # Step 2 ends in a decision (warm-up of 2); each trial that follows (the decision's, if it
 # changed paths; a challenger's, if it did not or its trial fell) takes TRIAL_STEPS (the
 # least trial, trial_seconds=0), and EVERY = 3 steps after the last the next decision
-# comes, by step 29.
+# comes, by step 45.
 WARMUP, EVERY = 2, 3
 STEPS = WARMUP + 2 * TRIAL_STEPS + EVERY
 LATE_SECONDS = 1.5
@@ -402,6 +402,7 @@ def test_every_rank_takes_the_same_decisions(adaptive_runs):
         assert set(judged["challenge"] or judged["trial"]) == {
             "replaced_seconds",
             "seconds",
+            "turns",
             "kept",
         }
     report = first["reports"][-1]

@@ -296,11 +296,14 @@ class AdaptiveSteps:
             log.info("hvd_compress adaptive, step %d: %s", step, planner.describe())
 
     def _judge(self, step):
-        """Agrees with every rank on the step times of the paths on trial and keeps or
-        reverts them (``adaptive.Planner.judge``)."""
+        """Agrees with every rank on the step times of the paths on trial and keeps,
+        reverts or goes on trying them (``adaptive.Planner.judge``)."""
         planner = self.state.planner
+        timed = planner.trial_seconds()
         planner.judge(
-            step, max_over_ranks(planner.trial_seconds(), "hvdc.adaptive.trial", self.process_set)
+            # Named by its length: an extended trial's steps are another tensor.
+            step,
+            max_over_ranks(timed, f"hvdc.adaptive.trial.{len(timed)}", self.process_set),
         )
         if self.rank == 0:
             log.info(
