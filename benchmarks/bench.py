@@ -325,28 +325,36 @@ def op_counts(model, codecs, workers, timeout, tensorflow=False):
     kernels, the device path that CUDA tensors take, interpreted on CPU, and the eager
     ops), or with ``tensorflow`` ``benchmarks.tf_op_count`` on each of ``TF_OP_COUNT_PATHS``
     (the XLA-compiled calls that GPU tensors take, compiled for the CPU, the uncompiled ops
-    and the CPU kernels), in one job of ``workers`` on localhost (the counts do not depend
-    on the link). Started as the benchmark's own jobs are: ``horovodrun`` would first import
-    TensorFlow to check how Horovod was built."""
+    and the CPU kernels), in a job of ``workers`` on localhost (the counts do not depend on
+    the link); TensorFlow's in a job per path: its workers keep what every traced model took,
+    and three paths' worth of the 25M model at N = 4 outgrew 24 GiB. Started as the
+    benchmark's own jobs are: ``horovodrun`` would first import TensorFlow to check how
+    Horovod was built."""
     program, paths, env = (
         ("benchmarks.tf_op_count", TF_OP_COUNT_PATHS, {})
         if tensorflow
         else ("benchmarks.op_count", OP_COUNT_PATHS, {"TRITON_INTERPRET": "1"})
     )
-    with tempfile.TemporaryDirectory(prefix="hvdc-ops-") as workdir:
-        out = os.path.join(workdir, "ops.json")
-        log_path = os.path.join(workdir, "workers.log")
-        command = [sys.executable, "-m", program, "--model", model, "--codecs", ",".join(codecs)]
-        command += ["--out", out, "--paths", ",".join(paths)]
-        with open(log_path, "w") as log:
-            job = HorovodJob(LocalHosts(workers), command, env=env, log=log)
-            code = job.run(timeout * len(paths))  # each path's share of the job
-        if code:
-            raise RuntimeError(
-                f"the op count job failed (exit code {code}); output:\n{_tail(log_path)}"
-            )
-        with open(out) as f:
-            return json.load(f)
+    jobs = [[path] for path in paths] if tensorflow else [list(paths)]
+    counts = []
+    for job_paths in jobs:
+        with tempfile.TemporaryDirectory(prefix="hvdc-ops-") as workdir:
+            out = os.path.join(workdir, "ops.json")
+            log_path = os.path.join(workdir, "workers.log")
+            command = [sys.executable, "-m", program, "--model", model]
+            command += ["--codecs", ",".join(codecs), "--out", out]
+            command += ["--paths", ",".join(job_paths)]
+            with open(log_path, "w") as log:
+                job = HorovodJob(LocalHosts(workers), command, env=env, log=log)
+                code = job.run(timeout * len(job_paths))  # each path's share of the job
+            if code:
+                raise RuntimeError(
+                    f"the op count job ({', '.join(job_paths)}) failed (exit code {code}); "
+                    f"output:\n{_tail(log_path)}"
+                )
+            with open(out) as f:
+                counts += json.load(f)
+    return counts
 
 
 def _op_counts(args, codecs, tensorflow=False):

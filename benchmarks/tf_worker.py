@@ -297,23 +297,23 @@ def _beside_forced(driver, run, forced, batches, steps, interface):
     bytes of ``run``'s steps on the interface). Side by side, so that no drift of the
     machine's speed between two configurations enters their ratio, which is within noise
     of 1 where the adaptive mode keeps every tensor on its codec."""
-    forced_seconds, wire = [], []
+    forced_seconds, wire = [], []  # wire: each of run's steps' (tx, rx) bytes
 
     def measure():
         before = interface_bytes(interface)
         (seconds,) = timed_steps(run, batches, 1)
         driver.barrier()  # the step's bytes are all counted, and no rank is behind
-        wire.append((interface_bytes(interface), before))
+        wire.append(difference(interface_bytes(interface), before, 1))
         forced_seconds.extend(timed_steps(forced, batches, 1))
         driver.barrier()
         return seconds
 
     least, most = steps
     seconds = driver.repeated(measure, least, most, STEP_BUDGET_SECONDS)
-    per_step = [difference(after, before, 1) for after, before in wire]
-    if per_step[0][0] is None:
+    tx, rx = zip(*wire)
+    if tx[0] is None:
         return seconds, forced_seconds, (None, None)
-    return seconds, forced_seconds, tuple(sum(b) / len(per_step) for b in zip(*per_step))
+    return seconds, forced_seconds, (statistics.mean(tx), statistics.mean(rx))
 
 
 def _largest(name, value):
