@@ -54,8 +54,9 @@ same conditions: two windows of consecutive steps, one before the decision and o
 differ by whatever changed on the machine and the network between them, which on shared cores
 moved their medians by more than the margin; and pairing adjacent turns cancels what drifts
 slowly. A fixed margin on the medians of a few turns is not enough: with more ranks than
-cores single steps of one path spread over 3x, so a path slower by 1.4x wins three turns as
-often as not, while a test of the pairs asks for evidence in proportion to the noise, and
+cores single steps of one path spread over 3x, so a path slower by 1.4x wins a trial of
+three turns a side about one time in eight, while a test of the pairs asks for evidence in
+proportion to the noise, and
 extending an undecided trial costs little, since its sides then step alike. The model can be
 wrong where its probes are: a
 probe runs alone on a quiet link, while the step's collectives share the CPU with the
