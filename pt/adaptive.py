@@ -127,11 +127,9 @@ class AdaptiveSteps:
         on every rank at the same step."""
         planner = self.state.planner
         timed = planner.trial_seconds()
-        planner.judge(
-            self.state.step,
-            # Named by its length: an extended trial's steps are another tensor.
-            max_over_ranks(timed, f"hvdc.adaptive.trial.{len(timed)}", self.process_set),
-        )
+        # Named by its length: an extended trial's steps are another tensor.
+        agreed = max_over_ranks(timed, f"hvdc.adaptive.trial.{len(timed)}", self.process_set)
+        planner.judge(self.state.step, agreed)
         self.follow_paths()
         if self.rank == 0:
             log.info(

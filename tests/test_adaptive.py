@@ -13,12 +13,6 @@ from hvd_compress import TernGrad
 from hvd_compress.adaptive import (
     CARRIERS,
     CHALLENGE_MARGIN,
-    MAX_TRIAL_TURNS,
-    TRIAL_ALPHA,
-    TRIAL_MARGIN,
-    TRIAL_STEPS,
-    TRIAL_TURNS,
-    TURN_STEPS,
     Adaptive,
     Link,
     PathCost,
@@ -28,10 +22,7 @@ from hvd_compress.adaptive import (
     next_probe,
     path_traffic,
     probe_sent,
-    signed_rank_p,
     simulate,
-    trial_turns,
-    trial_verdict,
     uniform,
 )
 from hvd_compress.cost import (
@@ -39,6 +30,17 @@ from hvd_compress.cost import (
     alltoall_nbytes,
     compressed_traffic,
     uncompressed_traffic,
+)
+from hvd_compress.trial import (
+    MAX_TRIAL_TURNS,
+    TRIAL_ALPHA,
+    TRIAL_MARGIN,
+    TRIAL_STEPS,
+    TRIAL_TURNS,
+    TURN_STEPS,
+    signed_rank_p,
+    trial_turns,
+    trial_verdict,
 )
 
 MB = 1e6

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_compress.adaptive import TRIAL_STEPS
+from hvd_compress.trial import TRIAL_STEPS
 
 from .devices import DEVICES, rank_device
 from .harness import run_parallel

@@ -300,11 +300,9 @@ class AdaptiveSteps:
         reverts or goes on trying them (``adaptive.Planner.judge``)."""
         planner = self.state.planner
         timed = planner.trial_seconds()
-        planner.judge(
-            # Named by its length: an extended trial's steps are another tensor.
-            step,
-            max_over_ranks(timed, f"hvdc.adaptive.trial.{len(timed)}", self.process_set),
-        )
+        # Named by its length: an extended trial's steps are another tensor.
+        agreed = max_over_ranks(timed, f"hvdc.adaptive.trial.{len(timed)}", self.process_set)
+        planner.judge(step, agreed)
         if self.rank == 0:
             log.info(
                 "hvd_compress adaptive, step %d: decision of step %d %s",
